@@ -1,0 +1,43 @@
+# Everything runs inside .venv, created from the pinned requirements on first use.
+PYTHON_SYSTEM ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+CONFIG ?= iwslt14-small
+ARGS ?=
+NB := annotated_transformer.ipynb
+SRC := the_annotated_transformer.py
+
+.PHONY: install test test-fast sync notebook train clean help
+
+help:
+	@echo "make install            create .venv and install requirements.txt"
+	@echo "make test               run the test suite (pytest)"
+	@echo "make sync               bring $(NB) and $(SRC) up to date with each other"
+	@echo "make notebook           execute the notebook top to bottom and store its outputs"
+	@echo "make train [CONFIG=..]  train a preset (default iwslt14-small); ARGS='--field value ...'"
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt
+	$(PYTHON_SYSTEM) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -r requirements.txt
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q tests
+
+sync: $(STAMP)
+	$(VENV)/bin/jupytext --sync $(SRC)
+
+notebook: $(STAMP) sync
+	$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
+		--ExecutePreprocessor.timeout=-1 --ExecutePreprocessor.kernel_name=python3 $(NB)
+	$(VENV)/bin/jupytext --sync $(NB)
+
+train: $(STAMP)
+	$(PY) $(SRC) train --config $(CONFIG) $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
