@@ -1,0 +1,335 @@
+"""Part 1 invariants: every §3 component, the masks, and agreement with torch.nn.Transformer."""
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import the_annotated_transformer as T
+
+TINY = T.PRESETS["tiny"]
+
+
+def tiny_model(**overrides):
+    torch.manual_seed(0)
+    return T.make_model(13, 13, TINY, **overrides)
+
+
+def random_batch(vocab=13, batch=3, src_len=7, tgt_len=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, vocab, (batch, src_len), generator=g)
+    tgt = torch.randint(4, vocab, (batch, tgt_len), generator=g)
+    return src, tgt
+
+
+def masks(src, tgt):
+    src_mask = (src != T.PAD).unsqueeze(-2)  # (batch, 1, src_len)
+    tgt_mask = T.Batch.make_std_mask(tgt, T.PAD)  # (batch, tgt_len, tgt_len)
+    return src_mask, tgt_mask
+
+
+# --- shapes -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("preset", ["tiny", "base"])
+def test_every_component_has_the_documented_shape(preset):
+    cfg = T.PRESETS[preset]
+    b, n, m, d = 2, 5, 4, cfg.d_model
+    x, mem = torch.randn(b, n, d), torch.randn(b, m, d)
+    src_mask = torch.ones(b, 1, m, dtype=torch.bool)
+    tgt_mask = T.subsequent_mask(n).expand(b, n, n)
+    mha = T.MultiHeadedAttention(cfg.h, d, 0.0)
+    assert mha(x, mem, mem, src_mask).shape == (b, n, d)
+    assert mha.attn.shape == (b, cfg.h, n, m)
+    assert T.FastMultiHeadedAttention(cfg.h, d, 0.0)(x, x, x, tgt_mask).shape == (b, n, d)
+    assert T.PositionwiseFeedForward(d, cfg.d_ff)(x).shape == (b, n, d)
+    assert T.Embeddings(d, 11)(torch.randint(0, 11, (b, n))).shape == (b, n, d)
+    assert T.PositionalEncoding(d, 0.0)(x).shape == (b, n, d)
+    assert T.SublayerConnection(d, 0.0)(x, lambda y: y * 2).shape == (b, n, d)
+    enc_layer = T.EncoderLayer(d, T.MultiHeadedAttention(cfg.h, d), T.PositionwiseFeedForward(d, cfg.d_ff), 0.1)
+    assert enc_layer(mem, src_mask).shape == (b, m, d)
+    dec_layer = T.DecoderLayer(d, T.MultiHeadedAttention(cfg.h, d), T.MultiHeadedAttention(cfg.h, d),
+                               T.PositionwiseFeedForward(d, cfg.d_ff), 0.1)
+    assert dec_layer(x, mem, src_mask, tgt_mask).shape == (b, n, d)
+    assert T.Encoder(enc_layer, 2)(mem, src_mask).shape == (b, m, d)
+    assert T.Decoder(dec_layer, 2)(x, mem, src_mask, tgt_mask).shape == (b, n, d)
+    assert T.Generator(d, 11)(x).shape == (b, n, 11)
+    model = T.make_model(11, 11, cfg, N=1)
+    src, tgt = torch.randint(4, 11, (b, m)), torch.randint(4, 11, (b, n))
+    out = model(src, tgt, *masks(src, tgt))
+    assert out.shape == (b, n, d)
+    assert model.generator(out).shape == (b, n, 11)
+    assert cfg.d_k * cfg.h == cfg.d_model
+
+
+def test_clones_are_independent_copies():
+    layers = T.clones(nn.Linear(3, 3), 4)
+    assert len(layers) == 4
+    assert len({id(layer.weight) for layer in layers}) == 4
+    assert all(torch.equal(layers[0].weight, layer.weight) for layer in layers)
+
+
+# --- attention and masks ----------------------------------------------------------------
+
+def test_subsequent_mask_allows_exactly_the_past_and_present():
+    mask = T.subsequent_mask(5)
+    assert mask.dtype == torch.bool and mask.shape == (1, 5, 5)
+    for i in range(5):
+        for j in range(5):
+            assert bool(mask[0, i, j]) == (j <= i)
+
+
+def test_attention_is_equation_1_and_rows_sum_to_one():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 3)
+    out, p = T.attention(q, k, v)
+    expected_p = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(8), dim=-1)
+    torch.testing.assert_close(p, expected_p)
+    torch.testing.assert_close(out, expected_p @ v)
+    torch.testing.assert_close(p.sum(-1), torch.ones(2, 4, 5))
+
+
+def test_masked_keys_get_exactly_zero_weight_and_true_means_may_attend():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 3, 4), torch.randn(1, 5, 4), torch.randn(1, 5, 2)
+    mask = torch.tensor([[[True, False, True, False, True]]])
+    out, p = T.attention(q, k, v, mask)
+    assert torch.all(p[..., 1] == 0) and torch.all(p[..., 3] == 0)
+    assert torch.all(p[..., [0, 2, 4]] > 0)
+    torch.testing.assert_close(p.sum(-1), torch.ones(1, 3))
+    # Same result as attending over the allowed keys only.
+    out_kept, _ = T.attention(q, k[:, [0, 2, 4]], v[:, [0, 2, 4]])
+    torch.testing.assert_close(out, out_kept)
+
+
+def test_a_fully_masked_row_gives_zeros_not_nan():
+    q, k, v = torch.randn(1, 2, 4), torch.randn(1, 3, 4), torch.randn(1, 3, 4)
+    mask = torch.tensor([[[True, True, False], [False, False, False]]])
+    out, p = T.attention(q, k, v, mask)
+    assert not torch.isnan(out).any() and not torch.isnan(p).any()
+    assert torch.all(p[0, 1] == 0) and torch.all(out[0, 1] == 0)
+    for cls in (T.MultiHeadedAttention, T.FastMultiHeadedAttention):
+        mha = cls(2, 4, 0.0)
+        assert not torch.isnan(mha(q, k, k, mask)).any()
+
+
+def test_multi_head_attention_is_h_independent_heads_concatenated_then_projected():
+    torch.manual_seed(0)
+    h, d = 4, 16
+    mha = T.MultiHeadedAttention(h, d, 0.0).eval()
+    x, y = torch.randn(2, 3, d), torch.randn(2, 5, d)
+    d_k = d // h
+    heads = []
+    for i in range(h):
+        rows = slice(i * d_k, (i + 1) * d_k)  # head i's W^Q_i, W^K_i, W^V_i
+        qi = x @ mha.w_q.weight[rows].T + mha.w_q.bias[rows]
+        ki = y @ mha.w_k.weight[rows].T + mha.w_k.bias[rows]
+        vi = y @ mha.w_v.weight[rows].T + mha.w_v.bias[rows]
+        heads.append(T.attention(qi, ki, vi)[0])
+    expected = mha.w_o(torch.cat(heads, dim=-1))
+    torch.testing.assert_close(mha(x, y, y), expected)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_fast_path_equals_readable_path(norm_first):
+    readable = tiny_model(norm_first=norm_first).double().eval()
+    fast = T.make_model(13, 13, TINY, norm_first=norm_first, fast_attention=True).double().eval()
+    fast.load_state_dict(readable.state_dict())
+    assert isinstance(fast.encoder.layers[0].self_attn, T.FastMultiHeadedAttention)
+    src, tgt = random_batch()
+    src[0, -2:] = T.PAD  # padding exercises the source mask
+    out_r = readable(src, tgt, *masks(src, tgt))
+    out_f = fast(src, tgt, *masks(src, tgt))
+    torch.testing.assert_close(out_f, out_r, rtol=1e-10, atol=1e-10)
+    # Separate key and value tensors take the unfused branch.
+    x, kk, vv = torch.randn(2, 3, 32, dtype=torch.float64), torch.randn(2, 4, 32, dtype=torch.float64), \
+        torch.randn(2, 4, 32, dtype=torch.float64)
+    a = readable.decoder.layers[0].src_attn
+    b = fast.decoder.layers[0].src_attn
+    torch.testing.assert_close(b(x, kk, vv), a(x, kk, vv), rtol=1e-10, atol=1e-10)
+
+
+# --- layer norm, feed-forward, embeddings, positional encoding --------------------------
+
+def test_layer_norm_formula_matches_nn_layernorm():
+    torch.manual_seed(0)
+    ln = nn.LayerNorm(10)
+    nn.init.normal_(ln.weight)
+    nn.init.normal_(ln.bias)
+    x = torch.randn(4, 6, 10) * 3 + 1
+    torch.testing.assert_close(T.layer_norm_formula(x, ln.weight, ln.bias, ln.eps), ln(x))
+
+
+def test_sublayer_connection_is_post_norm_by_default_and_pre_norm_as_option():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 8)
+    f = nn.Linear(8, 8)
+    post = T.SublayerConnection(8, 0.0)
+    torch.testing.assert_close(post(x, f), post.norm(x + f(x)))
+    pre = T.SublayerConnection(8, 0.0, norm_first=True)
+    torch.testing.assert_close(pre(x, f), x + f(pre.norm(x)))
+
+
+def test_feed_forward_is_equation_2():
+    torch.manual_seed(0)
+    ff = T.PositionwiseFeedForward(6, 10)
+    x = torch.randn(2, 3, 6)
+    expected = torch.clamp(x @ ff.w_1.weight.T + ff.w_1.bias, min=0) @ ff.w_2.weight.T + ff.w_2.bias
+    torch.testing.assert_close(ff(x), expected)
+    # Applied to each position separately and identically.
+    torch.testing.assert_close(ff(x[:, 1:2]), ff(x)[:, 1:2])
+
+
+def test_embeddings_are_scaled_by_sqrt_d_model():
+    emb = T.Embeddings(16, 10)
+    ids = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(emb(ids), emb.lut.weight[ids] * 4.0)
+
+
+@pytest.mark.parametrize("pos,i", [(0, 0), (1, 0), (7, 3), (50, 10), (123, 31)])
+def test_positional_encoding_is_the_closed_form(pos, i):
+    d_model = 64
+    pe = T.PositionalEncoding(d_model, 0.0).pe[0]
+    assert pe[pos, 2 * i].item() == pytest.approx(math.sin(pos / 10000 ** (2 * i / d_model)), abs=1e-6)
+    assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(pos / 10000 ** (2 * i / d_model)), abs=1e-6)
+
+
+def test_pe_at_pos_plus_k_is_a_linear_function_of_pe_at_pos():
+    d_model, k = 32, 5
+    pe = T.PositionalEncoding(d_model, 0.0).pe[0].double()
+    fit, check = torch.arange(0, 60), torch.arange(100, 160)
+    # Least squares: PE[pos + k] = PE[pos] @ M, fitted on some positions ...
+    M = torch.linalg.lstsq(pe[fit], pe[fit + k]).solution
+    # ... holds on positions it never saw.
+    torch.testing.assert_close(pe[check] @ M, pe[check + k], atol=1e-5, rtol=0)
+    # It really depends on k: the map for k does not produce the encoding for k + 1.
+    assert (pe[check] @ M - pe[check + k + 1]).abs().max() > 1e-2
+
+
+# --- the whole model --------------------------------------------------------------------
+
+def test_weight_sharing_is_one_tensor():
+    three_way = T.make_model(20, 20, TINY)
+    w = three_way.generator.proj.weight
+    assert w is three_way.tgt_embed[0].lut.weight is three_way.src_embed[0].lut.weight
+    two_way = T.make_model(20, 30, TINY, shared_vocab=False)
+    assert two_way.generator.proj.weight is two_way.tgt_embed[0].lut.weight
+    assert two_way.src_embed[0].lut.weight is not two_way.tgt_embed[0].lut.weight
+    untied = T.make_model(20, 20, TINY, tie_weights=False)
+    assert untied.generator.proj.weight is not untied.tgt_embed[0].lut.weight
+    assert T.count_parameters(untied) - T.count_parameters(three_way) == 2 * 20 * TINY.d_model
+    with pytest.raises(ValueError):
+        T.make_model(20, 30, TINY)  # a shared vocabulary needs one size
+
+
+def test_base_model_has_the_papers_parameter_count():
+    n = T.count_parameters(T.make_model(37000, 37000, T.PRESETS["base"]))
+    assert abs(n - 65e6) / 65e6 < 0.05, n
+
+
+def test_changing_future_target_tokens_leaves_earlier_outputs_unchanged():
+    model = tiny_model().eval()
+    src, tgt = random_batch(tgt_len=8)
+    out = model(src, tgt, *masks(src, tgt))
+    for t in (0, 3, 6):
+        changed = tgt.clone()
+        changed[:, t + 1:] = (changed[:, t + 1:] + 1 - 4) % 9 + 4  # other real tokens
+        out2 = model(src, changed, *masks(src, changed))
+        torch.testing.assert_close(out2[:, : t + 1], out[:, : t + 1])
+        assert not torch.allclose(out2[:, t + 1:], out[:, t + 1:])
+
+
+def test_appending_source_padding_leaves_the_output_unchanged():
+    model = tiny_model().eval()
+    src, tgt = random_batch()
+    out = model(src, tgt, *masks(src, tgt))
+    padded = torch.cat([src, torch.full((src.size(0), 4), T.PAD)], dim=1)
+    torch.testing.assert_close(model(padded, tgt, *masks(padded, tgt)), out)
+
+
+def test_eval_mode_is_deterministic_and_train_mode_applies_dropout():
+    model = tiny_model()
+    src, tgt = random_batch()
+    model.eval()
+    a = model(src, tgt, *masks(src, tgt))
+    b = model(src, tgt, *masks(src, tgt))
+    assert torch.equal(a, b)
+    model.train()
+    torch.manual_seed(1)
+    c = model(src, tgt, *masks(src, tgt))
+    torch.manual_seed(2)
+    d = model(src, tgt, *masks(src, tgt))
+    assert not torch.allclose(c, d)
+
+
+def test_dropout_sits_exactly_where_section_5_4_puts_it():
+    cfg = TINY
+    model = T.make_model(13, 13, cfg)
+    active = {name for name, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0}
+    expected = {"src_embed.1.dropout", "tgt_embed.1.dropout"}  # sums of embeddings and PE
+    expected |= {f"encoder.layers.{i}.sublayer.{j}.dropout" for i in range(cfg.N) for j in range(2)}
+    expected |= {f"decoder.layers.{i}.sublayer.{j}.dropout" for i in range(cfg.N) for j in range(3)}
+    assert active == expected
+    assert all(m.p == cfg.P_drop for name, m in model.named_modules() if name in expected)
+
+
+def _torch_transformer_like(model, cfg, norm_first):
+    """nn.Transformer with the same sizes and our weights copied in."""
+    d, h, N = cfg.d_model, cfg.h, cfg.N
+    enc_layer = nn.TransformerEncoderLayer(d, h, cfg.d_ff, 0.0, batch_first=True, norm_first=norm_first)
+    dec_layer = nn.TransformerDecoderLayer(d, h, cfg.d_ff, 0.0, batch_first=True, norm_first=norm_first)
+    # The paper's post-norm stacks end with no extra norm; pre-norm stacks end with one.
+    encoder = nn.TransformerEncoder(enc_layer, N, norm=nn.LayerNorm(d) if norm_first else None,
+                                    enable_nested_tensor=False)
+    decoder = nn.TransformerDecoder(dec_layer, N, norm=nn.LayerNorm(d) if norm_first else None)
+    ref = nn.Transformer(d, h, N, N, cfg.d_ff, 0.0, batch_first=True, norm_first=norm_first,
+                         custom_encoder=encoder, custom_decoder=decoder).double()
+
+    def copy_mha(theirs, ours):
+        theirs.in_proj_weight.copy_(torch.cat([ours.w_q.weight, ours.w_k.weight, ours.w_v.weight]))
+        theirs.in_proj_bias.copy_(torch.cat([ours.w_q.bias, ours.w_k.bias, ours.w_v.bias]))
+        theirs.out_proj.load_state_dict(ours.w_o.state_dict())
+
+    with torch.no_grad():
+        for theirs, ours in zip(ref.encoder.layers, model.encoder.layers):
+            copy_mha(theirs.self_attn, ours.self_attn)
+            theirs.linear1.load_state_dict(ours.feed_forward.w_1.state_dict())
+            theirs.linear2.load_state_dict(ours.feed_forward.w_2.state_dict())
+            theirs.norm1.load_state_dict(ours.sublayer[0].norm.state_dict())
+            theirs.norm2.load_state_dict(ours.sublayer[1].norm.state_dict())
+        for theirs, ours in zip(ref.decoder.layers, model.decoder.layers):
+            copy_mha(theirs.self_attn, ours.self_attn)
+            copy_mha(theirs.multihead_attn, ours.src_attn)
+            theirs.linear1.load_state_dict(ours.feed_forward.w_1.state_dict())
+            theirs.linear2.load_state_dict(ours.feed_forward.w_2.state_dict())
+            for k in range(3):
+                getattr(theirs, f"norm{k + 1}").load_state_dict(ours.sublayer[k].norm.state_dict())
+        if norm_first:
+            ref.encoder.norm.load_state_dict(model.encoder.norm.state_dict())
+            ref.decoder.norm.load_state_dict(model.decoder.norm.state_dict())
+    return ref.eval()
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_matches_torch_nn_transformer_with_copied_weights(norm_first):
+    cfg = dataclasses.replace(TINY, N=2, d_model=16, d_ff=24, h=4)
+    torch.manual_seed(0)
+    model = T.make_model(13, 13, cfg, norm_first=norm_first).double().eval()
+    ref = _torch_transformer_like(model, cfg, norm_first)
+    src, tgt = random_batch(src_len=9, tgt_len=6)
+    src[1, -3:] = T.PAD
+    src_mask, tgt_mask = masks(src, tgt)
+    ours = model(src, tgt, src_mask, tgt_mask)
+    with torch.no_grad():
+        theirs = ref(model.src_embed(src), model.tgt_embed(tgt),
+                     tgt_mask=~T.subsequent_mask(tgt.size(1))[0],  # torch: True = blocked
+                     src_key_padding_mask=src == T.PAD, memory_key_padding_mask=src == T.PAD)
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+
+
+def test_untrained_model_decodes_end_to_end():
+    model = tiny_model().eval()
+    src = torch.tensor([[4, 5, 6, 7, 8]])
+    out = T.greedy_decode(model, src, torch.ones(1, 1, 5, dtype=torch.bool), max_len=7, start_symbol=T.BOS)
+    assert out.shape == (1, 7) and out[0, 0] == T.BOS
+    assert out.min() >= 0 and out.max() < 13

@@ -1,0 +1,117 @@
+"""The notebook and the module: in sync, quoting the paper exactly, quiet on import, executable."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jupytext
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = ROOT / "the_annotated_transformer.py"
+NB = ROOT / "annotated_transformer.ipynb"
+PAPER = ROOT.parent / "shared" / "paper" / "README.md"
+
+
+def cells(path):
+    return [(c.cell_type, c.source.strip()) for c in jupytext.read(path).cells]
+
+
+def test_notebook_and_module_have_the_same_cells():
+    assert cells(PY) == cells(NB), "run `make sync`"
+
+
+def test_jupytext_pairs_the_two_files():
+    meta = jupytext.read(PY).metadata["jupytext"]
+    assert meta["formats"] == "ipynb,the_/py:percent"
+
+
+def _squash(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
+def quote_pieces(markdown: str):
+    """Runs of quoted text: paragraphs and bullets of '>' blocks, split at the elision mark […]."""
+    pieces, current = [], []
+    for line in markdown.splitlines() + [""]:
+        if line.startswith(">"):
+            body = line[1:].strip()
+            if body.startswith("* ") or not body:
+                if current:
+                    pieces.append(" ".join(current))
+                current = [body[2:]] if body.startswith("* ") else []
+            else:
+                current.append(body)
+        elif current:
+            pieces.append(" ".join(current))
+            current = []
+    return [p.strip() for piece in pieces for p in piece.split("[…]") if p.strip()]
+
+
+@pytest.mark.skipif(not PAPER.is_file(), reason="paper excerpts not beside the repository")
+def test_every_quote_is_the_papers_exact_wording():
+    paper = _squash(PAPER.read_text(encoding="utf-8"))
+    md = [c for t, c in cells(PY) if t == "markdown"]
+    pieces = [p for cell in md for p in quote_pieces(cell)]
+    assert len(pieces) > 30
+    wrong = [p for p in pieces if _squash(p) not in paper]
+    assert not wrong, "not in the paper word for word:\n" + "\n---\n".join(wrong)
+
+
+def test_part_1_quotes_every_section_of_3_and_every_code_cell_follows_a_citation():
+    all_cells = cells(PY)
+    start = next(i for i, (t, c) in enumerate(all_cells) if c.startswith("# Part 1"))
+    end = next(i for i, (t, c) in enumerate(all_cells) if c.startswith("# Part 2"))
+    part1 = all_cells[start:end]
+    cited = set(re.findall(r"^— (§[\d.]+)", "\n".join(c for t, c in part1 if t == "markdown"), re.M))
+    for section in ("§3", "§3.1", "§3.2", "§3.2.1", "§3.2.2", "§3.2.3", "§3.3", "§3.4", "§3.5"):
+        assert section in cited, f"no quote cited as {section}"
+    text_since_code = ""
+    for kind, source in part1:
+        if kind == "markdown":
+            text_since_code += source
+        else:
+            assert "§" in text_since_code, f"code cell without a § reference before it:\n{source[:200]}"
+            text_since_code = ""
+
+
+def test_importing_the_module_prints_nothing_and_writes_nothing(tmp_path):
+    result = subprocess.run([sys.executable, "-c", "import the_annotated_transformer"], cwd=tmp_path,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == "" and result.stderr == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_committed_notebook_carries_outputs_of_a_full_run():
+    nb = nbformat.read(NB, as_version=4)
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    text = "".join(o.get("text", "") for o in outputs)
+    assert len(images) >= 5, "figures missing: run `make notebook`"
+    assert "profile: full" in text
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+
+
+def test_the_notebook_executes_top_to_bottom(tmp_path, mirror):
+    from nbclient import NotebookClient
+
+    nb = jupytext.read(PY)
+    env = {"NOTEBOOK_PROFILE": "smoke", "NOTEBOOK_RUNS": str(tmp_path / "runs"), "DATA_MIRROR": str(mirror),
+           "ANNOTATED_TRANSFORMER_DATA": str(tmp_path / "data"), "MPLBACKEND": "Agg"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the kernel inherits this process's environment
+    try:
+        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "profile: smoke" in text
+    assert "copy task:" in text and "test BLEU" in text
