@@ -1862,7 +1862,8 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
             train_model, device_ids=[device.index] if device.type == "cuda" else None)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.bf16 else nullcontext
 
-    run_dir.mkdir(parents=True, exist_ok=True) if is_main else None
+    if is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
     metrics_path = run_dir / "metrics.jsonl"
     pairs = data.splits["train"]
     lengths = [(len(s), len(t)) for s, t in pairs]
