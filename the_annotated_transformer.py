@@ -112,7 +112,7 @@ if EXAMPLES:
 # ## §3 Model Architecture
 #
 # > Most competitive neural sequence transduction models have an encoder-decoder structure
-# > […]. Here, the encoder maps an input sequence of symbol representations
+# > […]. Here, the encoder maps an input sequence of symbol representations […]
 # > $(x_1, ..., x_n)$ to a sequence of continuous representations
 # > $\mathbf{z} = (z_1, ..., z_n)$. Given $\mathbf{z}$, the decoder then generates an output
 # > sequence $(y_1,...,y_m)$ of symbols one element at a time. At each step the model is
@@ -699,7 +699,7 @@ if EXAMPLES:
 # %% [markdown]
 # ## The full model
 #
-# Sizes are named as in the paper and collected in one dataclass. Presets: `base` and `big`
+# §3's Figure 1, assembled. Sizes are named as in the paper and collected in one dataclass. Presets: `base` and `big`
 # are Table 3's two models; `tiny` is for tests; `copy`, `multi30k-small` and
 # `iwslt14-small` are the training runs of Part 3. The training fields are explained in
 # Part 2. Every preset is frozen; change a copy with `dataclasses.replace` or, on the
