@@ -1,0 +1,676 @@
+"""Part 2 (training) as invariants: schedule, loss, accumulation, resumption, checkpoints, decoding.
+
+Everything runs on the CPU with tiny models and shrunken copy data; every run writes into
+pytest's tmp_path, never into the repository.
+"""
+import dataclasses
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # normally done by conftest.py
+    sys.path.insert(0, str(ROOT))
+
+import the_annotated_transformer as tat  # noqa: E402
+from the_annotated_transformer import BOS, EOS, PAD  # noqa: E402
+
+
+def quiet(*args, **kwargs):
+    """A ``log`` that prints nothing."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: these tests share a small machine, and results must not depend on it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_cfg(run_dir, **overrides) -> tat.Config:
+    """The copy preset shrunk to a one-layer model; ``batch_tokens=240`` → 20 pairs, 10 batches per epoch."""
+    settings = dict(N=1, d_model=32, d_ff=64, h=4, epochs=1, batch_tokens=240, warmup=50, device="cpu",
+                    run_dir=str(run_dir))
+    settings.update(overrides)
+    return tat.get_config("copy", **settings)
+
+
+def tiny_data(cfg) -> tat.Dataset:
+    """200 / 40 / 20 copy pairs of 10 symbols (12 ids with <s> and </s>)."""
+    return tat.make_copy_data(cfg, sizes=(200, 40, 20))
+
+
+def varlen_data(cfg, n: int = 120, seed: int = 0) -> tat.Dataset:
+    """Copy pairs of 1–10 symbols, so that batches hold different token counts and padding."""
+    base = tiny_data(cfg)
+    rng = random.Random(seed)
+    n_symbols = len(base.src_vocab)
+
+    def pairs(k):
+        out = []
+        for _ in range(k):
+            ids = [BOS] + [rng.randrange(4, n_symbols) for _ in range(rng.randint(1, 10))] + [EOS]
+            out.append((ids, list(ids)))
+        return out
+
+    return dataclasses.replace(base, splits={"train": pairs(n), "valid": pairs(10), "test": pairs(10)})
+
+
+def run(cfg, data, **kwargs) -> dict:
+    return tat.train(cfg, data=data, log=quiet, progress=False, **{"evaluate": False, **kwargs})
+
+
+def last_state(run_dir) -> dict:
+    paths = tat.checkpoint_paths(run_dir)
+    assert paths, f"no checkpoint in {run_dir}"
+    return tat.load_checkpoint(paths[-1])
+
+
+# --------------------------------------------------------------------------------------------
+# 1. The learning-rate schedule (§5.3, Eq. 3) and Adam's settings
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("step, d_model, factor, warmup", [
+    (1, 512, 1.0, 4000), (100, 512, 1.0, 4000), (4000, 512, 1.0, 4000), (4001, 512, 1.0, 4000),
+    (100_000, 512, 1.0, 4000), (37, 64, 2.0, 200), (500, 64, 0.5, 200),
+])
+def test_rate_is_equation_3(step, d_model, factor, warmup):
+    expected = factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+    assert tat.rate(step, d_model, factor, warmup) == pytest.approx(expected, rel=1e-12)
+
+
+def test_rate_known_values():
+    # At the peak, step = warmup: d_model^-0.5 * warmup^-0.5 = 1 / sqrt(512 * 4000).
+    assert tat.rate(4000, 512, 1.0, 4000) == pytest.approx(6.987712429686843e-04, rel=1e-12)
+    # Linear warm-up: step 1 is 1/4000 of the peak.
+    assert tat.rate(1, 512, 1.0, 4000) == pytest.approx(6.987712429686843e-04 / 4000, rel=1e-12)
+    # LambdaLR starts counting at 0, which the module treats as step 1.
+    assert tat.rate(0, 512, 1.0, 4000) == tat.rate(1, 512, 1.0, 4000)
+
+
+@pytest.mark.parametrize("warmup", [10, 200, 4000])
+def test_rate_rises_linearly_then_decays_peaking_at_warmup(warmup):
+    steps = range(1, 3 * warmup + 1)
+    rates = [tat.rate(s, 512, 1.0, warmup) for s in steps]
+    assert max(range(len(rates)), key=rates.__getitem__) + 1 == warmup
+    before, after = rates[:warmup], rates[warmup - 1:]
+    assert all(a < b for a, b in zip(before, before[1:])), "not increasing during warm-up"
+    assert all(a > b for a, b in zip(after, after[1:])), "not decreasing after warm-up"
+    # proportional to the step number during warm-up, to step^-0.5 after it
+    assert rates[warmup // 2 - 1] / rates[warmup - 1] == pytest.approx((warmup // 2) / warmup, rel=1e-12)
+    assert rates[3 * warmup - 1] / rates[warmup - 1] == pytest.approx(3 ** -0.5, rel=1e-12)
+
+
+def test_adam_uses_the_papers_betas_and_eps():
+    optimizer, _ = tat.make_optimizer(nn.Linear(3, 3), tat.get_config("base"))
+    assert isinstance(optimizer, torch.optim.Adam)
+    group = optimizer.param_groups[0]
+    assert tuple(group["betas"]) == (0.9, 0.98)
+    assert group["eps"] == 1e-9
+
+
+def test_scheduler_sets_lr_to_rate_after_every_step():
+    cfg = tat.get_config("tiny", warmup=10, lr_factor=2.0)
+    model = nn.Linear(4, 2)
+    optimizer, scheduler = tat.make_optimizer(model, cfg)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(tat.rate(1, cfg.d_model, 2.0, 10), rel=1e-12)
+    x = torch.randn(5, 4)
+    for step in range(1, 31):
+        model(x).pow(2).sum().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        expected = tat.rate(step, cfg.d_model, 2.0, 10)
+        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12), step
+        assert scheduler.get_last_lr()[0] == pytest.approx(expected, rel=1e-12), step
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Label smoothing (§5.4)
+# --------------------------------------------------------------------------------------------
+
+def smoothed_entropy(K: int, eps: float) -> float:
+    """H(q) for q = (1 - eps) onehot + eps / K, in float64, with 0 log 0 = 0."""
+    probs = [1 - eps + eps / K] + [eps / K] * (K - 1)
+    return -sum(p * math.log(p) for p in probs if p > 0)
+
+
+def random_scores(n: int, K: int, seed: int = 0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    logits = 3 * torch.randn(n, K, generator=g, dtype=dtype)
+    target = torch.randint(0, K, (n,), generator=g)
+    target[::4] = PAD  # some padding positions
+    return logits, target
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
+@pytest.mark.parametrize("K", [5, 11])
+def test_label_smoothing_is_smoothed_cross_entropy_minus_entropy(K, eps):
+    logits, target = random_scores(17, K, seed=K)
+    n_nonpad = int((target != PAD).sum())
+    assert 0 < n_nonpad < len(target)
+    kl = tat.LabelSmoothing(K, PAD, eps)(F.log_softmax(logits, dim=-1), target)
+    ce = F.cross_entropy(logits, target, ignore_index=PAD, label_smoothing=eps, reduction="sum")
+    expected = float(ce) - n_nonpad * smoothed_entropy(K, eps)
+    # float64 throughout, so the identity must hold to float64 precision
+    assert kl.dtype == torch.float64
+    assert float(kl) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def test_label_smoothing_in_float32_training_precision():
+    K, eps = 11, 0.1
+    logits, target = random_scores(40, K, seed=1, dtype=torch.float32)
+    kl = tat.LabelSmoothing(K, PAD, eps)(F.log_softmax(logits, dim=-1), target)
+    ce = F.cross_entropy(logits, target, ignore_index=PAD, label_smoothing=eps, reduction="sum")
+    expected = float(ce) - int((target != PAD).sum()) * smoothed_entropy(K, eps)
+    assert float(kl) == pytest.approx(expected, rel=1e-5)
+
+
+def test_label_smoothing_is_minimised_by_the_smoothed_distribution():
+    K, eps = 6, 0.2
+    target = torch.tensor([1, 4, PAD, 5])
+    ls = tat.LabelSmoothing(K, PAD, eps)
+    q = ls.true_dist(target).double()
+    log_q = torch.where(q > 0, q, torch.ones_like(q)).log()  # pad row: any distribution
+    assert float(ls(log_q, target)) == pytest.approx(0.0, abs=1e-6)  # KL(q||q) = 0
+    logits, _ = random_scores(4, K)
+    assert float(ls(F.log_softmax(logits, -1), target)) > 0
+
+
+def test_true_dist_rows_sum_to_one_and_padding_rows_are_zero():
+    K, eps = 9, 0.1
+    target = torch.tensor([0, 1, PAD, 3, 8, PAD, 4])
+    q = tat.LabelSmoothing(K, PAD, eps).true_dist(target)
+    assert q.shape == (len(target), K)
+    pad_rows = target == PAD
+    assert torch.equal(q[pad_rows], torch.zeros(int(pad_rows.sum()), K))
+    torch.testing.assert_close(q[~pad_rows].sum(-1), torch.ones(int((~pad_rows).sum())))
+    for row, y in zip(q[~pad_rows], target[~pad_rows]):
+        assert float(row[y]) == pytest.approx(1 - eps + eps / K)
+        others = torch.cat([row[:y], row[y + 1:]])
+        torch.testing.assert_close(others, torch.full((K - 1,), eps / K))
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_loss_sum_is_the_cross_entropy_it_wraps(eps):
+    K = 7
+    logits, target = random_scores(24, K, seed=3, dtype=torch.float32)
+    log_probs, target = F.log_softmax(logits, -1).reshape(2, 12, K), target.reshape(2, 12)
+    got = tat.loss_sum(log_probs, target, eps)
+    want = F.cross_entropy(log_probs.reshape(-1, K), target.reshape(-1), ignore_index=PAD, label_smoothing=eps,
+                           reduction="sum")
+    torch.testing.assert_close(got, want)
+    # the training loss is LabelSmoothing's KL plus the constant n·H(q)
+    n_nonpad = int((target != PAD).sum())
+    kl = tat.LabelSmoothing(K, PAD, eps)(log_probs.reshape(-1, K), target.reshape(-1))
+    assert float(got) == pytest.approx(float(kl) + n_nonpad * smoothed_entropy(K, eps), rel=1e-5)
+    # with eps = 0 it is the negative log-likelihood of the non-pad targets
+    nll = -log_probs.reshape(-1, K)[target.reshape(-1) != PAD].gather(
+        1, target.reshape(-1)[target.reshape(-1) != PAD].unsqueeze(1)).sum()
+    if eps == 0.0:
+        torch.testing.assert_close(got, nll)
+    # padding positions contribute nothing, whatever the model predicts there
+    noisy = log_probs.clone()
+    noisy[target == PAD] = F.log_softmax(torch.randn(int((target == PAD).sum()), K), -1)
+    torch.testing.assert_close(tat.loss_sum(noisy, target, eps), got)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Gradient accumulation: an update computes the same gradient however it is split
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def recorded_grads(monkeypatch):
+    """Patch make_optimizer so that every optimizer step records the gradient it applies."""
+    grads = []
+    original = tat.make_optimizer
+
+    def recording(model, cfg):
+        optimizer, scheduler = original(model, cfg)
+        names = {id(p): n for n, p in model.named_parameters()}
+
+        def hook(opt, args, kwargs):
+            grads.append({names[id(p)]: p.grad.detach().clone()
+                          for g in opt.param_groups for p in g["params"] if p.grad is not None})
+
+        optimizer.register_step_pre_hook(hook)
+        return optimizer, scheduler
+
+    monkeypatch.setattr(tat, "make_optimizer", recording)
+    return grads
+
+
+def assert_same_grads(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_accumulated_update_has_the_gradient_of_the_whole_batch(tmp_path, recorded_grads):
+    cfg = tiny_cfg(tmp_path / "split", P_drop=0.0, eps_ls=0.1, batch_tokens=60, accum_steps=2, max_steps=1)
+    data = varlen_data(cfg)
+    pairs = data.splits["train"]
+    lengths = [(len(s), len(t)) for s, t in pairs]
+    b0, b1 = tat.length_batches(lengths, cfg.batch_tokens, cfg.seed, epoch=0)[:2]
+    n0, n1 = tat.make_batch(pairs, b0).ntokens, tat.make_batch(pairs, b1).ntokens
+    assert n0 != n1, "pick data whose two micro-batches differ in size, or per-batch normalisation passes too"
+
+    run(cfg, data)  # one update over the micro-batches b0, b1
+    # the same pairs as one batch, in one update without accumulation
+    whole = dataclasses.replace(data, splits={**data.splits, "train": [pairs[i] for i in b0 + b1]})
+    run(dataclasses.replace(cfg, run_dir=str(tmp_path / "whole"), batch_tokens=10_000, accum_steps=1), whole)
+    assert len(recorded_grads) == 2
+    split_grads, whole_grads = recorded_grads
+    assert_same_grads(split_grads, whole_grads)
+
+    # and that gradient is the one of the mean loss per target token (of the initial model)
+    torch.manual_seed(cfg.seed)
+    model = tat.make_model(len(data.src_vocab), len(data.tgt_vocab), cfg)
+    batch = tat.make_batch(pairs, b0 + b1)
+    assert batch.ntokens == n0 + n1
+    out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+    (tat.loss_sum(model.generator(out), batch.tgt_y, cfg.eps_ls) / batch.ntokens).backward()
+    assert_same_grads(split_grads, {n: p.grad for n, p in model.named_parameters()})
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Resuming is exact
+# --------------------------------------------------------------------------------------------
+
+def test_resume_gives_exactly_the_uninterrupted_run(tmp_path):
+    # 10 updates per epoch; stop at 7 (mid-epoch), then go on to 14 (across an epoch boundary)
+    cfg = tiny_cfg(tmp_path / "a", P_drop=0.1, epochs=2, max_steps=7)
+    data = tiny_data(cfg)
+    assert len(tat.length_batches([(12, 12)] * 200, cfg.batch_tokens, cfg.seed, 0)) == 10
+
+    run(cfg, data)
+    stopped = last_state(tmp_path / "a")
+    assert (stopped["step"], stopped["epoch"], stopped["batch_in_epoch"]) == (7, 0, 7)
+    logs = []
+    tat.train(dataclasses.replace(cfg, max_steps=14), data=data, log=logs.append, progress=False, evaluate=False)
+    assert any("resumed from" in str(line) and "checkpoint-00000007.pt" in str(line) for line in logs), logs
+    run(dataclasses.replace(cfg, max_steps=14, run_dir=str(tmp_path / "b")), data)
+
+    a, b = last_state(tmp_path / "a"), last_state(tmp_path / "b")
+    assert a["step"] == b["step"] == 14
+    assert (a["epoch"], a["batch_in_epoch"]) == (b["epoch"], b["batch_in_epoch"]) == (1, 4)
+    assert a["model"].keys() == b["model"].keys()
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    opt_a, opt_b = a["optimizer"]["state"], b["optimizer"]["state"]
+    assert opt_a.keys() == opt_b.keys()
+    for i in opt_a:
+        assert float(opt_a[i]["step"]) == float(opt_b[i]["step"]) == 14
+        assert torch.equal(opt_a[i]["exp_avg"], opt_b[i]["exp_avg"])
+        assert torch.equal(opt_a[i]["exp_avg_sq"], opt_b[i]["exp_avg_sq"])
+    assert a["scheduler"]["last_epoch"] == b["scheduler"]["last_epoch"] == 14
+    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+
+
+# --------------------------------------------------------------------------------------------
+# 5. Checkpoints
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    """Four epochs of two updates each, keeping the last three checkpoints."""
+    run_dir = tmp_path_factory.mktemp("short") / "run"
+    cfg = tiny_cfg(run_dir, epochs=4, batch_tokens=1280, keep_checkpoints=3)
+    data = tiny_data(cfg)
+    summary = run(cfg, data)
+    return cfg, data, run_dir, summary
+
+
+def test_only_the_last_checkpoints_are_kept(short_run):
+    cfg, _, run_dir, summary = short_run
+    assert summary["steps"] == 8
+    assert [p.name for p in tat.checkpoint_paths(run_dir)] == [
+        "checkpoint-00000004.pt", "checkpoint-00000006.pt", "checkpoint-00000008.pt"]
+    assert not list(run_dir.glob("*.part")), "temporary checkpoint files left behind"
+    assert [tat.load_checkpoint(p)["step"] for p in tat.checkpoint_paths(run_dir)] == [4, 6, 8]
+
+
+def test_checkpoint_loads_with_its_own_config_and_vocabulary(short_run):
+    cfg, data, run_dir, _ = short_run
+    state = tat.load_checkpoint(tat.checkpoint_paths(run_dir)[-1], cfg, data.src_vocab, data.tgt_vocab)
+    model = tat.make_model(len(data.src_vocab), len(data.tgt_vocab), cfg)
+    model.load_state_dict(state["model"])  # strict: every tensor present, none extra
+    assert state["config"] == dataclasses.asdict(cfg)
+    assert state["vocab"]["src"] == data.src_vocab.itos
+
+
+def test_checkpoints_are_plain_data(short_run):
+    """torch.load(weights_only=True) accepts them: no pickled objects that could run code."""
+    _, _, run_dir, _ = short_run
+    state = torch.load(tat.checkpoint_paths(run_dir)[-1], map_location="cpu", weights_only=True)
+    assert {"model", "optimizer", "scheduler", "step", "epoch", "batch_in_epoch", "rng", "config",
+            "vocab"} <= state.keys()
+
+
+def test_truncated_checkpoint_is_reported(short_run, tmp_path):
+    _, _, run_dir, _ = short_run
+    blob = tat.checkpoint_paths(run_dir)[-1].read_bytes()
+    bad = tmp_path / "checkpoint-00000001.pt"
+    bad.write_bytes(blob[: len(blob) // 2])
+    with pytest.raises(tat.CheckpointError, match="truncated"):
+        tat.load_checkpoint(bad)
+
+
+def test_checkpoint_for_another_d_model_is_refused(short_run):
+    cfg, _, run_dir, _ = short_run
+    with pytest.raises(tat.CheckpointError, match="d_model"):
+        tat.load_checkpoint(tat.checkpoint_paths(run_dir)[-1], dataclasses.replace(cfg, d_model=64))
+
+
+def test_checkpoint_for_another_vocabulary_is_refused(short_run):
+    cfg, _, run_dir, _ = short_run
+    other = tat.make_copy_data(cfg, vocab_size=12, sizes=(1, 1, 1)).src_vocab
+    with pytest.raises(tat.CheckpointError, match="vocabulary"):
+        tat.load_checkpoint(tat.checkpoint_paths(run_dir)[-1], cfg, other, other)
+
+
+def test_training_refuses_to_resume_a_different_model(short_run, tmp_path):
+    cfg, data, run_dir, _ = short_run
+    resume_dir = tmp_path / "resume"
+    resume_dir.mkdir()
+    last = tat.checkpoint_paths(run_dir)[-1]
+    (resume_dir / last.name).write_bytes(last.read_bytes())
+    with pytest.raises(tat.CheckpointError, match="d_model"):
+        run(dataclasses.replace(cfg, d_model=64, d_ff=64, run_dir=str(resume_dir), epochs=5), data)
+
+
+def test_average_checkpoints_is_the_elementwise_mean(short_run):
+    _, _, run_dir, _ = short_run
+    paths = tat.checkpoint_paths(run_dir)[-2:]
+    s1, s2 = (tat.load_checkpoint(p)["model"] for p in paths)
+    avg = tat.average_checkpoints(paths)
+    assert avg.keys() == s1.keys()
+    changed = 0
+    for k in avg:
+        torch.testing.assert_close(avg[k], ((s1[k].double() + s2[k].double()) / 2).to(s1[k].dtype), rtol=0,
+                                   atol=1e-7)
+        changed += not torch.equal(s1[k], s2[k])
+    assert changed > 0, "the two checkpoints are identical, so the test proves nothing"
+    with pytest.raises(tat.CheckpointError):
+        tat.average_checkpoints([])
+
+
+# --------------------------------------------------------------------------------------------
+# 6. A diverging loss stops training and keeps the last good checkpoint
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_loss_raises_and_keeps_last_good_checkpoint(tmp_path, monkeypatch, bad):
+    cfg = tiny_cfg(tmp_path / "run", epochs=3, batch_tokens=1280)  # 2 updates per epoch
+    data = tiny_data(cfg)
+    real = tat.loss_sum
+
+    def poisoned(log_probs, target, eps_ls, pad=PAD):
+        """The real loss until the first epoch's checkpoint exists, then a non-finite one."""
+        loss = real(log_probs, target, eps_ls, pad)
+        if torch.is_grad_enabled() and tat.checkpoint_paths(cfg.run_dir):
+            return loss * bad
+        return loss
+
+    monkeypatch.setattr(tat, "loss_sum", poisoned)
+    with pytest.raises(tat.TrainingDiverged) as err:
+        run(cfg, data)
+    message = str(err.value)
+    assert str(bad) in message and "step 3" in message and "checkpoint-00000002.pt" in message, message
+    paths = tat.checkpoint_paths(cfg.run_dir)
+    assert [p.name for p in paths] == ["checkpoint-00000002.pt"]
+    state = tat.load_checkpoint(paths[0], cfg, data.src_vocab, data.tgt_vocab)
+    assert (state["step"], state["epoch"], state["batch_in_epoch"]) == (2, 1, 0)
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+
+
+def test_non_finite_loss_before_any_checkpoint_says_so(tmp_path, monkeypatch):
+    cfg = tiny_cfg(tmp_path / "run")
+    monkeypatch.setattr(tat, "loss_sum", lambda *a, **k: torch.tensor(float("nan"), requires_grad=True))
+    with pytest.raises(tat.TrainingDiverged, match="no checkpoint"):
+        run(cfg, tiny_data(cfg))
+
+
+# --------------------------------------------------------------------------------------------
+# 7. The copy preset learns the copy task
+# --------------------------------------------------------------------------------------------
+
+def test_copy_preset_learns_to_copy(tmp_path):
+    cfg = tat.get_config("copy", device="cpu", run_dir=str(tmp_path / "copy"))
+    data = tat.make_copy_data(cfg)
+    t0, c0 = time.perf_counter(), time.process_time()
+    summary = tat.train(cfg, data=data, log=quiet, progress=False)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    print(f"\ncopy preset: test BLEU {summary['bleu']:.2f} after {summary['steps']} updates in {wall:.1f} s "
+          f"wall, {cpu:.1f} s CPU ({torch.get_num_threads()} thread)")
+    assert summary["bleu"] >= 90, f"copy preset reached only BLEU {summary['bleu']:.2f}"
+
+
+# --------------------------------------------------------------------------------------------
+# 8. Greedy decoding
+# --------------------------------------------------------------------------------------------
+
+class ScriptedModel(nn.Module):
+    """A stand-in for EncoderDecoder: row i emits 4 + len % 5 … and ``EOS`` once its prefix has ``finish[i]`` ids."""
+
+    def __init__(self, finish, vocab: int = 10):
+        super().__init__()
+        self.finish, self.vocab = torch.tensor(finish), vocab
+
+    def encode(self, src, src_mask):
+        return src
+
+    def decode(self, memory, src_mask, ys, tgt_mask):
+        batch, length = ys.shape
+        return torch.stack([torch.full((batch, length), float(length)),
+                            torch.arange(batch, dtype=torch.float).unsqueeze(1).expand(batch, length)], dim=-1)
+
+    def generator(self, x):
+        length, row = x[:, 0].long(), x[:, 1].long()
+        token = torch.where(length == self.finish[row], EOS, 4 + length % 5)
+        return F.one_hot(token, self.vocab).float().log_softmax(-1)
+
+
+def test_greedy_decode_pads_after_end_and_stops_when_all_ended():
+    src = torch.ones(2, 3, dtype=torch.long)
+    mask = torch.ones(2, 1, 3, dtype=torch.bool)
+    ys = tat.greedy_decode(ScriptedModel([3, 6]), src, mask, max_len=20, start_symbol=BOS, end_symbol=EOS, pad=PAD)
+    assert ys.tolist() == [[BOS, 5, 6, EOS, PAD, PAD, PAD],
+                           [BOS, 5, 6, 7, 8, 4, EOS]]
+    # without ``pad`` the end symbol fills the rest
+    ys = tat.greedy_decode(ScriptedModel([3, 6]), src, mask, max_len=20, start_symbol=BOS, end_symbol=EOS)
+    assert ys[0].tolist() == [BOS, 5, 6, EOS, EOS, EOS, EOS]
+    # without an end symbol it runs to max_len
+    ys = tat.greedy_decode(ScriptedModel([3, 6]), src, mask, max_len=9, start_symbol=BOS)
+    assert ys.shape == (2, 9)
+
+
+def test_greedy_decode_batched_equals_one_at_a_time():
+    torch.manual_seed(0)
+    model = tat.make_model(14, 14, tat.get_config("tiny", N=1)).eval()
+    sources = [[BOS, 5, 6, 7, 8, 9, 10, EOS], [BOS, 11, 12, 4, EOS], [BOS, 13, EOS]]
+    max_len = 12
+    src = tat.pad_sequences(sources)
+    batched = tat.greedy_decode(model, src, (src != PAD).unsqueeze(-2), max_len, BOS, EOS, PAD)
+    assert batched.size(0) == len(sources) and batched.size(1) <= max_len
+    assert (batched[:, 0] == BOS).all()
+    for i, s in enumerate(sources):
+        one = torch.tensor([s])
+        alone = tat.greedy_decode(model, one, (one != PAD).unsqueeze(-2), max_len, BOS, EOS, PAD)[0]
+        assert alone[0] == BOS
+        padded = torch.cat([alone, torch.full((batched.size(1) - len(alone),), PAD)])
+        assert torch.equal(batched[i], padded), (i, batched[i].tolist(), alone.tolist())
+
+
+def test_translate_drops_start_and_everything_from_the_end_symbol():
+    cfg = tat.get_config("tiny", eval_batch_size=1)
+    vocab = tiny_data(cfg).tgt_vocab
+    out = tat.translate(ScriptedModel([4]), [[BOS, 5, EOS], [BOS, 6, 7, EOS]], vocab, cfg, torch.device("cpu"))
+    assert out == [vocab.lookup_tokens([5, 6, 7])] * 2 == [["2", "3", "4"]] * 2
+
+
+def test_translate_does_not_depend_on_batching():
+    """Each sentence is decoded as if alone: in order, and at most input length + max_decode_extra long (§6.1)."""
+    torch.manual_seed(0)
+    cfg = tat.get_config("tiny", N=1, eval_batch_size=2, max_decode_extra=3)
+    vocab = tiny_data(cfg).tgt_vocab
+    model = tat.make_model(len(vocab), len(vocab), cfg)
+    sources = [[BOS, 5, 6, 7, EOS], [BOS, 4, EOS], [BOS, 8, 9, 10, 11, 12, 13, EOS], [BOS, 9, EOS]]
+    out = tat.translate(model, sources, vocab, cfg, torch.device("cpu"))
+    assert len(out) == len(sources)
+    for s, toks in zip(sources, out):
+        alone = tat.translate(model, [s], vocab, cfg, torch.device("cpu"))[0]
+        assert len(alone) <= len(s) + cfg.max_decode_extra - 1
+        assert toks == alone, (s, toks, alone)
+
+
+def test_bleu_of_exact_copies_is_100():
+    refs = ["1 2 3 4 5 6", "7 8 9 10 1 2"]
+    assert tat.bleu(tat.detokenize([r.split() for r in refs], "copy"), refs, "copy") == pytest.approx(100.0)
+    assert tat.bleu(["1 2 3", "4 5 6"], refs, "copy") < 50
+
+
+# --------------------------------------------------------------------------------------------
+# 9. bf16 autocast on the CPU
+# --------------------------------------------------------------------------------------------
+
+def test_bf16_autocast_trains_on_cpu(tmp_path, monkeypatch):
+    cfg = tiny_cfg(tmp_path / "bf16", bf16=True, max_steps=3)
+    data = tiny_data(cfg)
+    real, seen = tat.loss_sum, []
+
+    def spy(log_probs, target, eps_ls, pad=PAD):
+        loss = real(log_probs, target, eps_ls, pad)
+        if torch.is_grad_enabled():
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), float(loss)))
+        return loss
+
+    monkeypatch.setattr(tat, "loss_sum", spy)
+    summary = run(cfg, data)
+    assert summary["steps"] == 3 and len(seen) == 3
+    assert all(enabled and dtype == torch.bfloat16 for enabled, dtype, _ in seen), seen
+    assert all(math.isfinite(loss) and loss > 0 for _, _, loss in seen), seen
+    state = last_state(cfg.run_dir)
+    assert state["step"] == 3
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+    records = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert math.isfinite(records[-1]["valid_loss"])
+
+
+# --------------------------------------------------------------------------------------------
+# 10. Two processes (torchrun, Gloo) take the same steps as one process accumulating two batches
+# --------------------------------------------------------------------------------------------
+
+DDP_SETTINGS = dict(P_drop=0.0, batch_tokens=120, max_steps=3, eps_ls=0.1)  # 10 pairs a batch, 20 batches
+
+DDP_SCRIPT = """
+import json, sys
+import torch
+import torch.distributed as dist
+import the_annotated_transformer as tat
+
+torch.set_num_threads(1)
+settings = json.loads(sys.argv[2])
+cfg = tat.get_config("copy", N=1, d_model=32, d_ff=64, h=4, epochs=1, warmup=50, device="cpu",
+                     run_dir=sys.argv[1], **settings)
+data = tat.make_copy_data(cfg, sizes=(200, 40, 20))
+summary = tat.train(cfg, data=data, log=lambda *a, **k: None, progress=False, evaluate=False)
+if dist.get_rank() == 0:
+    with open(sys.argv[1] + "/summary.json", "w") as f:
+        json.dump({"world_size": summary["world_size"], "steps": summary["steps"]}, f)
+dist.destroy_process_group()
+"""
+
+
+def test_two_process_training_equals_one_process_accumulating(tmp_path):
+    script = tmp_path / "ddp_train.py"
+    script.write_text(textwrap.dedent(DDP_SCRIPT))
+    ddp_dir = tmp_path / "ddp"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    # ~10 s of CPU in all; the generous limit only guards against a hang, since on a loaded machine
+    # (this file under `nice` beside a training run) three fresh processes can take minutes of wall time.
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
+         str(ddp_dir), json.dumps(DDP_SETTINGS)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    assert json.loads((ddp_dir / "summary.json").read_text()) == {"world_size": 2, "steps": 3}
+
+    # one process, the same global batches: update k accumulates (b_2k, b_2k+1)
+    cfg = tiny_cfg(tmp_path / "single", accum_steps=2, **DDP_SETTINGS)
+    data = tiny_data(cfg)
+    lengths = [(len(s), len(t)) for s, t in data.splits["train"]]
+    assert len(tat.length_batches(lengths, cfg.batch_tokens, cfg.seed, 0)) >= 2 * cfg.max_steps
+    run(cfg, data)
+
+    ddp, single = last_state(ddp_dir), last_state(tmp_path / "single")
+    assert ddp["step"] == single["step"] == 3
+    assert ddp["model"].keys() == single["model"].keys()
+    for k in single["model"]:
+        torch.testing.assert_close(ddp["model"][k], single["model"][k], rtol=0, atol=1e-6,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+
+    # the comparison can fail: one process without accumulation ends elsewhere
+    run(dataclasses.replace(cfg, accum_steps=1, run_dir=str(tmp_path / "plain")), data)
+    plain = last_state(tmp_path / "plain")
+    assert max(float((plain["model"][k] - ddp["model"][k]).abs().max()) for k in plain["model"]) > 1e-4
+
+
+# --------------------------------------------------------------------------------------------
+# 11. The command line
+# --------------------------------------------------------------------------------------------
+
+def test_command_line_overrides_the_preset():
+    command, cfg = tat.config_from_args(
+        ["train", "--config", "copy", "--max_steps", "7", "--P_drop", "0.2", "--bf16", "true"])
+    assert command == "train"
+    assert cfg.max_steps == 7 and isinstance(cfg.max_steps, int)
+    assert cfg.P_drop == 0.2 and cfg.bf16 is True
+    assert cfg.run_dir == "runs/copy"
+    assert cfg == tat.get_config("copy", max_steps=7, P_drop=0.2, bf16=True, run_dir="runs/copy")
+
+
+def test_command_line_spellings_and_types():
+    _, cfg = tat.config_from_args(["train", "--config", "tiny", "--max-steps", "3", "--betas", "0.8,0.9",
+                                   "--run_dir", "somewhere", "--bf16", "off"])
+    assert (cfg.max_steps, cfg.betas, cfg.run_dir, cfg.bf16) == (3, (0.8, 0.9), "somewhere", False)
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--config", "no-such-preset"],
+    ["train", "--config", "copy", "--bf16", "maybe"],
+    ["train", "--config", "copy", "--no_such_field", "1"],
+    ["evaluate", "--config", "copy"],
+])
+def test_command_line_errors(argv, capsys):
+    with pytest.raises(SystemExit) as err:
+        tat.config_from_args(argv)
+    assert err.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_unknown_preset_error_lists_presets():
+    with pytest.raises(KeyError, match="copy"):
+        tat.get_config("no-such-preset")
+
+
+def test_main_reports_an_unusable_checkpoint(tmp_path, capsys):
+    (tmp_path / "checkpoint-00000001.pt").write_bytes(b"not a checkpoint")
+    assert tat.main(["train", "--config", "copy", "--device", "cpu", "--run_dir", str(tmp_path)]) == 2
+    assert "truncated" in capsys.readouterr().err
