@@ -555,7 +555,7 @@ def test_bf16_autocast_trains_on_cpu(tmp_path, monkeypatch):
     def spy(log_probs, target, eps_ls, pad=PAD):
         loss = real(log_probs, target, eps_ls, pad)
         if torch.is_grad_enabled():
-            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), float(loss)))
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), float(loss.detach())))
         return loss
 
     monkeypatch.setattr(tat, "loss_sum", spy)
