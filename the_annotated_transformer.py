@@ -1738,7 +1738,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 @torch.no_grad()
 def translate(model: EncoderDecoder, sources: Sequence[list[int]], tgt_vocab: Vocab, cfg: Config,
               device, progress: bool = False) -> list[list[str]]:
-    """Greedy translations (token lists, specials removed) of id sequences, batched by length."""
+    """Greedy translations (token lists, without <s> and cut at </s>) of id sequences, batched by length."""
     model.eval()
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     out: list = [None] * len(sources)
