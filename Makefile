@@ -4,11 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CONFIG ?= iwslt14-small
+RUN ?= runs/$(CONFIG)
 ARGS ?=
 NB := annotated_transformer.ipynb
 SRC := the_annotated_transformer.py
 
-.PHONY: install test test-fast sync notebook train clean help
+.PHONY: install test test-fast sync notebook train translate evaluate clean help
 
 help:
 	@echo "make install            create .venv and install requirements.txt"
@@ -16,6 +17,8 @@ help:
 	@echo "make sync               bring $(NB) and $(SRC) up to date with each other"
 	@echo "make notebook           execute the notebook top to bottom and store its outputs"
 	@echo "make train [CONFIG=..]  train a preset (default iwslt14-small); ARGS='--field value ...'"
+	@echo "make translate ARGS='\"Ein Satz.\"'  translate with the run in RUN (default runs/CONFIG)"
+	@echo "make evaluate [ARGS='--src F --ref F']  BLEU of the run in RUN (default: the test split)"
 
 install: $(STAMP)
 
@@ -38,6 +41,12 @@ notebook: $(STAMP) sync
 
 train: $(STAMP)
 	$(PY) $(SRC) train --config $(CONFIG) $(ARGS)
+
+translate: $(STAMP)
+	$(PY) $(SRC) translate --run_dir $(RUN) $(ARGS)
+
+evaluate: $(STAMP)
+	$(PY) $(SRC) evaluate --run_dir $(RUN) $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -2421,7 +2421,8 @@ if EXAMPLES:
 # `python the_annotated_transformer.py train --config NAME [--field value ...]` trains a
 # preset with any config field overridden (`--max_steps 200`, `--device cuda`,
 # `--data_mirror ../shared/data`, …). Under `torchrun --nproc_per_node=K` the same command
-# trains on K processes. `make train CONFIG=NAME` runs it.
+# trains on K processes. `make train CONFIG=NAME` runs it. Two more commands use a trained
+# model, below: `translate` and `evaluate`.
 
 # %%
 def _parse_value(text: str, like):
@@ -2441,7 +2442,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
     """(command, Config) from ``train --config NAME --field value ...``."""
     parser = argparse.ArgumentParser(prog="the_annotated_transformer.py",
                                      description="Train and evaluate the Transformer of Vaswani et al. (2017).")
-    parser.add_argument("command", choices=["train"])
+    parser.add_argument("command", choices=["train", "translate", "evaluate"])
     parser.add_argument("--config", default="iwslt14-small", choices=list(PRESETS))
     defaults = Config()
     for f in dataclasses.fields(Config):
@@ -2458,7 +2459,13 @@ def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
 
 
 def main(argv: Sequence[str]) -> int:
-    """Entry point of the command line."""
+    """Entry point of the command line: ``train``, ``translate`` or ``evaluate``."""
+    if argv and argv[0] in ("translate", "evaluate"):
+        try:
+            return run_inference_command(argv[0], argv[1:])
+        except (DataError, CheckpointError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     command, cfg = config_from_args(argv)
     try:
         if command == "train":
@@ -2475,5 +2482,127 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
+# %% [markdown]
+# ### Translating and scoring with a trained model
+#
+# A checkpoint carries its config and vocabularies, so a trained model can be rebuilt from
+# it alone: `load_for_inference` reads one checkpoint file, or the last $K$ of a run
+# directory averaged as §6.1 does. `encode_sources` tokenizes raw sentences the way the
+# checkpoint's data set was tokenized (spaCy for Multi30k; whitespace for IWSLT14, whose
+# input is expected in its prepared form, tokenized and lowercased; whitespace for the copy
+# task), and `detokenize` above turns the output back into text.
+
+# %%
+def config_from_dict(values: dict) -> Config:
+    """A :class:`Config` from a checkpoint's saved fields (fields it does not know keep their defaults)."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    kept = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if k in names}
+    return Config(**kept)
+
+
+def load_for_inference(checkpoint: Optional[Path] = None, run_dir: Optional[Path] = None, average_last: int = 1,
+                       device="cpu") -> tuple[EncoderDecoder, Config, Vocab, Vocab]:
+    """(model in eval mode, config, source vocab, target vocab) from a checkpoint file, or the
+    average of the last ``average_last`` checkpoints of ``run_dir`` (§6.1 averages the last 5)."""
+    if checkpoint is not None:
+        paths = [Path(checkpoint)]
+    else:
+        paths = checkpoint_paths(Path(run_dir))[-max(average_last, 1):]
+        if not paths:
+            raise CheckpointError(f"no checkpoint-*.pt in {run_dir}")
+    state = load_checkpoint(paths[-1])
+    cfg = config_from_dict(state["config"])
+    src_vocab, tgt_vocab = Vocab(state["vocab"]["src"]), Vocab(state["vocab"]["tgt"])
+    model = make_model(len(src_vocab), len(tgt_vocab), cfg)
+    model.load_state_dict(average_checkpoints(paths) if len(paths) > 1 else state["model"])
+    return model.to(device).eval(), cfg, src_vocab, tgt_vocab
+
+
+def encode_sources(lines: Sequence[str], dataset: str, src_vocab: Vocab) -> list[list[int]]:
+    """Raw source sentences → ``<s> ids </s>`` with the data set's source tokenizer; unknown words → <unk>."""
+    return [[BOS] + src_vocab(toks) + [EOS] for toks in make_tokenizer(dataset, "de")(list(lines))]
+
+
+def bleu_with_signature(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> tuple:
+    """(sacreBLEU score object, signature string) with the scoring of :func:`bleu`."""
+    import sacrebleu
+
+    metric = sacrebleu.BLEU(tokenize="13a" if dataset == "multi30k" else "none")
+    return metric.corpus_score(list(hypotheses), [list(references)]), str(metric.get_signature())
+
+
+def evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
+    """(source lines, reference lines): ``--src``/``--ref``, or the test split of the checkpoint's data set."""
+    if (args.src is None) != (args.ref is None):
+        raise DataError("give both --src and --ref, or neither (to score the test split)")
+    if args.src is not None:
+        src, ref = read_lines(args.src), read_lines(args.ref)
+        if len(src) != len(ref):
+            raise DataError(f"misaligned files: {args.src} has {len(src)} lines, {args.ref} has {len(ref)}")
+        return src, ref
+    if cfg.dataset == "copy":
+        data = make_copy_data(cfg)
+        return [" ".join(data.src_vocab.lookup_tokens(s[1:-1])) for s, _ in data.splits["test"]], data.test_refs
+    if args.data_mirror is not None:
+        cfg = dataclasses.replace(cfg, data_mirror=args.data_mirror)
+    pairs, _ = read_parallel(*locate_dataset(cfg.dataset, cfg).files["test"])
+    return [s for s, _ in pairs], [t for _, t in pairs]
+
+
+# %% [markdown]
+# The two commands. `translate` reads sentences from its arguments, from a file
+# (`--input`), or from standard input, and prints one translation per line; `evaluate`
+# scores a pair of parallel files (`--src`, `--ref`; by default the data set's test split)
+# and prints sacreBLEU's score and signature line. Both decode with beam size 4 and
+# $\alpha = 0.6$ (§6.1) unless told otherwise (`--beam 1` is greedy).
+
+# %%
+def inference_parser(command: str) -> argparse.ArgumentParser:
+    """Options of the ``translate`` and ``evaluate`` commands (§6.1 decoding)."""
+    parser = argparse.ArgumentParser(prog=f"the_annotated_transformer.py {command}")
+    where = parser.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run_dir", "--run-dir", type=Path, help="a run directory: average its last checkpoints")
+    where.add_argument("--checkpoint", type=Path, help="one checkpoint file")
+    parser.add_argument("--average_last", "--average-last", type=int, default=5,
+                        help="checkpoints of --run_dir to average (default 5, fewer if fewer exist)")
+    parser.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy; default 4, §6.1)")
+    parser.add_argument("--alpha", type=float, default=0.6, help="length penalty α (default 0.6, §6.1)")
+    parser.add_argument("--device", default="auto")
+    if command == "translate":
+        parser.add_argument("sentences", nargs="*", help="sentences to translate (else --input or stdin)")
+        parser.add_argument("--input", type=Path, help="a file with one sentence per line")
+    else:
+        parser.add_argument("--src", type=Path, help="source sentences, one per line (default: test split)")
+        parser.add_argument("--ref", type=Path, help="references, aligned with --src")
+        parser.add_argument("--data_mirror", "--data-mirror", default=None, help="folder holding the data sets")
+    return parser
+
+
+def run_inference_command(command: str, argv: Sequence[str]) -> int:
+    """``translate`` or ``evaluate``: load, decode (beam search, §6.1), print."""
+    args = inference_parser(command).parse_args(argv)
+    device = resolve_device(args.device)
+    model, cfg, src_vocab, tgt_vocab = load_for_inference(args.checkpoint, args.run_dir, args.average_last, device)
+    if command == "translate":
+        if args.sentences:
+            lines = list(args.sentences)
+        else:
+            lines = read_lines(args.input) if args.input else sys.stdin.read().splitlines()
+        refs = None
+    else:
+        lines, refs = evaluation_pairs(args, cfg)
+    hyps_tok = translate(model, encode_sources(lines, cfg.dataset, src_vocab), tgt_vocab, cfg, device,
+                         beam_size=args.beam, alpha=args.alpha)
+    hyps = detokenize(hyps_tok, cfg.dataset)
+    if refs is None:
+        for h in hyps:
+            print(h)
+        return 0
+    score, signature = bleu_with_signature(hyps, refs, cfg.dataset)
+    print(f"{score}\n{signature}")
+    return 0
+
+
+# %%
 if __name__ == "__main__" and not EXAMPLES:
     sys.exit(main(sys.argv[1:]))

@@ -1,8 +1,12 @@
-"""The command line: trains a preset end to end, and fails with one clear message without data."""
+"""The command line: trains a preset end to end, translates and scores with it, and fails with one clear message."""
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "the_annotated_transformer.py"
@@ -40,3 +44,82 @@ def test_iwslt_preset_trains_on_the_mirror_sample_and_says_so(tmp_path, mirror):
     assert "train-sample" in result.stdout or "sample" in result.stdout
     assert "tokenized" in result.stdout
     assert list((tmp_path / "run").glob("checkpoint-*.pt"))
+
+
+# --- translate and evaluate (§6.1 decoding with a trained model) ----------------------------
+
+@pytest.fixture(scope="module")
+def copy_run(tmp_path_factory):
+    """A tiny copy-task run with two epoch checkpoints."""
+    tmp = tmp_path_factory.mktemp("copy")
+    result = run(["train", "--config", "copy", "--epochs", "2", "--max_eval_sentences", "10",
+                  "--run_dir", str(tmp / "run")], tmp)
+    assert result.returncode == 0, result.stderr
+    assert len(list((tmp / "run").glob("checkpoint-*.pt"))) == 2
+    return tmp / "run"
+
+
+def test_translate_reads_arguments_a_file_or_stdin_and_prints_one_line_each(copy_run, tmp_path):
+    sentences = ["1 2 3 4 5", "7 7 8", "9"]
+    from_args = run(["translate", "--run_dir", str(copy_run), *sentences], tmp_path)
+    assert from_args.returncode == 0, from_args.stderr
+    lines = from_args.stdout.splitlines()
+    assert len(lines) == 3
+    for sentence, line in zip(sentences, lines):  # §6.1 limit: at most input length + 50 words
+        assert 0 < len(line.split()) <= len(sentence.split()) + 50
+        assert set(line.split()) <= {str(i) for i in range(1, 11)} | {"<unk>"}
+    (tmp_path / "in.txt").write_text("\n".join(sentences) + "\n")
+    from_file = run(["translate", "--run_dir", str(copy_run), "--input", str(tmp_path / "in.txt")], tmp_path)
+    assert from_file.returncode == 0 and from_file.stdout == from_args.stdout
+    from_stdin = subprocess.run([sys.executable, str(SCRIPT), "translate", "--run_dir", str(copy_run)],
+                                input="\n".join(sentences), cwd=tmp_path, capture_output=True, text=True,
+                                timeout=300)
+    assert from_stdin.returncode == 0 and from_stdin.stdout == from_args.stdout
+
+
+def test_translate_one_checkpoint_or_the_average_of_the_last(copy_run, tmp_path):
+    import the_annotated_transformer as tat
+
+    last = sorted(copy_run.glob("checkpoint-*.pt"))[-1]
+    sentences = ["1 2 3 4 5 6 7 8 9 10", "3 3 2"]
+    one = run(["translate", "--checkpoint", str(last), "--beam", "1", *sentences], tmp_path)
+    last_only = run(["translate", "--run_dir", str(copy_run), "--average_last", "1", "--beam", "1", *sentences],
+                    tmp_path)
+    assert one.returncode == 0, one.stderr
+    assert one.stdout == last_only.stdout
+    averaged, *_ = tat.load_for_inference(run_dir=copy_run, average_last=2)
+    states = [tat.load_checkpoint(p)["model"] for p in sorted(copy_run.glob("checkpoint-*.pt"))]
+    for name, value in averaged.state_dict().items():
+        torch.testing.assert_close(value, (states[0][name] + states[1][name]) / 2)
+
+
+def test_evaluate_scores_files_and_prints_the_sacrebleu_signature(copy_run, tmp_path):
+    src = ["1 2 3 4", "5 6 7 8 9", "10 1"]
+    translated = run(["translate", "--run_dir", str(copy_run), "--beam", "2", "--alpha", "0.6", *src], tmp_path)
+    (tmp_path / "src.txt").write_text("\n".join(src) + "\n")
+    (tmp_path / "ref.txt").write_text(translated.stdout)  # scoring the model's own output: BLEU 100
+    result = run(["evaluate", "--run_dir", str(copy_run), "--beam", "2", "--src", str(tmp_path / "src.txt"),
+                  "--ref", str(tmp_path / "ref.txt")], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("BLEU = 100.00")
+    assert "nrefs:1|case:mixed|eff:no|tok:none" in result.stdout
+
+
+def test_evaluate_defaults_to_the_test_split_and_fails_clearly(copy_run, tmp_path):
+    result = run(["evaluate", "--run_dir", str(copy_run), "--beam", "1"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "ref_len = 1000" in result.stdout  # the copy task's 100 test sentences of 10 symbols
+    missing = run(["evaluate", "--run_dir", str(tmp_path / "nothing")], tmp_path)
+    assert missing.returncode == 2 and "no checkpoint" in missing.stderr and "Traceback" not in missing.stderr
+    (tmp_path / "a.txt").write_text("1 2\n3 4\n")
+    (tmp_path / "b.txt").write_text("1 2\n")
+    bad = run(["evaluate", "--run_dir", str(copy_run), "--src", str(tmp_path / "a.txt"),
+               "--ref", str(tmp_path / "b.txt")], tmp_path)
+    assert bad.returncode == 2 and "misaligned" in bad.stderr
+
+
+def test_training_reports_greedy_and_beam_bleu(copy_run):
+    results = json.loads((copy_run / "results.json").read_text())
+    assert results["beam_size"] == 4 and results["length_penalty_alpha"] == 0.6
+    assert 0 <= results["bleu"] <= 100 and 0 <= results["bleu_greedy"] <= 100
+    assert results["bleu_kind"] == "tokenized"
