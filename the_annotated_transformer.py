@@ -2389,31 +2389,93 @@ if EXAMPLES:
 # %% [markdown]
 # ### What the model attends to
 #
-# The trained weights load unchanged into the readable attention class (the fast one keeps
-# no weights to plot), so we can draw the encoder-decoder attention of the last decoder
-# layer for one test sentence: each row is an output word, each column a source word.
+# §3.2.3 lists three uses of attention: encoder self-attention, masked decoder
+# self-attention and encoder-decoder attention. `attention_maps` returns the weights of
+# every layer and every head for all three, for one sentence pair. It works for any model,
+# the fast class included, which never materialises the weights: forward pre-hooks note
+# the inputs each attention module receives during one forward pass (and are removed
+# right after), then the weights are recomputed with the readable `attention()` from the
+# module's own $W^Q_i$ and $W^K_i$. Nothing is stored on the modules, so ordinary forward
+# passes keep no attention tensors alive.
+
+# %%
+ATTENTION_KINDS = ("encoder", "decoder_self", "decoder_src")
+
+
+@torch.no_grad()
+def attention_maps(model: EncoderDecoder, src, tgt) -> dict:
+    r"""Attention weights of every layer and head, for the three uses of attention of §3.2.3.
+
+    ``src`` (src_len,) source ids; ``tgt`` (tgt_len,) decoder input ids (starting with <s>).
+    Returns ``{"encoder": (N, h, src_len, src_len), "decoder_self": (N, h, tgt_len, tgt_len),
+    "decoder_src": (N, h, tgt_len, src_len)}``; each row is a softmax of Eq. 1 and sums to 1.
+    """
+    model = unwrap(model)
+    was_training = model.training
+    model.eval()
+    src, tgt = src.view(1, -1), tgt.view(1, -1)  # (1, src_len), (1, tgt_len)
+    modules = {("encoder", i): layer.self_attn for i, layer in enumerate(model.encoder.layers)}
+    for i, layer in enumerate(model.decoder.layers):
+        modules[("decoder_self", i)], modules[("decoder_src", i)] = layer.self_attn, layer.src_attn
+    inputs: dict = {}
+    handles = [m.register_forward_pre_hook(lambda _m, args, key=key: inputs.__setitem__(key, args))
+               for key, m in modules.items()]
+    try:
+        model(src, tgt, (src != PAD).unsqueeze(-2), subsequent_mask(tgt.size(1), device=tgt.device))
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    maps = {}
+    for kind in ATTENTION_KINDS:
+        layers = []
+        for i in range(len(model.decoder.layers if kind != "encoder" else model.encoder.layers)):
+            a, (query, key, _value, mask) = modules[(kind, i)], inputs[(kind, i)]
+            q, k = a.split_heads(a.w_q(query)), a.split_heads(a.w_k(key))  # (1, h, len, d_k)
+            mask = mask.unsqueeze(1) if mask.dim() == 3 else mask  # (1, 1, len_q|1, len_k)
+            layers.append(attention(q, k, k, mask)[1][0])  # (h, len_q, len_k)
+        maps[kind] = torch.stack(layers)  # (N, h, len_q, len_k)
+    return maps
+
+
+# %% [markdown]
+# For one test sentence of the Multi30k run (its own checkpoint, fast attention and all),
+# a grid of heat maps per kind of attention: one row per layer, one column per head. In
+# the encoder-decoder grid each row of a map is an output word, each column a source word.
 
 # %%
 if EXAMPLES:
-    viz = make_model(len(m30k_data.src_vocab), len(m30k_data.tgt_vocab), m30k_cfg, fast_attention=False)
+    import seaborn as sns
+
+    viz = make_model(len(m30k_data.src_vocab), len(m30k_data.tgt_vocab), m30k_cfg)  # fast attention, as trained
     viz.load_state_dict(load_checkpoint(checkpoint_paths(NOTEBOOK_RUNS / "multi30k")[-1])["model"])
     viz.eval()
     src_ids = m30k_data.splits["test"][1][0]
     src = torch.tensor([src_ids])
-    src_mask = torch.ones(1, 1, len(src_ids), dtype=torch.bool)
-    out_ids = greedy_decode(viz, src, src_mask, max_len=len(src_ids) + 10, start_symbol=BOS,
-                            end_symbol=EOS)[0].tolist()
+    out_ids = greedy_decode_cached(viz, src, torch.ones(1, 1, len(src_ids), dtype=torch.bool),
+                                   max_len=len(src_ids) + 10, start_symbol=BOS, end_symbol=EOS)[0].tolist()
     out_ids = out_ids[: out_ids.index(EOS) + 1] if EOS in out_ids else out_ids
-    with torch.no_grad():  # decode once more with the whole output to record the attention
-        viz.decode(viz.encode(src, src_mask), src_mask, torch.tensor([out_ids[:-1]]),
-                   subsequent_mask(len(out_ids) - 1))
-    weights = viz.decoder.layers[-1].src_attn.attn[0].mean(0)  # (out_len, src_len), averaged over heads
-    fig, ax = plt.subplots(figsize=(7, 5))
-    ax.imshow(weights, cmap="Blues")
-    ax.set_xticks(range(len(src_ids)), m30k_data.src_vocab.lookup_tokens(src_ids), rotation=90)
-    ax.set_yticks(range(len(out_ids) - 1), m30k_data.tgt_vocab.lookup_tokens(out_ids[1:]))
-    ax.set_title("encoder-decoder attention, last layer, mean over heads")
-    plt.show()
+    maps = attention_maps(viz, src[0], torch.tensor(out_ids[:-1]))
+    src_words = m30k_data.src_vocab.lookup_tokens(src_ids)
+    out_words = m30k_data.tgt_vocab.lookup_tokens(out_ids[1:])  # the word each decoder position predicts
+    in_words = m30k_data.tgt_vocab.lookup_tokens(out_ids[:-1])  # the word each decoder position reads
+    labels = {"encoder": (src_words, src_words), "decoder_self": (out_words, in_words),
+              "decoder_src": (out_words, src_words)}
+    for kind in ATTENTION_KINDS:
+        w = maps[kind]
+        n_layers, n_heads = w.shape[:2]
+        fig, axes = plt.subplots(n_layers, n_heads, figsize=(2.2 * n_heads, 2.4 * n_layers), squeeze=False)
+        rows, cols = labels[kind]
+        for layer in range(n_layers):
+            for head in range(n_heads):
+                sns.heatmap(w[layer, head].numpy(), ax=axes[layer][head], vmin=0.0, vmax=1.0, cmap="Blues",
+                            cbar=False, square=True, xticklabels=cols if layer == n_layers - 1 else False,
+                            yticklabels=rows if head == 0 else False)
+                axes[layer][head].tick_params(labelsize=6)
+                axes[layer][head].set_title(f"layer {layer + 1}, head {head + 1}", fontsize=7)
+        fig.suptitle(f"{kind.replace('_', ' ')} attention (rows: queries, columns: keys)")
+        fig.tight_layout()
+        plt.show()
 
 # %% [markdown]
 # ## The command line

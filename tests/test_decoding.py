@@ -308,3 +308,47 @@ def test_real_model_that_prefers_specials_does_not_emit_them(cached):
     beams = T.beam_search(model, src, mask, 10, BOS, EOS, 3, 0.6, banned=[PAD], cached=cached)
     assert all(BOS not in b and PAD not in b for b in beams)
     assert UNK == 3  # <unk> is an ordinary token to the decoders
+
+
+# --- attention maps -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_attention_maps_of_the_fast_path_equal_the_readable_ones(norm_first):
+    fast = lively_model(fast_attention=True, norm_first=norm_first)
+    readable = lively_model(fast_attention=False, norm_first=norm_first)
+    readable.load_state_dict(fast.state_dict())
+    src, tgt = torch.tensor([BOS, 5, 9, 7, 4, EOS]), torch.tensor([BOS, 6, 8, 11])
+    a, b = T.attention_maps(fast, src, tgt), T.attention_maps(readable, src, tgt)
+    cfg = T.PRESETS["tiny"]
+    shapes = {"encoder": (6, 6), "decoder_self": (4, 4), "decoder_src": (4, 6)}
+    for kind, (rows, cols) in shapes.items():
+        assert a[kind].shape == (2, cfg.h, rows, cols)
+        torch.testing.assert_close(a[kind], b[kind], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(a[kind].sum(-1), torch.ones(2, cfg.h, rows, dtype=torch.float64))
+    assert torch.equal(a["decoder_self"].triu(1), torch.zeros_like(a["decoder_self"]))  # §3.1: no look-ahead
+    assert not torch.allclose(a["encoder"][0], a["encoder"][1])  # the layers differ
+
+
+def test_attention_maps_are_the_weights_the_readable_forward_uses(monkeypatch):
+    model = lively_model(fast_attention=False)
+    src, tgt = torch.tensor([BOS, 5, 9, 7, EOS]), torch.tensor([BOS, 6, 8])
+    seen = []
+    real = T.attention
+
+    def spy(q, k, v, mask=None, dropout=None):
+        out, p = real(q, k, v, mask, dropout)
+        seen.append(p[0].clone())
+        return out, p
+
+    monkeypatch.setattr(T, "attention", spy)
+    with torch.no_grad():
+        model(src.view(1, -1), tgt.view(1, -1), (src != PAD).view(1, 1, -1), T.subsequent_mask(3))
+    monkeypatch.undo()
+    maps = T.attention_maps(model, src, tgt)
+    # forward order: encoder layers, then per decoder layer self then source attention
+    expected = [maps["encoder"][0], maps["encoder"][1], maps["decoder_self"][0], maps["decoder_src"][0],
+                maps["decoder_self"][1], maps["decoder_src"][1]]
+    assert len(seen) == len(expected)
+    for got, want in zip(seen, expected):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert not any(hasattr(m, "attn") for m in model.modules())  # nothing stashed on the modules
