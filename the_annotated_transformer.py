@@ -1052,10 +1052,10 @@ def greedy_decode_cached(model: EncoderDecoder, src, src_mask, max_len: int, sta
 
 
 # %% [markdown]
-# What the cache saves grows with the output: the full recompute does $1 + 2 + … + T$
-# position-steps of decoder work for $T$ tokens, the cache $T$. The table below times both
-# on an untrained model with $d_{\text{model}}=256$ (no end symbol, so every sentence runs
-# to the given length) and checks they produced the same tokens.
+# What the cache saves grows with the output (§3's auto-regression): the full recompute
+# does $1 + 2 + … + T$ position-steps of decoder work for $T$ tokens, the cache $T$. The
+# table below times both on an untrained model with $d_{\text{model}}=256$ (no end symbol,
+# so every sentence runs to the given length) and checks they produced the same tokens.
 
 # %%
 if EXAMPLES:
