@@ -2504,7 +2504,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
     """(command, Config) from ``train --config NAME --field value ...``."""
     parser = argparse.ArgumentParser(prog="the_annotated_transformer.py",
                                      description="Train and evaluate the Transformer of Vaswani et al. (2017).")
-    parser.add_argument("command", choices=["train", "translate", "evaluate"])
+    parser.add_argument("command", choices=["train"])  # translate and evaluate: run_inference_command
     parser.add_argument("--config", default="iwslt14-small", choices=list(PRESETS))
     defaults = Config()
     for f in dataclasses.fields(Config):
