@@ -1358,6 +1358,44 @@ def locate_dataset(name: str, cfg: Config, url_base: Optional[str] = None) -> Da
 
 
 # %% [markdown]
+# Multi30k has two more test sets of Flickr captions, from the 2017 and 2018 shared tasks,
+# in the same `raw/` folder as the files above. Training never needs them; `evaluate
+# --split test_2017_flickr` (or `test_2018_flickr`) scores a model on them. They are looked
+# for in the same places and downloaded the same way, but **without** a checksum: we know
+# no authoritative SHA-256 for them, so they are not pinned.
+
+# %%
+MULTI30K_EXTRA_TESTS = MappingProxyType({  # split → (German file, English file); not pinned
+    "test_2017_flickr": ("test_2017_flickr.de.gz", "test_2017_flickr.en.gz"),
+    "test_2018_flickr": ("test_2018_flickr.de.gz", "test_2018_flickr.en.gz"),
+})
+
+
+def locate_multi30k_test(split: str, cfg: Config, url_base: Optional[str] = None) -> tuple[Path, Path]:
+    """(German file, English file) of a Multi30k test split: mirror, then data folder, then download.
+
+    ``split`` is ``"test"`` (test2016, pinned) or one of :data:`MULTI30K_EXTRA_TESTS`.
+    """
+    if split == "test":
+        return locate_dataset("multi30k", cfg, url_base=url_base).files["test"]
+    if split not in MULTI30K_EXTRA_TESTS:
+        raise DataError(f"unknown Multi30k test split {split!r} (known: test, {', '.join(MULTI30K_EXTRA_TESTS)})")
+    names = MULTI30K_EXTRA_TESTS[split]
+    mirror = cfg.data_mirror or os.environ.get("DATA_MIRROR", "")
+    data_dir = Path(cfg.data_dir) if cfg.data_dir else default_data_dir()
+    folders = ([Path(mirror) / "multi30k"] if mirror else []) + [data_dir / "multi30k"]
+    for folder in folders:
+        if all((folder / f).is_file() for f in names):
+            return folder / names[0], folder / names[1]
+    if not cfg.download:
+        raise DataError(f"{split} not found in {', '.join(map(str, folders))}, and downloading is off")
+    try:
+        return tuple(download((url_base or MULTI30K_URL) + f, data_dir / "multi30k" / f) for f in names)
+    except (OSError, urllib.error.URLError) as e:
+        raise DataError(f"could not download Multi30k {split} ({e})") from e
+
+
+# %% [markdown]
 # ### Reading parallel text, carefully
 #
 # Bad data fails loudly and precisely: files of different lengths name both files and both
@@ -2593,6 +2631,13 @@ def bleu_with_signature(hypotheses: Sequence[str], references: Sequence[str], da
     return metric.corpus_score(list(hypotheses), [list(references)]), str(metric.get_signature())
 
 
+
+# %% [markdown]
+# What `evaluate` scores: two aligned files given on the command line, or a test split of
+# the checkpoint's data set — the copy task's is regenerated from its seed; for Multi30k it
+# can also be the 2017 or 2018 test set.
+
+# %%
 def evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
     """(source lines, reference lines): ``--src``/``--ref``, or the test split of the checkpoint's data set."""
     if (args.src is None) != (args.ref is None):
@@ -2603,11 +2648,19 @@ def evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
             raise DataError(f"misaligned files: {args.src} has {len(src)} lines, {args.ref} has {len(ref)}")
         return src, ref
     if cfg.dataset == "copy":
+        if args.split != "test":
+            raise DataError(f"the copy task has no split {args.split!r}")
         data = make_copy_data(cfg)
         return [" ".join(data.src_vocab.lookup_tokens(s[1:-1])) for s, _ in data.splits["test"]], data.test_refs
     if args.data_mirror is not None:
         cfg = dataclasses.replace(cfg, data_mirror=args.data_mirror)
-    pairs, _ = read_parallel(*locate_dataset(cfg.dataset, cfg).files["test"])
+    if cfg.dataset == "multi30k":
+        files = locate_multi30k_test(args.split, cfg)
+    elif args.split == "test":
+        files = locate_dataset(cfg.dataset, cfg).files["test"]
+    else:
+        raise DataError(f"{cfg.dataset} has no split {args.split!r} here; give --src and --ref")
+    pairs, _ = read_parallel(*files)
     return [s for s, _ in pairs], [t for _, t in pairs]
 
 
@@ -2636,6 +2689,8 @@ def inference_parser(command: str) -> argparse.ArgumentParser:
     else:
         parser.add_argument("--src", type=Path, help="source sentences, one per line (default: test split)")
         parser.add_argument("--ref", type=Path, help="references, aligned with --src")
+        parser.add_argument("--split", default="test",
+                            help="without --src/--ref: test, or for Multi30k test_2017_flickr / test_2018_flickr")
         parser.add_argument("--data_mirror", "--data-mirror", default=None, help="folder holding the data sets")
     return parser
 

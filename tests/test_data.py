@@ -589,3 +589,29 @@ def test_iwslt14_tokenizer_splits_on_whitespace_only():
     tok = T.make_tokenizer("iwslt14", "de")
     assert tok(["ein hund , der läuft .", "it &apos;s  don't"]) == [
         ["ein", "hund", ",", "der", "läuft", "."], ["it", "&apos;s", "don't"]]
+
+
+def test_multi30k_extra_test_sets_are_found_or_downloaded_without_a_pin(tmp_path, offline):
+    remote, mirror = tmp_path / "remote", tmp_path / "mirror" / "multi30k"
+    remote.mkdir()
+    mirror.mkdir(parents=True)
+    for split, names in T.MULTI30K_EXTRA_TESTS.items():
+        for name in names:
+            (remote / name).write_bytes(gzip.compress(f"{split} {name} remote\n".encode()))
+    data_dir = tmp_path / "data"
+    cfg = T.get_config("tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir))
+    de, en = T.locate_multi30k_test("test_2017_flickr", cfg, url_base=remote.as_uri() + "/")
+    assert (de, en) == (data_dir / "multi30k" / "test_2017_flickr.de.gz", data_dir / "multi30k" / "test_2017_flickr.en.gz")
+    assert T.read_lines(en) == ["test_2017_flickr test_2017_flickr.en.gz remote"]
+    # a mirror holding the files wins over the data folder and the network
+    for name in T.MULTI30K_EXTRA_TESTS["test_2018_flickr"]:
+        (mirror / name).write_bytes(gzip.compress(b"mirror\n"))
+    cfg_m = dataclasses.replace(cfg, data_mirror=str(tmp_path / "mirror"))
+    de, en = T.locate_multi30k_test("test_2018_flickr", cfg_m, url_base=(tmp_path / "nowhere").as_uri() + "/")
+    assert de.parent == mirror and T.read_lines(de) == ["mirror"]
+    with pytest.raises(DataError, match="unknown Multi30k test split"):
+        T.locate_multi30k_test("test_2099", cfg)
+    with pytest.raises(DataError, match="downloading is off"):
+        T.locate_multi30k_test("test_2018_flickr", dataclasses.replace(cfg, download=False))
+    with pytest.raises(DataError, match="could not download"):
+        T.locate_multi30k_test("test_2018_flickr", cfg, url_base=(tmp_path / "nowhere").as_uri() + "/")
