@@ -2031,11 +2031,13 @@ def beam_search(model, src, src_mask, max_new_tokens, start_symbol: int, end_sym
     offset = (torch.arange(batch, device=device) * k).unsqueeze(1)  # (batch, 1): first row of each sentence
     t = 0
     while not bool(done.all()):
-        log_probs = ban_tokens(state.step(tokens[:, :, -1].reshape(-1)), banned)  # (batch·k, V)
+        last = tokens[:, :, -1].reshape(-1)  # (batch·k,): the newest token of every hypothesis
+        log_probs = ban_tokens(state.step(last), banned)  # (batch·k, V)
         vocab = log_probs.size(-1)
         t += 1  # length of every candidate (tokens after <s>)
-        scores = scores.masked_fill(done.unsqueeze(1), float("-inf"))
-        cand = (scores.unsqueeze(-1) + log_probs.view(batch, k, vocab).double()).view(batch, k * vocab)
+        scores = scores.masked_fill(done.unsqueeze(1), float("-inf"))  # (batch, k): finished sentences stop
+        cand = scores.unsqueeze(-1) + log_probs.view(batch, k, vocab).double()  # (batch, k, V)
+        cand = cand.view(batch, k * vocab)  # (batch, k·V): log P of every one-token extension
         top, idx = cand.topk(min(2 * k, k * vocab), dim=-1)  # (batch, 2k), best first
         origin, tok = idx // vocab, idx % vocab  # (batch, 2k): which live hypothesis, which token
         n = top.size(1)
@@ -2594,7 +2596,7 @@ def main(argv: Sequence[str]) -> int:
 
 # %%
 def config_from_dict(values: dict) -> Config:
-    """A :class:`Config` from a checkpoint's saved fields (fields it does not know keep their defaults)."""
+    """A :class:`Config` from a checkpoint's saved fields (unknown to it: defaults) — for §6.1 inference."""
     names = {f.name for f in dataclasses.fields(Config)}
     kept = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if k in names}
     return Config(**kept)
@@ -2619,12 +2621,12 @@ def load_for_inference(checkpoint: Optional[Path] = None, run_dir: Optional[Path
 
 
 def encode_sources(lines: Sequence[str], dataset: str, src_vocab: Vocab) -> list[list[int]]:
-    """Raw source sentences → ``<s> ids </s>`` with the data set's source tokenizer; unknown words → <unk>."""
+    """Raw source sentences → ``<s> ids </s>``, tokenized as in training (§5.1 data); unknown words → <unk>."""
     return [[BOS] + src_vocab(toks) + [EOS] for toks in make_tokenizer(dataset, "de")(list(lines))]
 
 
 def bleu_with_signature(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> tuple:
-    """(sacreBLEU score object, signature string) with the scoring of :func:`bleu`."""
+    """(sacreBLEU score object, signature string) scored as :func:`bleu` does — the BLEU of §6.1."""
     import sacrebleu
 
     metric = sacrebleu.BLEU(tokenize="13a" if dataset == "multi30k" else "none")
@@ -2639,7 +2641,7 @@ def bleu_with_signature(hypotheses: Sequence[str], references: Sequence[str], da
 
 # %%
 def evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
-    """(source lines, reference lines): ``--src``/``--ref``, or the test split of the checkpoint's data set."""
+    """(source lines, reference lines) for ``evaluate`` (§6.1): ``--src``/``--ref``, or a test split."""
     if (args.src is None) != (args.ref is None):
         raise DataError("give both --src and --ref, or neither (to score the test split)")
     if args.src is not None:
