@@ -67,15 +67,15 @@ import os
 import random
 import re
 import shutil
+import signal
 import sys
 import tarfile
-import signal
 import tempfile
 import threading
 import time
 import urllib.request
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -726,8 +726,10 @@ class Config:
     max_len: int = 5000  # longest sequence the positional encoding covers
     # --- data (§5.1) ---
     dataset: str = "multi30k"  # "copy", "multi30k" or "iwslt14"
+    vocab: str = "bpe"  # "bpe": joint byte-pair encoding (§5.1); "words": whole words, rare ones <unk>
+    bpe_size: int = 37000  # size of the joint BPE vocabulary, specials included (§5.1: about 37000)
     shared_vocab: bool = True  # one vocabulary for both languages (three-way tying)
-    min_freq: int = 2
+    min_freq: int = 2  # word vocabularies: keep words seen at least this often
     max_tokens: int = 100  # pairs with a longer side are filtered out (and counted)
     batch_tokens: int = 4096  # tokens (source or target, padding included) per batch
     # --- optimisation (§5.3, §5.4) ---
@@ -763,6 +765,8 @@ class Config:
         if value not in ("auto", "true", "false"):
             raise ValueError(f"bf16 must be auto, true or false, not {self.bf16!r}")
         object.__setattr__(self, "bf16", value)
+        if self.vocab not in ("bpe", "words"):
+            raise ValueError(f"vocab must be bpe or words, not {self.vocab!r}")
 
     @property
     def d_k(self) -> int:
@@ -773,13 +777,13 @@ class Config:
 PRESETS = MappingProxyType({
     "base": Config(),
     "big": Config(d_model=1024, d_ff=4096, h=16, P_drop=0.3),
-    "tiny": Config(N=2, d_model=32, d_ff=64, h=4, max_len=512),
+    "tiny": Config(N=2, d_model=32, d_ff=64, h=4, max_len=512, vocab="words", bpe_size=1000),
     "copy": Config(N=2, d_model=64, d_ff=128, h=4, P_drop=0.0, dataset="copy", batch_tokens=1280,
                    warmup=200, epochs=16, min_freq=1),
-    "multi30k-small": Config(N=3, d_model=256, d_ff=1024, h=8, dataset="multi30k", shared_vocab=False,
+    "multi30k-small": Config(N=3, d_model=256, d_ff=1024, h=8, dataset="multi30k", bpe_size=8000,
                              batch_tokens=2500, warmup=1000, lr_factor=0.7, epochs=18, clip_grad=1.0,
                              fast_attention=True, average_last=5),
-    "iwslt14-small": Config(N=6, d_model=512, d_ff=1024, h=4, P_drop=0.3, dataset="iwslt14",
+    "iwslt14-small": Config(N=6, d_model=512, d_ff=1024, h=4, P_drop=0.3, dataset="iwslt14", bpe_size=10000,
                             batch_tokens=4096, warmup=4000, lr_factor=1.0, epochs=50,
                             min_freq=3, clip_grad=0.0),
 })
@@ -1011,46 +1015,53 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("ANNOTATED_TRANSFORMER_DATA", "data"))
 
 
-def download(url: str, dest: Path, sha256: Optional[str] = None, desc: Optional[str] = None) -> Path:
-    """Fetch ``url`` to ``dest`` atomically, checking ``sha256`` when given.
+@contextmanager
+def atomic_file(path: Path, mode: str = "wb"):
+    """Open a temporary file beside ``path`` that replaces ``path`` only if the block completes.
 
-    Any URL scheme ``urllib`` knows works, ``file://`` included. The bytes go to a
-    temporary file beside ``dest`` that replaces ``dest`` only when complete and verified,
-    so an interrupted or corrupt download never leaves a file that looks finished.
+    Downloads, prepared data, caches, checkpoints and logs all go through this one helper, so
+    an interrupted write never leaves a file that looks finished.
     """
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=60) as resp:
-            total = int(resp.headers.get("Content-Length") or 0) or None
-            with tqdm(total=total, unit="B", unit_scale=True, desc=desc or dest.name, leave=False) as bar:
-                while chunk := resp.read(1 << 20):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    bar.update(len(chunk))
-        if sha256 is not None and digest.hexdigest() != sha256:
-            raise DataError(f"checksum mismatch for {url}: expected sha256 {sha256}, got {digest.hexdigest()}")
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return dest
-
-
-def _write_lines_atomic(path: Path, lines: Iterable[str]) -> None:
-    """Write ``lines`` (one per line, UTF-8) to ``path`` through a temporary file."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for line in lines:
-                f.write(line + "\n")
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_atomic(path: Path, data) -> None:
+    """Write ``data`` (bytes, or an iterable of text lines) to ``path`` atomically."""
+    if isinstance(data, (bytes, bytearray)):
+        with atomic_file(path, "wb") as f:
+            f.write(data)
+    else:
+        with atomic_file(path, "w") as f:
+            for line in data:
+                f.write(line + "\n")
+
+
+def download(url: str, dest: Path, sha256: Optional[str] = None, desc: Optional[str] = None) -> Path:
+    """Fetch ``url`` to ``dest`` atomically, checking ``sha256`` when given.
+
+    Any URL scheme ``urllib`` knows works, ``file://`` included. A corrupt or interrupted
+    download never leaves a file at ``dest``.
+    """
+    digest = hashlib.sha256()
+    with atomic_file(dest) as out, urllib.request.urlopen(url, timeout=60) as resp:
+        total = int(resp.headers.get("Content-Length") or 0) or None
+        with tqdm(total=total, unit="B", unit_scale=True, desc=desc or Path(dest).name, leave=False) as bar:
+            while chunk := resp.read(1 << 20):
+                out.write(chunk)
+                digest.update(chunk)
+                bar.update(len(chunk))
+        if sha256 is not None and digest.hexdigest() != sha256:
+            raise DataError(f"checksum mismatch for {url}: expected sha256 {sha256}, got {digest.hexdigest()}")
+    return Path(dest)
 
 
 # %% [markdown]
@@ -1130,8 +1141,8 @@ def prepare_iwslt14(archive: Path, out_dir: Path, src: str = "de", tgt: str = "e
         test += [(prep(src, s), prep(tgt, t)) for s, t in zip(segs_s, segs_t)]
     counts = {}
     for split, pairs in (("train", kept), ("valid", valid), ("test", test)):
-        _write_lines_atomic(out_dir / f"{split}.{src}", (p[0] for p in pairs))
-        _write_lines_atomic(out_dir / f"{split}.{tgt}", (p[1] for p in pairs))
+        write_atomic(out_dir / f"{split}.{src}", (p[0] for p in pairs))
+        write_atomic(out_dir / f"{split}.{tgt}", (p[1] for p in pairs))
         counts[split] = len(pairs)
     return counts
 
@@ -1347,9 +1358,94 @@ def build_vocabs(train_tokens: tuple[list, list], cfg: Config, cache_key: Option
     else:
         src, tgt = Vocab.build(src_sents, cfg.min_freq), Vocab.build(tgt_sents, cfg.min_freq)
     if path is not None:
-        _write_lines_atomic(path, [json.dumps({"src": src.itos, "tgt": tgt.itos}, ensure_ascii=False)])
+        write_atomic(path, [json.dumps({"src": src.itos, "tgt": tgt.itos}, ensure_ascii=False)])
     return src, tgt
 
+
+# %% [markdown]
+# ### Subwords: byte-pair encoding
+#
+# §5.1 (quoted above) encodes sentences with byte-pair encoding into "a shared source-target
+# vocabulary". Byte-pair encoding (Sennrich et al., 2016) starts from single characters and
+# repeatedly merges the most frequent adjacent pair into a new symbol, until the vocabulary
+# has the size asked for. Frequent words end up as one piece; a rare word is spelled with
+# several pieces, so nothing is ever out of vocabulary — every character of the training text
+# is kept as a piece of its own. Trained on both languages at once, the pieces form one
+# vocabulary, which is what lets §3.4 share one matrix between both embeddings and the
+# output layer.
+#
+# We use **sentencepiece** (`model_type="bpe"`) rather than writing the merges out: it is
+# fast (about half a second on Multi30k), deterministic, and its model is one small file of
+# bytes that a checkpoint can carry, so a checkpoint alone is enough to translate. It works
+# on raw text: a space becomes part of the next piece (`▁`), so decoding the pieces gives
+# the sentence back exactly, with no detokenizer. Its ids are laid out to match `Vocab`: the
+# four specials first, so `<blank>` is padding and `<unk>` (printed as `<unk>`) is used only
+# for a character never seen in training. The model is trained on the **training split
+# only** and cached beside the word vocabularies, under a key made from the training files
+# and the settings. `Config.vocab = "words"` keeps the word-level vocabulary.
+
+# %%
+class Subwords:
+    r"""A joint byte-pair-encoding model (sentencepiece) — the shared BPE vocabulary of §5.1.
+
+    ``encode`` turns sentences into lists of pieces, ``decode`` turns piece lists back into
+    sentences; ``vocab`` is the matching :class:`Vocab` (piece ids = sentencepiece ids).
+    """
+
+    def __init__(self, model_proto: bytes):
+        import sentencepiece as spm
+
+        self.model_proto = bytes(model_proto)
+        self.sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
+        self.vocab = Vocab([self.sp.id_to_piece(i) for i in range(self.sp.get_piece_size())])
+
+    @classmethod
+    def train(cls, sentences: Iterable[str], vocab_size: int) -> "Subwords":
+        """Learn a BPE model of at most ``vocab_size`` pieces (specials included) from ``sentences``."""
+        import io
+
+        import sentencepiece as spm
+
+        model = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences), model_writer=model, model_type="bpe", vocab_size=vocab_size,
+            hard_vocab_limit=False, character_coverage=1.0, normalization_rule_name="identity",
+            bos_id=BOS, eos_id=EOS, pad_id=PAD, unk_id=UNK, bos_piece=SPECIALS[BOS], eos_piece=SPECIALS[EOS],
+            pad_piece=SPECIALS[PAD], unk_piece=SPECIALS[UNK], unk_surface=SPECIALS[UNK],
+            num_threads=1, minloglevel=2)  # minloglevel 2: errors only, no progress log
+        return cls(model.getvalue())
+
+    def encode(self, lines: Sequence[str]) -> list[list[str]]:
+        """Sentences → lists of pieces."""
+        return self.sp.encode(list(lines), out_type=str)
+
+    def decode(self, pieces: Sequence[Sequence[str]]) -> list[str]:
+        """Lists of pieces → sentences."""
+        return [self.sp.decode_pieces(list(p)) for p in pieces]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Subwords) and self.model_proto == other.model_proto
+
+
+def build_subwords(train_pairs: Sequence[tuple[str, str]], cfg: Config, cache_key: Optional[str] = None,
+                   cache_dir: Optional[Path] = None) -> Subwords:
+    """The joint BPE model of the training pairs (both sides), read from / written to ``cache_dir/bpe-<key>.model``."""
+    path = Path(cache_dir) / f"bpe-{cache_key}.model" if cache_key and cache_dir else None
+    if path is not None and path.is_file():
+        return Subwords(path.read_bytes())
+    subwords = Subwords.train([s for pair in train_pairs for s in pair], cfg.bpe_size)
+    if path is not None:
+        write_atomic(path, subwords.model_proto)
+    return subwords
+
+
+if EXAMPLES:
+    m30k_train, _ = read_parallel(*locate_dataset("multi30k", get_config("multi30k-small")).files["train"])
+    bpe = build_subwords(m30k_train, get_config("multi30k-small"))
+    sentence = "Ein Mann repariert das Kinderwagenrad vor der Eisenbahnbrücke."
+    pieces = bpe.encode([sentence])[0]
+    print(f"{len(bpe.vocab):,} pieces; {sentence!r} →\n{pieces}")
+    print("decoded back:", bpe.decode([pieces])[0])
 
 # %% [markdown]
 # ### Putting a data set together
@@ -1370,6 +1466,7 @@ class Dataset:
     test_refs: list  # reference strings for BLEU, aligned with splits["test"]
     origin: str = ""
     stats: dict = field(default_factory=dict)
+    subwords: Optional[Subwords] = None  # the BPE model when cfg.vocab == "bpe"
 
 
 def make_copy_data(cfg: Config, vocab_size: int = 11, length: int = 10,
@@ -1397,29 +1494,40 @@ def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = N
     if cfg.dataset == "copy":
         return make_copy_data(cfg)
     source = locate_dataset(cfg.dataset, cfg, url_base=url_base)
-    tok_src, tok_tgt = make_tokenizer(cfg.dataset, "de"), make_tokenizer(cfg.dataset, "en")
-    raw, tokens, stats = {}, {}, {}
+    raw, stats = {}, {}
     for split in ("train", "valid", "test"):
-        pairs, n_empty = read_parallel(*source.files[split])
-        raw[split] = pairs
-        tokens[split] = (tok_src([p[0] for p in pairs]), tok_tgt([p[1] for p in pairs]))
-        stats[f"{split}_pairs"] = len(pairs)
-        stats[f"{split}_empty_skipped"] = n_empty
+        raw[split], stats[f"{split}_empty_skipped"] = read_parallel(*source.files[split])
+        stats[f"{split}_pairs"] = len(raw[split])
+    data_dir = Path(cfg.data_dir) if cfg.data_dir else default_data_dir()
+    subwords = None
+    if cfg.vocab == "bpe":
+        key = _files_digest(source.files["train"], f"bpe|{cfg.dataset}|{cfg.bpe_size}")
+        subwords = build_subwords(raw["train"], cfg, key, data_dir / "cache")
+        tok_src = tok_tgt = subwords.encode
+    else:
+        tok_src, tok_tgt = make_tokenizer(cfg.dataset, "de"), make_tokenizer(cfg.dataset, "en")
+    tokens = {split: (tok_src([p[0] for p in pairs]), tok_tgt([p[1] for p in pairs])) for split, pairs in raw.items()}
     src_t, tgt_t = tokens["train"]
     keep = [i for i in range(len(src_t)) if len(src_t[i]) <= cfg.max_tokens and len(tgt_t[i]) <= cfg.max_tokens]
     stats["train_too_long_filtered"] = len(src_t) - len(keep)
     tokens["train"] = ([src_t[i] for i in keep], [tgt_t[i] for i in keep])
     stats["train_pairs"] = len(keep)
-    data_dir = Path(cfg.data_dir) if cfg.data_dir else default_data_dir()
-    key = _files_digest(source.files["train"], f"{cfg.dataset}|{cfg.min_freq}|{cfg.shared_vocab}|{cfg.max_tokens}")
-    src_vocab, tgt_vocab = build_vocabs(tokens["train"], cfg, key, data_dir / "cache")
+    if subwords is not None:
+        src_vocab = tgt_vocab = subwords.vocab
+    else:
+        key = _files_digest(source.files["train"], f"{cfg.dataset}|{cfg.min_freq}|{cfg.shared_vocab}|{cfg.max_tokens}")
+        src_vocab, tgt_vocab = build_vocabs(tokens["train"], cfg, key, data_dir / "cache")
     splits = {
         split: [([BOS] + src_vocab(s) + [EOS], [BOS] + tgt_vocab(t) + [EOS]) for s, t in zip(*tokens[split])]
         for split in ("train", "valid", "test")
     }
+    unk = sum(ids.count(UNK) for pair in splits["test"] for ids in pair)
+    stats["test_unk_share"] = round(unk / max(sum(len(ids) - 2 for pair in splits["test"] for ids in pair), 1), 4)
     log(f"data: {cfg.dataset} from {source.origin}; " + ", ".join(f"{k}={v:,}" for k, v in stats.items())
-        + f"; vocab {len(src_vocab):,}" + ("" if cfg.shared_vocab else f"/{len(tgt_vocab):,}"))
-    return Dataset(cfg.dataset, src_vocab, tgt_vocab, splits, [p[1] for p in raw["test"]], source.origin, stats)
+        + f"; {'BPE' if subwords else 'word'} vocab {len(src_vocab):,}"
+        + ("" if src_vocab is tgt_vocab else f"/{len(tgt_vocab):,}"))
+    return Dataset(cfg.dataset, src_vocab, tgt_vocab, splits, [p[1] for p in raw["test"]], source.origin, stats,
+                   subwords)
 
 # %% [markdown]
 # ### Batches and masks
@@ -1676,12 +1784,14 @@ class TrainingInterrupted(RuntimeError):
     """SIGINT or SIGTERM stopped training after the current update; a checkpoint was saved first."""
 
 
-MODEL_FIELDS = ("N", "d_model", "d_ff", "h", "norm_first", "tie_weights", "shared_vocab", "max_len", "dataset")
+MODEL_FIELDS = ("N", "d_model", "d_ff", "h", "norm_first", "tie_weights", "shared_vocab", "max_len", "dataset",
+                "vocab", "bpe_size")
 
 
 def save_checkpoint(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, src_vocab: Vocab,
-                    tgt_vocab: Vocab, step: int, epoch: int, batch_in_epoch: int) -> Path:
-    """Write a complete training checkpoint to ``path`` atomically."""
+                    tgt_vocab: Vocab, step: int, epoch: int, batch_in_epoch: int,
+                    subwords: Optional[Subwords] = None) -> Path:
+    """Write a complete training checkpoint to ``path`` atomically (with the BPE model, if any)."""
     state = {
         "format": 1,
         "model": unwrap(model).state_dict(),
@@ -1694,23 +1804,17 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer, scheduler, cfg: Con
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
         "config": dataclasses.asdict(cfg),
         "vocab": {"src": src_vocab.itos, "tgt": tgt_vocab.itos},
+        # the BPE model's bytes, as a tensor so that weights_only loading accepts it
+        "subwords": torch.frombuffer(bytearray(subwords.model_proto), dtype=torch.uint8) if subwords else None,
     }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    with atomic_file(path) as f:
+        torch.save(state, f)
+    return Path(path)
 
 
 def load_checkpoint(path: Path, cfg: Optional[Config] = None, src_vocab: Optional[Vocab] = None,
-                    tgt_vocab: Optional[Vocab] = None) -> dict:
-    """Read a checkpoint safely (``weights_only=True``) and check it fits ``cfg`` and the vocabularies."""
+                    tgt_vocab: Optional[Vocab] = None, subwords: Optional[Subwords] = None) -> dict:
+    """Read a checkpoint safely (``weights_only=True``) and check it fits ``cfg``, the vocabularies and BPE model."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated or foreign files
@@ -1726,7 +1830,16 @@ def load_checkpoint(path: Path, cfg: Optional[Config] = None, src_vocab: Optiona
         if vocab is not None and state["vocab"][side] != vocab.itos:
             raise CheckpointError(f"{path} was written with another {side} vocabulary "
                                   f"({len(state['vocab'][side]):,} tokens vs {len(vocab):,} now)")
+    if subwords is not None and checkpoint_subwords(state) != subwords:
+        raise CheckpointError(f"{path} was written with another BPE model than the one in use now "
+                              "(the training data or bpe_size differ); use the data and settings it was trained with")
     return state
+
+
+def checkpoint_subwords(state: dict) -> Optional[Subwords]:
+    """The BPE model a checkpoint carries (None for word vocabularies)."""
+    blob = state.get("subwords")
+    return Subwords(blob.numpy().tobytes()) if blob is not None else None
 
 
 def checkpoint_paths(run_dir: Path) -> list[Path]:
@@ -1793,8 +1906,10 @@ def translate(model: EncoderDecoder, sources: Sequence[list[int]], tgt_vocab: Vo
     return out
 
 
-def detokenize(tokens_list: Sequence[list[str]], dataset: str) -> list[str]:
-    """Token lists → strings in the form the references have (see above)."""
+def detokenize(tokens_list: Sequence[list[str]], dataset: str, subwords: Optional[Subwords] = None) -> list[str]:
+    """Token lists → strings in the form the references have (see above); BPE pieces are decoded."""
+    if subwords is not None:
+        return subwords.decode(tokens_list)
     if dataset == "multi30k":
         from sacremoses import MosesDetokenizer
 
@@ -1895,7 +2010,7 @@ def trim_metrics(path: Path, step: int) -> None:
     path = Path(path)
     if path.is_file():
         lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        _write_lines_atomic(path, [line for line in lines if json.loads(line)["step"] <= step])
+        write_atomic(path, [line for line in lines if json.loads(line)["step"] <= step])
 
 
 def _distributed() -> tuple[int, int]:
@@ -1949,7 +2064,7 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
     step, epoch, batch_in_epoch = 0, 0, 0
     existing = checkpoint_paths(run_dir)
     if existing:
-        state = load_checkpoint(existing[-1], cfg, data.src_vocab, data.tgt_vocab)
+        state = load_checkpoint(existing[-1], cfg, data.src_vocab, data.tgt_vocab, data.subwords)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -1989,7 +2104,7 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
         if not is_main:
             return None
         path = save_checkpoint(run_dir / f"checkpoint-{step:08d}.pt", model, optimizer, scheduler, cfg,
-                               data.src_vocab, data.tgt_vocab, step, epoch, batch_in_epoch)
+                               data.src_vocab, data.tgt_vocab, step, epoch, batch_in_epoch, data.subwords)
         for old in checkpoint_paths(run_dir)[: -cfg.keep_checkpoints]:
             old.unlink()
         return path
@@ -2078,7 +2193,7 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
     if evaluate and is_main:
         summary.update(evaluate_test(model, data, cfg, device, run_dir, log=log, progress=progress))
         summary["total_minutes"] = (time.time() - t_start) / 60
-        _write_lines_atomic(run_dir / "results.json", [json.dumps(summary, indent=2)])
+        write_atomic(run_dir / "results.json", [json.dumps(summary, indent=2)])
     return summary
 
 
@@ -2097,13 +2212,14 @@ def evaluate_test(model: nn.Module, data: Dataset, cfg: Config, device, run_dir:
         test, refs = test[: cfg.max_eval_sentences], refs[: cfg.max_eval_sentences]
     t0 = time.time()
     hyps_tok = translate(model, [s for s, _ in test], data.tgt_vocab, cfg, device, progress=progress)
-    hyps = detokenize(hyps_tok, data.name)
+    hyps = detokenize(hyps_tok, data.name, data.subwords)
     score = bleu(hyps, refs, data.name)
     kind = "detokenized cased" if data.name == "multi30k" else "tokenized"
     log(f"test BLEU ({kind}, sacreBLEU, greedy, {len(test):,} sentences): {score:.2f}")
     examples = []
     for i in range(min(cfg.examples_to_show, len(test))):
-        src = " ".join(data.src_vocab.lookup_tokens(test[i][0][1:-1]))
+        pieces = data.src_vocab.lookup_tokens(test[i][0][1:-1])
+        src = data.subwords.decode([pieces])[0] if data.subwords else " ".join(pieces)
         examples.append({"source": src, "reference": refs[i], "output": hyps[i]})
         log(f"  source:    {src}\n  reference: {refs[i]}\n  output:    {hyps[i]}")
     return {"bleu": score, "bleu_kind": kind, "test_sentences": len(test),
