@@ -9,13 +9,14 @@ ARGS ?=
 NB := annotated_transformer.ipynb
 SRC := the_annotated_transformer.py
 
-.PHONY: install test test-fast sync notebook train translate evaluate clean help
+.PHONY: install test sync notebook lab train translate evaluate clean help
 
 help:
 	@echo "make install            create .venv and install requirements.txt"
 	@echo "make test               run the test suite (pytest)"
 	@echo "make sync               bring $(NB) and $(SRC) up to date with each other"
 	@echo "make notebook           execute the notebook top to bottom and store its outputs"
+	@echo "make lab                open the notebook in JupyterLab (from .venv)"
 	@echo "make train [CONFIG=..]  train a preset (default iwslt14-small); ARGS='--field value ...'"
 	@echo "make translate ARGS='\"Ein Satz.\"'  translate with the run in RUN (default runs/CONFIG)"
 	@echo "make evaluate [ARGS='--src F --ref F']  BLEU of the run in RUN (default: the test split)"
@@ -38,6 +39,9 @@ notebook: $(STAMP) sync
 	$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.timeout=-1 --ExecutePreprocessor.kernel_name=python3 $(NB)
 	$(VENV)/bin/jupytext --sync $(NB)
+
+lab: $(STAMP)
+	$(VENV)/bin/jupyter lab $(NB)
 
 train: $(STAMP)
 	$(PY) $(SRC) train --config $(CONFIG) $(ARGS)

@@ -66,13 +66,16 @@ import math
 import os
 import random
 import re
+import shutil
+import signal
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import urllib.request
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -731,8 +734,10 @@ class Config:
     max_len: int = 5000  # longest sequence the positional encoding covers
     # --- data (§5.1) ---
     dataset: str = "multi30k"  # "copy", "multi30k" or "iwslt14"
+    vocab: str = "bpe"  # "bpe": joint byte-pair encoding (§5.1); "words": whole words, rare ones <unk>
+    bpe_size: int = 37000  # size of the joint BPE vocabulary, specials included (§5.1: about 37000)
     shared_vocab: bool = True  # one vocabulary for both languages (three-way tying)
-    min_freq: int = 2
+    min_freq: int = 2  # word vocabularies: keep words seen at least this often
     max_tokens: int = 100  # pairs with a longer side are filtered out (and counted)
     batch_tokens: int = 4096  # tokens (source or target, padding included) per batch
     # --- optimisation (§5.3, §5.4) ---
@@ -748,9 +753,10 @@ class Config:
     seed: int = 1
     # --- machinery ---
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
-    bf16: bool = False  # bf16 autocast
+    bf16: str = "auto"  # bf16 autocast: "auto" (only where the hardware computes bf16 natively), "true", "false"
     compile: bool = False  # torch.compile the model
     keep_checkpoints: int = 5  # last K kept (for averaging)
+    checkpoint_minutes: float = 10.0  # also save every this many minutes (§6.1: every 10 minutes); 0 = off
     average_last: int = 0  # evaluate the average of the last K checkpoints; 0 = last only
     run_dir: str = ""  # where checkpoints and logs go; "" = runs/<preset>
     data_dir: str = ""  # downloads and caches; "" = $ANNOTATED_TRANSFORMER_DATA or ./data
@@ -763,6 +769,15 @@ class Config:
     max_eval_sentences: int = 0  # decode only the first N test sentences; 0 = all
     examples_to_show: int = 5
 
+    def __post_init__(self):
+        # bf16 is a three-way switch; True/False (older checkpoints, Python callers) mean "true"/"false".
+        value = {True: "true", False: "false"}.get(self.bf16, str(self.bf16).lower())
+        if value not in ("auto", "true", "false"):
+            raise ValueError(f"bf16 must be auto, true or false, not {self.bf16!r}")
+        object.__setattr__(self, "bf16", value)
+        if self.vocab not in ("bpe", "words"):
+            raise ValueError(f"vocab must be bpe or words, not {self.vocab!r}")
+
     @property
     def d_k(self) -> int:
         """d_k = d_v = d_model / h (§3.2.2)."""
@@ -772,13 +787,13 @@ class Config:
 PRESETS = MappingProxyType({
     "base": Config(),
     "big": Config(d_model=1024, d_ff=4096, h=16, P_drop=0.3),
-    "tiny": Config(N=2, d_model=32, d_ff=64, h=4, max_len=512),
+    "tiny": Config(N=2, d_model=32, d_ff=64, h=4, max_len=512, vocab="words", bpe_size=1000),
     "copy": Config(N=2, d_model=64, d_ff=128, h=4, P_drop=0.0, dataset="copy", batch_tokens=1280,
-                   warmup=200, lr_factor=0.5, eps_ls=0.0, epochs=30, min_freq=1),
-    "multi30k-small": Config(N=3, d_model=256, d_ff=1024, h=8, dataset="multi30k", shared_vocab=False,
+                   warmup=200, epochs=16, min_freq=1),
+    "multi30k-small": Config(N=3, d_model=256, d_ff=1024, h=8, dataset="multi30k", bpe_size=8000,
                              batch_tokens=2500, warmup=1000, lr_factor=0.7, epochs=18, clip_grad=1.0,
-                             bf16=True, fast_attention=True, average_last=5),
-    "iwslt14-small": Config(N=6, d_model=512, d_ff=1024, h=4, P_drop=0.3, dataset="iwslt14",
+                             fast_attention=True, average_last=5),
+    "iwslt14-small": Config(N=6, d_model=512, d_ff=1024, h=4, P_drop=0.3, dataset="iwslt14", bpe_size=10000,
                             batch_tokens=4096, warmup=4000, lr_factor=1.0, epochs=50,
                             min_freq=3, clip_grad=0.0),
 })
@@ -1151,46 +1166,53 @@ def default_data_dir() -> Path:
     return Path(os.environ.get("ANNOTATED_TRANSFORMER_DATA", "data"))
 
 
-def download(url: str, dest: Path, sha256: Optional[str] = None, desc: Optional[str] = None) -> Path:
-    """Fetch ``url`` to ``dest`` atomically, checking ``sha256`` when given.
+@contextmanager
+def atomic_file(path: Path, mode: str = "wb"):
+    """Open a temporary file beside ``path`` that replaces ``path`` only if the block completes.
 
-    Any URL scheme ``urllib`` knows works, ``file://`` included. The bytes go to a
-    temporary file beside ``dest`` that replaces ``dest`` only when complete and verified,
-    so an interrupted or corrupt download never leaves a file that looks finished.
+    Downloads, prepared data, caches, checkpoints and logs all go through this one helper, so
+    an interrupted write never leaves a file that looks finished.
     """
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=60) as resp:
-            total = int(resp.headers.get("Content-Length") or 0) or None
-            with tqdm(total=total, unit="B", unit_scale=True, desc=desc or dest.name, leave=False) as bar:
-                while chunk := resp.read(1 << 20):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    bar.update(len(chunk))
-        if sha256 is not None and digest.hexdigest() != sha256:
-            raise DataError(f"checksum mismatch for {url}: expected sha256 {sha256}, got {digest.hexdigest()}")
-        os.replace(tmp, dest)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return dest
-
-
-def _write_lines_atomic(path: Path, lines: Iterable[str]) -> None:
-    """Write ``lines`` (one per line, UTF-8) to ``path`` through a temporary file."""
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            for line in lines:
-                f.write(line + "\n")
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def write_atomic(path: Path, data) -> None:
+    """Write ``data`` (bytes, or an iterable of text lines) to ``path`` atomically."""
+    if isinstance(data, (bytes, bytearray)):
+        with atomic_file(path, "wb") as f:
+            f.write(data)
+    else:
+        with atomic_file(path, "w") as f:
+            for line in data:
+                f.write(line + "\n")
+
+
+def download(url: str, dest: Path, sha256: Optional[str] = None, desc: Optional[str] = None) -> Path:
+    """Fetch ``url`` to ``dest`` atomically, checking ``sha256`` when given.
+
+    Any URL scheme ``urllib`` knows works, ``file://`` included. A corrupt or interrupted
+    download never leaves a file at ``dest``.
+    """
+    digest = hashlib.sha256()
+    with atomic_file(dest) as out, urllib.request.urlopen(url, timeout=60) as resp:
+        total = int(resp.headers.get("Content-Length") or 0) or None
+        with tqdm(total=total, unit="B", unit_scale=True, desc=desc or Path(dest).name, leave=False) as bar:
+            while chunk := resp.read(1 << 20):
+                out.write(chunk)
+                digest.update(chunk)
+                bar.update(len(chunk))
+        if sha256 is not None and digest.hexdigest() != sha256:
+            raise DataError(f"checksum mismatch for {url}: expected sha256 {sha256}, got {digest.hexdigest()}")
+    return Path(dest)
 
 
 # %% [markdown]
@@ -1270,8 +1292,8 @@ def prepare_iwslt14(archive: Path, out_dir: Path, src: str = "de", tgt: str = "e
         test += [(prep(src, s), prep(tgt, t)) for s, t in zip(segs_s, segs_t)]
     counts = {}
     for split, pairs in (("train", kept), ("valid", valid), ("test", test)):
-        _write_lines_atomic(out_dir / f"{split}.{src}", (p[0] for p in pairs))
-        _write_lines_atomic(out_dir / f"{split}.{tgt}", (p[1] for p in pairs))
+        write_atomic(out_dir / f"{split}.{src}", (p[0] for p in pairs))
+        write_atomic(out_dir / f"{split}.{tgt}", (p[1] for p in pairs))
         counts[split] = len(pairs)
     return counts
 
@@ -1288,7 +1310,7 @@ class DataSource:
 
     name: str
     files: dict
-    origin: str  # a sentence for the user: "mirror /x/multi30k", "downloaded to …"
+    origin: str  # a sentence for the user: "mirror $DATA_MIRROR/multi30k", "downloaded to …"
 
 
 def locate_dataset(name: str, cfg: Config, url_base: Optional[str] = None) -> DataSource:
@@ -1313,7 +1335,8 @@ def locate_dataset(name: str, cfg: Config, url_base: Optional[str] = None) -> Da
         files.pop("train-sample", None)
         return files if all(k in files for k in ("train", "valid", "test")) else None
 
-    candidates = ([(Path(mirror) / name, f"mirror {Path(mirror) / name}")] if mirror else [])
+    shown = Path(cfg.data_mirror or "$DATA_MIRROR") / name  # name the setting, not this machine's path
+    candidates = ([(Path(mirror) / name, f"mirror {shown}")] if mirror else [])
     candidates.append((data_dir / name, f"data folder {data_dir / name}"))
     sample = None  # a folder with only the IWSLT14 training sample, used if no full one exists
     for folder, origin in candidates:
@@ -1524,9 +1547,94 @@ def build_vocabs(train_tokens: tuple[list, list], cfg: Config, cache_key: Option
     else:
         src, tgt = Vocab.build(src_sents, cfg.min_freq), Vocab.build(tgt_sents, cfg.min_freq)
     if path is not None:
-        _write_lines_atomic(path, [json.dumps({"src": src.itos, "tgt": tgt.itos}, ensure_ascii=False)])
+        write_atomic(path, [json.dumps({"src": src.itos, "tgt": tgt.itos}, ensure_ascii=False)])
     return src, tgt
 
+
+# %% [markdown]
+# ### Subwords: byte-pair encoding
+#
+# §5.1 (quoted above) encodes sentences with byte-pair encoding into "a shared source-target
+# vocabulary". Byte-pair encoding (Sennrich et al., 2016) starts from single characters and
+# repeatedly merges the most frequent adjacent pair into a new symbol, until the vocabulary
+# has the size asked for. Frequent words end up as one piece; a rare word is spelled with
+# several pieces, so nothing is ever out of vocabulary — every character of the training text
+# is kept as a piece of its own. Trained on both languages at once, the pieces form one
+# vocabulary, which is what lets §3.4 share one matrix between both embeddings and the
+# output layer.
+#
+# We use **sentencepiece** (`model_type="bpe"`) rather than writing the merges out: it is
+# fast (about half a second on Multi30k), deterministic, and its model is one small file of
+# bytes that a checkpoint can carry, so a checkpoint alone is enough to translate. It works
+# on raw text: a space becomes part of the next piece (`▁`), so decoding the pieces gives
+# the sentence back exactly, with no detokenizer. Its ids are laid out to match `Vocab`: the
+# four specials first, so `<blank>` is padding and `<unk>` (printed as `<unk>`) is used only
+# for a character never seen in training. The model is trained on the **training split
+# only** and cached beside the word vocabularies, under a key made from the training files
+# and the settings. `Config.vocab = "words"` keeps the word-level vocabulary.
+
+# %%
+class Subwords:
+    r"""A joint byte-pair-encoding model (sentencepiece) — the shared BPE vocabulary of §5.1.
+
+    ``encode`` turns sentences into lists of pieces, ``decode`` turns piece lists back into
+    sentences; ``vocab`` is the matching :class:`Vocab` (piece ids = sentencepiece ids).
+    """
+
+    def __init__(self, model_proto: bytes):
+        import sentencepiece as spm
+
+        self.model_proto = bytes(model_proto)
+        self.sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
+        self.vocab = Vocab([self.sp.id_to_piece(i) for i in range(self.sp.get_piece_size())])
+
+    @classmethod
+    def train(cls, sentences: Iterable[str], vocab_size: int) -> "Subwords":
+        """Learn a BPE model of at most ``vocab_size`` pieces (specials included) from ``sentences``."""
+        import io
+
+        import sentencepiece as spm
+
+        model = io.BytesIO()
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences), model_writer=model, model_type="bpe", vocab_size=vocab_size,
+            hard_vocab_limit=False, character_coverage=1.0, normalization_rule_name="identity",
+            bos_id=BOS, eos_id=EOS, pad_id=PAD, unk_id=UNK, bos_piece=SPECIALS[BOS], eos_piece=SPECIALS[EOS],
+            pad_piece=SPECIALS[PAD], unk_piece=SPECIALS[UNK], unk_surface=SPECIALS[UNK],
+            num_threads=1, minloglevel=2)  # minloglevel 2: errors only, no progress log
+        return cls(model.getvalue())
+
+    def encode(self, lines: Sequence[str]) -> list[list[str]]:
+        """Sentences → lists of pieces."""
+        return self.sp.encode(list(lines), out_type=str)
+
+    def decode(self, pieces: Sequence[Sequence[str]]) -> list[str]:
+        """Lists of pieces → sentences."""
+        return [self.sp.decode_pieces(list(p)) for p in pieces]
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Subwords) and self.model_proto == other.model_proto
+
+
+def build_subwords(train_pairs: Sequence[tuple[str, str]], cfg: Config, cache_key: Optional[str] = None,
+                   cache_dir: Optional[Path] = None) -> Subwords:
+    """The joint BPE model of the training pairs (both sides), read from / written to ``cache_dir/bpe-<key>.model``."""
+    path = Path(cache_dir) / f"bpe-{cache_key}.model" if cache_key and cache_dir else None
+    if path is not None and path.is_file():
+        return Subwords(path.read_bytes())
+    subwords = Subwords.train([s for pair in train_pairs for s in pair], cfg.bpe_size)
+    if path is not None:
+        write_atomic(path, subwords.model_proto)
+    return subwords
+
+
+if EXAMPLES:
+    m30k_train, _ = read_parallel(*locate_dataset("multi30k", get_config("multi30k-small")).files["train"])
+    bpe = build_subwords(m30k_train, get_config("multi30k-small"))
+    sentence = "Ein Mann repariert das Kinderwagenrad vor der Eisenbahnbrücke."
+    pieces = bpe.encode([sentence])[0]
+    print(f"{len(bpe.vocab):,} pieces; {sentence!r} →\n{pieces}")
+    print("decoded back:", bpe.decode([pieces])[0])
 
 # %% [markdown]
 # ### Putting a data set together
@@ -1547,6 +1655,7 @@ class Dataset:
     test_refs: list  # reference strings for BLEU, aligned with splits["test"]
     origin: str = ""
     stats: dict = field(default_factory=dict)
+    subwords: Optional[Subwords] = None  # the BPE model when cfg.vocab == "bpe"
 
 
 def make_copy_data(cfg: Config, vocab_size: int = 11, length: int = 10,
@@ -1574,29 +1683,40 @@ def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = N
     if cfg.dataset == "copy":
         return make_copy_data(cfg)
     source = locate_dataset(cfg.dataset, cfg, url_base=url_base)
-    tok_src, tok_tgt = make_tokenizer(cfg.dataset, "de"), make_tokenizer(cfg.dataset, "en")
-    raw, tokens, stats = {}, {}, {}
+    raw, stats = {}, {}
     for split in ("train", "valid", "test"):
-        pairs, n_empty = read_parallel(*source.files[split])
-        raw[split] = pairs
-        tokens[split] = (tok_src([p[0] for p in pairs]), tok_tgt([p[1] for p in pairs]))
-        stats[f"{split}_pairs"] = len(pairs)
-        stats[f"{split}_empty_skipped"] = n_empty
+        raw[split], stats[f"{split}_empty_skipped"] = read_parallel(*source.files[split])
+        stats[f"{split}_pairs"] = len(raw[split])
+    data_dir = Path(cfg.data_dir) if cfg.data_dir else default_data_dir()
+    subwords = None
+    if cfg.vocab == "bpe":
+        key = _files_digest(source.files["train"], f"bpe|{cfg.dataset}|{cfg.bpe_size}")
+        subwords = build_subwords(raw["train"], cfg, key, data_dir / "cache")
+        tok_src = tok_tgt = subwords.encode
+    else:
+        tok_src, tok_tgt = make_tokenizer(cfg.dataset, "de"), make_tokenizer(cfg.dataset, "en")
+    tokens = {split: (tok_src([p[0] for p in pairs]), tok_tgt([p[1] for p in pairs])) for split, pairs in raw.items()}
     src_t, tgt_t = tokens["train"]
     keep = [i for i in range(len(src_t)) if len(src_t[i]) <= cfg.max_tokens and len(tgt_t[i]) <= cfg.max_tokens]
     stats["train_too_long_filtered"] = len(src_t) - len(keep)
     tokens["train"] = ([src_t[i] for i in keep], [tgt_t[i] for i in keep])
     stats["train_pairs"] = len(keep)
-    data_dir = Path(cfg.data_dir) if cfg.data_dir else default_data_dir()
-    key = _files_digest(source.files["train"], f"{cfg.dataset}|{cfg.min_freq}|{cfg.shared_vocab}|{cfg.max_tokens}")
-    src_vocab, tgt_vocab = build_vocabs(tokens["train"], cfg, key, data_dir / "cache")
+    if subwords is not None:
+        src_vocab = tgt_vocab = subwords.vocab
+    else:
+        key = _files_digest(source.files["train"], f"{cfg.dataset}|{cfg.min_freq}|{cfg.shared_vocab}|{cfg.max_tokens}")
+        src_vocab, tgt_vocab = build_vocabs(tokens["train"], cfg, key, data_dir / "cache")
     splits = {
         split: [([BOS] + src_vocab(s) + [EOS], [BOS] + tgt_vocab(t) + [EOS]) for s, t in zip(*tokens[split])]
         for split in ("train", "valid", "test")
     }
+    unk = sum(ids.count(UNK) for pair in splits["test"] for ids in pair)
+    stats["test_unk_share"] = round(unk / max(sum(len(ids) - 2 for pair in splits["test"] for ids in pair), 1), 4)
     log(f"data: {cfg.dataset} from {source.origin}; " + ", ".join(f"{k}={v:,}" for k, v in stats.items())
-        + f"; vocab {len(src_vocab):,}" + ("" if cfg.shared_vocab else f"/{len(tgt_vocab):,}"))
-    return Dataset(cfg.dataset, src_vocab, tgt_vocab, splits, [p[1] for p in raw["test"]], source.origin, stats)
+        + f"; {'BPE' if subwords else 'word'} vocab {len(src_vocab):,}"
+        + ("" if src_vocab is tgt_vocab else f"/{len(tgt_vocab):,}"))
+    return Dataset(cfg.dataset, src_vocab, tgt_vocab, splits, [p[1] for p in raw["test"]], source.origin, stats,
+                   subwords)
 
 # %% [markdown]
 # ### Batches and masks
@@ -1691,21 +1811,23 @@ def make_batch(pairs: Sequence[tuple[list, list]], idx: Sequence[int]) -> Batch:
 #
 # — §5.3, Eq. 3
 #
-# `rate` is Eq. 3 (times an optional `factor`). `torch.optim.Adam` does the rest, and
-# `LambdaLR` multiplies its base rate of 1.0 by `rate(step)` after every update. `LambdaLR`
-# counts from 0, so step 0 is treated as step 1.
+# `rate` is Eq. 3 (times an optional `factor`), defined for $step\_num \ge 1$.
+# `torch.optim.Adam` does the rest, with `LambdaLR` setting the learning rate before each
+# update. `LambdaLR` counts the updates already taken (0 before the first), so update $k$ —
+# the paper's $step\_num = k$ — runs with `rate(k)` when the lambda is `rate(taken + 1)`.
 
 # %%
 def rate(step: int, d_model: int, factor: float = 1.0, warmup: int = 4000) -> float:
-    r"""Learning rate of §5.3, Eq. 3: $d_{model}^{-0.5} \min(step^{-0.5}, step \cdot warmup^{-1.5})$."""
-    step = max(step, 1)
+    r"""Learning rate of §5.3, Eq. 3: $d_{model}^{-0.5} \min(step^{-0.5}, step \cdot warmup^{-1.5})$, step ≥ 1."""
+    if step < 1:
+        raise ValueError(f"Eq. 3 counts steps from 1, got step={step}")
     return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> tuple[torch.optim.Optimizer, LambdaLR]:
-    """Adam with §5.3's β1, β2, ε and the Eq. 3 schedule."""
+    """Adam with §5.3's β1, β2, ε and the Eq. 3 schedule: update k (counting from 1) uses ``rate(k)``."""
     optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=tuple(cfg.betas), eps=cfg.adam_eps)
-    scheduler = LambdaLR(optimizer, lambda step: rate(step, cfg.d_model, cfg.lr_factor, cfg.warmup))
+    scheduler = LambdaLR(optimizer, lambda taken: rate(taken + 1, cfg.d_model, cfg.lr_factor, cfg.warmup))
     return optimizer, scheduler
 
 
@@ -1808,11 +1930,18 @@ if EXAMPLES:
 # (over all accumulated batches, and over all processes in a distributed run), so an update
 # computes the same gradient however it is split. The schedule advances once per update.
 #
-# Around that core: optional gradient clipping, bf16 autocast and `torch.compile` (both meant
-# for CUDA, and tested on the CPU), several processes through `torchrun` with
+# Around that core: optional gradient clipping, bf16 autocast, `torch.compile` (an option;
+# compiling is slow on a CPU, so the tests leave it out), several processes through `torchrun` with
 # `DistributedDataParallel` (NCCL on GPUs, Gloo on CPUs), `tqdm` progress bars with loss,
 # learning rate and tokens per second, a validation loss every epoch, a JSONL metrics log, a
 # training-curve figure, and checkpoints.
+#
+# **bf16 only where it is fast.** bf16 autocast roughly doubles the matrix throughput of a
+# CPU with native bf16 instructions (AVX-512 BF16 or AMX) and of recent GPUs; a CPU without
+# them (most AVX2 machines) *emulates* bf16 and runs tens of times slower than in float32.
+# So `bf16="auto"` (the default) asks the hardware — `torch.cuda.is_bf16_supported()` on a
+# GPU; on a CPU, whether it has AVX-512 BF16 or AMX *and* torch runs its AVX-512 kernels —
+# and the run log says what it decided and why. `"true"` and `"false"` override it.
 #
 # ### Checkpoints
 #
@@ -1823,6 +1952,13 @@ if EXAMPLES:
 # `torch.load(weights_only=True)`, which never runs code from the file. Resuming restores
 # everything, so that N steps, a stop and N more steps give exactly the parameters of 2N
 # steps in one go (a test checks it).
+#
+# A checkpoint is written at the end of every epoch and, inside long epochs, every
+# `checkpoint_minutes` (10 by default — the interval at which §6.1 says the paper wrote its
+# checkpoints). Ctrl-C (SIGINT) or SIGTERM does not kill training mid-update: the current
+# update finishes, a checkpoint is saved, and the run stops with a message saying that the
+# same command continues it (a second Ctrl-C stops at once). On resuming, records the
+# metrics log received after the checkpoint are dropped, so no step is logged twice.
 
 # %%
 class CheckpointError(RuntimeError):
@@ -1833,12 +1969,18 @@ class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 
 
-MODEL_FIELDS = ("N", "d_model", "d_ff", "h", "norm_first", "tie_weights", "shared_vocab", "max_len", "dataset")
+class TrainingInterrupted(RuntimeError):
+    """SIGINT or SIGTERM stopped training after the current update; a checkpoint was saved first."""
+
+
+MODEL_FIELDS = ("N", "d_model", "d_ff", "h", "norm_first", "tie_weights", "shared_vocab", "max_len", "dataset",
+                "vocab", "bpe_size")
 
 
 def save_checkpoint(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, src_vocab: Vocab,
-                    tgt_vocab: Vocab, step: int, epoch: int, batch_in_epoch: int) -> Path:
-    """Write a complete training checkpoint to ``path`` atomically."""
+                    tgt_vocab: Vocab, step: int, epoch: int, batch_in_epoch: int,
+                    subwords: Optional[Subwords] = None) -> Path:
+    """Write a complete training checkpoint to ``path`` atomically (with the BPE model, if any)."""
     state = {
         "format": 1,
         "model": unwrap(model).state_dict(),
@@ -1851,23 +1993,17 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer, scheduler, cfg: Con
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
         "config": dataclasses.asdict(cfg),
         "vocab": {"src": src_vocab.itos, "tgt": tgt_vocab.itos},
+        # the BPE model's bytes, as a tensor so that weights_only loading accepts it
+        "subwords": torch.frombuffer(bytearray(subwords.model_proto), dtype=torch.uint8) if subwords else None,
     }
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    with atomic_file(path) as f:
+        torch.save(state, f)
+    return Path(path)
 
 
 def load_checkpoint(path: Path, cfg: Optional[Config] = None, src_vocab: Optional[Vocab] = None,
-                    tgt_vocab: Optional[Vocab] = None) -> dict:
-    """Read a checkpoint safely (``weights_only=True``) and check it fits ``cfg`` and the vocabularies."""
+                    tgt_vocab: Optional[Vocab] = None, subwords: Optional[Subwords] = None) -> dict:
+    """Read a checkpoint safely (``weights_only=True``) and check it fits ``cfg``, the vocabularies and BPE model."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated or foreign files
@@ -1883,7 +2019,16 @@ def load_checkpoint(path: Path, cfg: Optional[Config] = None, src_vocab: Optiona
         if vocab is not None and state["vocab"][side] != vocab.itos:
             raise CheckpointError(f"{path} was written with another {side} vocabulary "
                                   f"({len(state['vocab'][side]):,} tokens vs {len(vocab):,} now)")
+    if subwords is not None and checkpoint_subwords(state) != subwords:
+        raise CheckpointError(f"{path} was written with another BPE model than the one in use now "
+                              "(the training data or bpe_size differ); use the data and settings it was trained with")
     return state
+
+
+def checkpoint_subwords(state: dict) -> Optional[Subwords]:
+    """The BPE model a checkpoint carries (None for word vocabularies)."""
+    blob = state.get("subwords")
+    return Subwords(blob.numpy().tobytes()) if blob is not None else None
 
 
 def checkpoint_paths(run_dir: Path) -> list[Path]:
@@ -2108,8 +2253,10 @@ def translate(model: EncoderDecoder, sources: Sequence[list[int]], tgt_vocab: Vo
     return out
 
 
-def detokenize(tokens_list: Sequence[list[str]], dataset: str) -> list[str]:
-    """Token lists → strings in the form the references have (see above)."""
+def detokenize(tokens_list: Sequence[list[str]], dataset: str, subwords: Optional[Subwords] = None) -> list[str]:
+    """Token lists → strings in the form the references have (see above); BPE pieces are decoded."""
+    if subwords is not None:
+        return subwords.decode(tokens_list)
     if dataset == "multi30k":
         from sacremoses import MosesDetokenizer
 
@@ -2137,6 +2284,80 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def native_bf16(device: torch.device) -> tuple[bool, str]:
+    """Whether ``device`` computes in bf16 natively (not emulated), with the reason in words."""
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return True, "the CUDA device supports bf16"
+        return False, "the CUDA device has no bf16 support"
+    if device.type == "cpu":
+        kernels = torch.backends.cpu.get_cpu_capability()  # the vector kernels torch runs: "AVX512", "AVX2", …
+        unit = ("AMX" if torch.cpu._is_amx_tile_supported()
+                else "AVX-512 BF16" if torch.cpu._is_avx512_bf16_supported() else None)
+        if unit and kernels.startswith("AVX512"):
+            return True, f"the CPU has native bf16 ({unit})"
+        return False, (f"the CPU has no native bf16 (kernels: {kernels}), so bf16 would be emulated "
+                       "and much slower than float32")
+    return False, f"bf16 autocast is not used on {device.type}"
+
+
+def resolve_bf16(setting: str, device: torch.device) -> tuple[bool, str]:
+    """Decide ``Config.bf16`` ("auto" | "true" | "false") for ``device``; returns (on, a line for the log)."""
+    if setting == "auto":
+        on, why = native_bf16(device)
+        return on, f"bf16 autocast: {'on' if on else 'off'} (auto: {why})"
+    if setting == "true":
+        on, why = native_bf16(device)
+        return True, "bf16 autocast: on (asked for" + ("" if on else f"; note: {why}") + ")"
+    return False, "bf16 autocast: off (asked for)"
+
+
+class StopRequest:
+    """Turns SIGINT/SIGTERM into a request to stop after the current update.
+
+    A context manager: inside it the first signal only sets ``signum``; the training loop
+    checks :meth:`requested` after each update, saves and stops. A second signal stops at
+    once (``KeyboardInterrupt``). Handlers are installed only in the main thread, and the
+    previous ones are put back on exit.
+    """
+
+    def __init__(self):
+        self.signum: Optional[int] = None
+        self._previous: dict = {}
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = signum
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def requested(self, world: int = 1) -> bool:
+        """True once a signal arrived (in any process of a distributed run: all stop together)."""
+        flag = self.signum is not None
+        if world > 1:
+            t = torch.tensor(int(flag))
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            flag = bool(t)
+        return flag
+
+
+def trim_metrics(path: Path, step: int) -> None:
+    """Drop the records after ``step`` from a metrics log, so that a resumed run does not repeat them."""
+    path = Path(path)
+    if path.is_file():
+        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        write_atomic(path, [line for line in lines if json.loads(line)["step"] <= step])
 
 
 def _distributed() -> tuple[int, int]:
@@ -2190,7 +2411,7 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
     step, epoch, batch_in_epoch = 0, 0, 0
     existing = checkpoint_paths(run_dir)
     if existing:
-        state = load_checkpoint(existing[-1], cfg, data.src_vocab, data.tgt_vocab)
+        state = load_checkpoint(existing[-1], cfg, data.src_vocab, data.tgt_vocab, data.subwords)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -2200,6 +2421,8 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
         if state["rng"]["cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(state["rng"]["cuda"])
         log(f"resumed from {existing[-1]} at step {step} (epoch {epoch + 1}, batch {batch_in_epoch})")
+        if is_main:
+            trim_metrics(run_dir / "metrics.jsonl", step)
     log(f"model: {count_parameters(model) / 1e6:.2f}M parameters "
         f"(N={cfg.N}, d_model={cfg.d_model}, d_ff={cfg.d_ff}, h={cfg.h}, P_drop={cfg.P_drop})")
 
@@ -2209,7 +2432,9 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
     if world > 1:
         train_model = nn.parallel.DistributedDataParallel(
             train_model, device_ids=[device.index] if device.type == "cuda" else None)
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if cfg.bf16 else nullcontext
+    use_bf16, why = resolve_bf16(cfg.bf16, device)
+    log(why)
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
 
     if is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -2222,73 +2447,91 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
             with open(metrics_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
 
-    def checkpoint() -> None:
+    def checkpoint() -> Optional[Path]:
         if not is_main:
-            return
-        save_checkpoint(run_dir / f"checkpoint-{step:08d}.pt", model, optimizer, scheduler, cfg,
-                        data.src_vocab, data.tgt_vocab, step, epoch, batch_in_epoch)
+            return None
+        path = save_checkpoint(run_dir / f"checkpoint-{step:08d}.pt", model, optimizer, scheduler, cfg,
+                               data.src_vocab, data.tgt_vocab, step, epoch, batch_in_epoch, data.subwords)
         for old in checkpoint_paths(run_dir)[: -cfg.keep_checkpoints]:
             old.unlink()
+        return path
 
-    finished = cfg.max_steps and step >= cfg.max_steps
-    while epoch < cfg.epochs and not finished:
-        batches = length_batches(lengths, cfg.batch_tokens, cfg.seed, epoch, rank=rank, world_size=world)
-        updates = [batches[i: i + cfg.accum_steps] for i in range(0, len(batches), cfg.accum_steps)]
-        bar = tqdm(total=len(updates), initial=batch_in_epoch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                   disable=not (progress and is_main), dynamic_ncols=True)
-        train_model.train()
-        tokens_seen, t0, loss_acc, tok_acc = 0, time.time(), 0.0, 0
-        for u in range(batch_in_epoch, len(updates)):
-            micro = [make_batch(pairs, idx).to(device) for idx in updates[u]]
-            ntokens = torch.tensor(sum(b.ntokens for b in micro), device=device)
+    last_save = time.time()  # when the last checkpoint was written, for one every checkpoint_minutes
+    with StopRequest() as stop:
+        finished = cfg.max_steps and step >= cfg.max_steps
+        while epoch < cfg.epochs and not finished:
+            batches = length_batches(lengths, cfg.batch_tokens, cfg.seed, epoch, rank=rank, world_size=world)
+            updates = [batches[i: i + cfg.accum_steps] for i in range(0, len(batches), cfg.accum_steps)]
+            bar = tqdm(total=len(updates), initial=batch_in_epoch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
+                       disable=not (progress and is_main), dynamic_ncols=True)
+            train_model.train()
+            tokens_seen, t0, loss_acc, tok_acc = 0, time.time(), 0.0, 0
+            for u in range(batch_in_epoch, len(updates)):
+                micro = [make_batch(pairs, idx).to(device) for idx in updates[u]]
+                ntokens = torch.tensor(sum(b.ntokens for b in micro), device=device)
+                if world > 1:
+                    dist.all_reduce(ntokens)
+                ntokens = int(ntokens)
+                update_loss = 0.0
+                for j, b in enumerate(micro):
+                    sync = j == len(micro) - 1 or world == 1
+                    ctx = train_model.no_sync() if (world > 1 and not sync) else nullcontext()
+                    with ctx, autocast():
+                        out = train_model(b.src, b.tgt, b.src_mask, b.tgt_mask)
+                        loss = loss_sum(model.generator(out), b.tgt_y, cfg.eps_ls)
+                    (loss * world / ntokens).backward()
+                    update_loss += float(loss.detach())
+                if not math.isfinite(update_loss):
+                    last = checkpoint_paths(run_dir)
+                    raise TrainingDiverged(f"loss is {update_loss} at step {step + 1}; stopped. Last good checkpoint: "
+                                           f"{last[-1] if last else 'none (no checkpoint written yet)'}")
+                if cfg.clip_grad:
+                    nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
+                lr = optimizer.param_groups[0]["lr"]  # the rate this update applies: Eq. 3 at step + 1
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                batch_in_epoch = u + 1
+                local_tokens = sum(b.ntokens for b in micro)
+                tokens_seen += local_tokens
+                loss_acc += update_loss
+                tok_acc += local_tokens
+                tps = tokens_seen * world / max(time.time() - t0, 1e-9)
+                bar.set_postfix(loss=f"{update_loss / max(local_tokens, 1):.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
+                bar.update(1)
+                if step % 50 == 0:
+                    write_metrics({"step": step, "epoch": epoch + 1, "train_loss": loss_acc / max(tok_acc, 1),
+                                   "lr": lr, "tokens_per_s": tps, "elapsed_s": time.time() - t_start})
+                    loss_acc, tok_acc = 0.0, 0
+                if cfg.max_steps and step >= cfg.max_steps:
+                    finished = True
+                    break
+                if stop.requested(world):
+                    path = checkpoint()
+                    bar.close()
+                    name = signal.Signals(stop.signum).name if stop.signum else "a signal in another process"
+                    raise TrainingInterrupted(f"stopped by {name} after update {step}; checkpoint saved to {path}. "
+                                              "Run the same command again to continue from there.")
+                if (is_main and cfg.checkpoint_minutes and u < len(updates) - 1
+                        and time.time() - last_save >= cfg.checkpoint_minutes * 60):
+                    checkpoint()
+                    last_save = time.time()
+            bar.close()
+            epoch_number = epoch + 1  # the epoch these updates belong to, counting from 1
+            if batch_in_epoch == len(updates):  # the epoch is complete (also when max_steps ended it)
+                epoch, batch_in_epoch = epoch + 1, 0
+            valid_loss = evaluate_loss(model, data.splits["valid"], cfg, device) if is_main else float("nan")
+            write_metrics({"step": step, "epoch": epoch_number, "valid_loss": valid_loss,
+                           "valid_ppl": math.exp(min(valid_loss, 50)), "elapsed_s": time.time() - t_start})
+            log(f"step {step}: validation loss {valid_loss:.3f} (perplexity {math.exp(min(valid_loss, 50)):.2f})")
+            path = checkpoint()
+            last_save = time.time()
             if world > 1:
-                dist.all_reduce(ntokens)
-            ntokens = int(ntokens)
-            update_loss = 0.0
-            for j, b in enumerate(micro):
-                sync = j == len(micro) - 1 or world == 1
-                ctx = train_model.no_sync() if (world > 1 and not sync) else nullcontext()
-                with ctx, autocast():
-                    out = train_model(b.src, b.tgt, b.src_mask, b.tgt_mask)
-                    loss = loss_sum(model.generator(out), b.tgt_y, cfg.eps_ls)
-                (loss * world / ntokens).backward()
-                update_loss += float(loss.detach())
-            if not math.isfinite(update_loss):
-                last = checkpoint_paths(run_dir)
-                raise TrainingDiverged(f"loss is {update_loss} at step {step + 1}; stopped. Last good checkpoint: "
-                                       f"{last[-1] if last else 'none (no checkpoint written yet)'}")
-            if cfg.clip_grad:
-                nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            batch_in_epoch = u + 1
-            local_tokens = sum(b.ntokens for b in micro)
-            tokens_seen += local_tokens
-            loss_acc += update_loss
-            tok_acc += local_tokens
-            lr = scheduler.get_last_lr()[0]
-            tps = tokens_seen * world / max(time.time() - t0, 1e-9)
-            bar.set_postfix(loss=f"{update_loss / max(local_tokens, 1):.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
-            bar.update(1)
-            if step % 50 == 0:
-                write_metrics({"step": step, "epoch": epoch + 1, "train_loss": loss_acc / max(tok_acc, 1),
-                               "lr": lr, "tokens_per_s": tps, "elapsed_s": time.time() - t_start})
-                loss_acc, tok_acc = 0.0, 0
-            if cfg.max_steps and step >= cfg.max_steps:
-                finished = True
-                break
-        bar.close()
-        if not finished:
-            epoch, batch_in_epoch = epoch + 1, 0
-        valid_loss = evaluate_loss(model, data.splits["valid"], cfg, device) if is_main else float("nan")
-        write_metrics({"step": step, "epoch": epoch if not finished else epoch + 1, "valid_loss": valid_loss,
-                       "valid_ppl": math.exp(min(valid_loss, 50)), "elapsed_s": time.time() - t_start})
-        log(f"step {step}: validation loss {valid_loss:.3f} (perplexity {math.exp(min(valid_loss, 50)):.2f})")
-        checkpoint()
-        if world > 1:
-            dist.barrier()
+                dist.barrier()
+            if stop.requested(world) and (epoch < cfg.epochs and not finished):
+                raise TrainingInterrupted(f"stopped after update {step} (end of epoch {epoch}); checkpoint saved "
+                                          f"to {path}. Run the same command again to continue from there.")
 
     summary = {"config": dataclasses.asdict(cfg), "steps": step, "train_minutes": (time.time() - t_start) / 60,
                "device": str(device), "world_size": world, "data": data.origin, "run_dir": str(run_dir)}
@@ -2297,7 +2540,7 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
     if evaluate and is_main:
         summary.update(evaluate_test(model, data, cfg, device, run_dir, log=log, progress=progress))
         summary["total_minutes"] = (time.time() - t_start) / 60
-        _write_lines_atomic(run_dir / "results.json", [json.dumps(summary, indent=2)])
+        write_atomic(run_dir / "results.json", [json.dumps(summary, indent=2)])
     return summary
 
 
@@ -2321,18 +2564,20 @@ def evaluate_test(model: nn.Module, data: Dataset, cfg: Config, device, run_dir:
     kind = "detokenized cased" if data.name == "multi30k" else "tokenized"
     sources = [s for s, _ in test]
     t0 = time.time()
-    greedy_hyps = detokenize(translate(model, sources, data.tgt_vocab, cfg, device, progress=progress), data.name)
+    greedy_hyps = detokenize(translate(model, sources, data.tgt_vocab, cfg, device, progress=progress), data.name,
+                             data.subwords)
     score_greedy = bleu(greedy_hyps, refs, data.name)
     log(f"test BLEU ({kind}, sacreBLEU, greedy, {len(test):,} sentences): {score_greedy:.2f}")
     t1 = time.time()
     hyps = detokenize(translate(model, sources, data.tgt_vocab, cfg, device, progress=progress,
-                                beam_size=cfg.beam_size, alpha=cfg.length_penalty_alpha), data.name)
+                                beam_size=cfg.beam_size, alpha=cfg.length_penalty_alpha), data.name, data.subwords)
     score = bleu(hyps, refs, data.name)
     log(f"test BLEU ({kind}, sacreBLEU, beam {cfg.beam_size}, alpha {cfg.length_penalty_alpha}, "
         f"{len(test):,} sentences): {score:.2f}")
     examples = []
     for i in range(min(cfg.examples_to_show, len(test))):
-        src = " ".join(data.src_vocab.lookup_tokens(test[i][0][1:-1]))
+        pieces = data.src_vocab.lookup_tokens(test[i][0][1:-1])
+        src = data.subwords.decode([pieces])[0] if data.subwords else " ".join(pieces)
         examples.append({"source": src, "reference": refs[i], "output": hyps[i]})
         log(f"  source:    {src}\n  reference: {refs[i]}\n  output:    {hyps[i]}")
     return {"bleu": score, "bleu_greedy": score_greedy, "bleu_kind": kind, "beam_size": cfg.beam_size,
@@ -2377,8 +2622,12 @@ if EXAMPLES:
     PROFILE = os.environ.get("NOTEBOOK_PROFILE", "full")
     if PROFILE not in ("full", "smoke"):
         raise ValueError(f"NOTEBOOK_PROFILE must be 'full' or 'smoke', not {PROFILE!r}")
-    NOTEBOOK_RUNS = Path(os.environ.get("NOTEBOOK_RUNS", tempfile.mkdtemp(prefix="annotated-transformer-")))
-    print(f"profile: {PROFILE}; device: {resolve_device('auto')}; run folders under {NOTEBOOK_RUNS}")
+    # The notebook's own run folders (relative, so stored outputs name no machine's paths); a fresh
+    # start each time the notebook runs, since `train` would otherwise resume what is there.
+    NOTEBOOK_RUNS = Path(os.environ.get("NOTEBOOK_RUNS", "runs/notebook"))
+    for name in ("copy", "multi30k"):
+        shutil.rmtree(NOTEBOOK_RUNS / name, ignore_errors=True)
+    print(f"profile: {PROFILE}; device: {resolve_device('auto')}; {resolve_bf16('auto', resolve_device('auto'))[1]}")
 
 # %% [markdown]
 # ## A first example: learning to copy
@@ -2401,8 +2650,8 @@ if EXAMPLES:
 #
 # The `multi30k-small` preset: $N=3$, $d_{\text{model}}=256$, $d_{ff}=1024$, $h=8$,
 # $P_{drop}=0.1$, $\epsilon_{ls}=0.1$, about 2,500 tokens per batch, Eq. 3 with 1,000 warm-up
-# steps, bf16 autocast and the fast attention path (both exact choices are explained in the
-# reproduction notes). The data comes from the mirror named by `DATA_MIRROR`, or is
+# steps and the fast attention path (explained in the reproduction notes); bf16 autocast
+# is on only where the hardware computes bf16 natively (`bf16="auto"`, see the training loop). The data comes from the mirror named by `DATA_MIRROR`, or is
 # downloaded. Here it trains for 4 epochs (about 12 minutes on 2 CPU cores) and is scored
 # without checkpoint averaging (averaging pays off only once the last checkpoints are all
 # good); the README gives the full 18-epoch run. Progress bars are off here so the stored
@@ -2527,14 +2776,16 @@ if EXAMPLES:
 # model, below: `translate` and `evaluate`.
 
 # %%
-def _parse_value(text: str, like):
-    """Turn a command-line string into the type of the config field's default ``like``."""
-    if isinstance(like, bool):
+def _parse_value(text: str, like, name: str = ""):
+    """Turn a command-line string into the type of the config field ``name`` whose default is ``like``."""
+    if isinstance(like, bool) or name == "bf16":  # switches; bf16 also takes "auto"
         if text.lower() in ("1", "true", "yes", "on"):
-            return True
+            return True if isinstance(like, bool) else "true"
         if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+            return False if isinstance(like, bool) else "false"
+        if text.lower() == "auto" and name == "bf16":
+            return "auto"
+        raise argparse.ArgumentTypeError(f"expected {'auto/' if name == 'bf16' else ''}true/false, got {text!r}")
     if isinstance(like, tuple):
         return tuple(float(x) for x in text.split(","))
     return type(like)(text)
@@ -2551,7 +2802,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
         like = getattr(defaults, f.name)
         names = sorted({f"--{f.name}", f"--{f.name.replace('_', '-')}"})
         parser.add_argument(*names, dest=f.name, default=None,
-                            type=lambda text, like=like: _parse_value(text, like), help=f"(default from preset)")
+                            type=lambda text, like=like, name=f.name: _parse_value(text, like, name), help=f"(default from preset)")
     args = parser.parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name) is not None}
     cfg = get_config(args.config, **overrides)
@@ -2575,6 +2826,9 @@ def main(argv: Sequence[str]) -> int:
             if summary.get("bleu") is not None:
                 print(f"done in {summary['total_minutes']:.1f} min: BLEU {summary['bleu']:.2f}; "
                       f"results in {summary['run_dir']}/results.json")
+    except TrainingInterrupted as e:
+        print(f"interrupted: {e}", file=sys.stderr)
+        return 130
     except (DataError, CheckpointError, TrainingDiverged) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -2587,12 +2841,13 @@ def main(argv: Sequence[str]) -> int:
 # %% [markdown]
 # ### Translating and scoring with a trained model
 #
-# A checkpoint carries its config and vocabularies, so a trained model can be rebuilt from
-# it alone: `load_for_inference` reads one checkpoint file, or the last $K$ of a run
-# directory averaged as §6.1 does. `encode_sources` tokenizes raw sentences the way the
-# checkpoint's data set was tokenized (spaCy for Multi30k; whitespace for IWSLT14, whose
-# input is expected in its prepared form, tokenized and lowercased; whitespace for the copy
-# task), and `detokenize` above turns the output back into text.
+# A checkpoint carries its config, its vocabularies and (with `vocab="bpe"`) its BPE model,
+# so a trained model can be rebuilt from it alone: `load_for_inference` reads one
+# checkpoint file, or the last $K$ of a run directory averaged as §6.1 does.
+# `encode_sources` tokenizes raw sentences the way training did: into BPE pieces with the
+# checkpoint's own model, or, for word vocabularies, with spaCy (Multi30k) or at spaces
+# (IWSLT14, the copy task). IWSLT14 input is expected in its prepared form (tokenized,
+# lowercased) either way. `detokenize` above turns the output back into text.
 
 # %%
 def config_from_dict(values: dict) -> Config:
@@ -2603,9 +2858,9 @@ def config_from_dict(values: dict) -> Config:
 
 
 def load_for_inference(checkpoint: Optional[Path] = None, run_dir: Optional[Path] = None, average_last: int = 1,
-                       device="cpu") -> tuple[EncoderDecoder, Config, Vocab, Vocab]:
-    """(model in eval mode, config, source vocab, target vocab) from a checkpoint file, or the
-    average of the last ``average_last`` checkpoints of ``run_dir`` (§6.1 averages the last 5)."""
+                       device="cpu") -> tuple[EncoderDecoder, Config, Vocab, Vocab, Optional[Subwords]]:
+    """(model in eval mode, config, source vocab, target vocab, BPE model or None) from a checkpoint
+    file, or the average of the last ``average_last`` checkpoints of ``run_dir`` (§6.1 averages the last 5)."""
     if checkpoint is not None:
         paths = [Path(checkpoint)]
     else:
@@ -2617,12 +2872,14 @@ def load_for_inference(checkpoint: Optional[Path] = None, run_dir: Optional[Path
     src_vocab, tgt_vocab = Vocab(state["vocab"]["src"]), Vocab(state["vocab"]["tgt"])
     model = make_model(len(src_vocab), len(tgt_vocab), cfg)
     model.load_state_dict(average_checkpoints(paths) if len(paths) > 1 else state["model"])
-    return model.to(device).eval(), cfg, src_vocab, tgt_vocab
+    return model.to(device).eval(), cfg, src_vocab, tgt_vocab, checkpoint_subwords(state)
 
 
-def encode_sources(lines: Sequence[str], dataset: str, src_vocab: Vocab) -> list[list[int]]:
-    """Raw source sentences → ``<s> ids </s>``, tokenized as in training (§5.1 data); unknown words → <unk>."""
-    return [[BOS] + src_vocab(toks) + [EOS] for toks in make_tokenizer(dataset, "de")(list(lines))]
+def encode_sources(lines: Sequence[str], dataset: str, src_vocab: Vocab,
+                   subwords: Optional[Subwords] = None) -> list[list[int]]:
+    """Raw source sentences → ``<s> ids </s>``, tokenized as in training (§5.1: BPE pieces, or words)."""
+    tokenize = subwords.encode if subwords is not None else make_tokenizer(dataset, "de")
+    return [[BOS] + src_vocab(toks) + [EOS] for toks in tokenize(list(lines))]
 
 
 def bleu_with_signature(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> tuple:
@@ -2701,7 +2958,8 @@ def run_inference_command(command: str, argv: Sequence[str]) -> int:
     """``translate`` or ``evaluate``: load, decode (beam search, §6.1), print."""
     args = inference_parser(command).parse_args(argv)
     device = resolve_device(args.device)
-    model, cfg, src_vocab, tgt_vocab = load_for_inference(args.checkpoint, args.run_dir, args.average_last, device)
+    model, cfg, src_vocab, tgt_vocab, subwords = load_for_inference(args.checkpoint, args.run_dir,
+                                                                    args.average_last, device)
     if command == "translate":
         if args.sentences:
             lines = list(args.sentences)
@@ -2710,9 +2968,9 @@ def run_inference_command(command: str, argv: Sequence[str]) -> int:
         refs = None
     else:
         lines, refs = evaluation_pairs(args, cfg)
-    hyps_tok = translate(model, encode_sources(lines, cfg.dataset, src_vocab), tgt_vocab, cfg, device,
+    hyps_tok = translate(model, encode_sources(lines, cfg.dataset, src_vocab, subwords), tgt_vocab, cfg, device,
                          beam_size=args.beam, alpha=args.alpha)
-    hyps = detokenize(hyps_tok, cfg.dataset)
+    hyps = detokenize(hyps_tok, cfg.dataset, subwords)
     if refs is None:
         for h in hyps:
             print(h)

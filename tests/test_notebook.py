@@ -96,6 +96,30 @@ def test_committed_notebook_carries_outputs_of_a_full_run():
     assert not [o for o in outputs if o.get("output_type") == "error"]
 
 
+MACHINE_PATH = re.compile(r"""(?:^|[\s'"(=:])(/[\w.@+-]+/[\w.@+-]+|[A-Za-z]:\\)|shared/""", re.M)
+
+
+def test_machine_path_pattern_catches_what_it_should():
+    for text in ("run folders under /tmp/annotated-transformer-x1", "from mirror ../shared/data/multi30k",
+                 "  /root/.venv/lib/python3.11/site-packages/tqdm/auto.py:21: Warning", 'path="/home/me/x"',
+                 "C:\\Users\\me"):
+        assert MACHINE_PATH.search(text), text
+    for text in ("2,500 tok/s", "runs/notebook/copy", "mirror $DATA_MIRROR/multi30k", "d_model/h = 64", "1/2"):
+        assert not MACHINE_PATH.search(text), text
+
+
+def test_stored_outputs_name_no_path_of_the_machine_that_ran_them():
+    nb = nbformat.read(NB, as_version=4)
+    found = []
+    for i, c in enumerate(nb.cells):
+        for o in c.get("outputs", []) if c.cell_type == "code" else []:
+            texts = [o.get("text", "")] + [v for k, v in o.get("data", {}).items() if k.startswith("text/")]
+            for t in texts:
+                t = "".join(t) if isinstance(t, list) else t
+                found += [(i, m.group(0)) for m in MACHINE_PATH.finditer(t)]
+    assert not found, f"absolute paths or shared/ in stored outputs (cell, match): {found}"
+
+
 def test_the_notebook_executes_top_to_bottom(tmp_path, mirror):
     from nbclient import NotebookClient
 

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import random
+import signal
 import subprocess
 import sys
 import textwrap
@@ -41,9 +42,12 @@ def one_thread():
 
 
 def tiny_cfg(run_dir, **overrides) -> tat.Config:
-    """The copy preset shrunk to a one-layer model; ``batch_tokens=240`` → 20 pairs, 10 batches per epoch."""
+    """The copy preset shrunk to a one-layer model; ``batch_tokens=240`` → 20 pairs, 10 batches per epoch.
+
+    float32 whatever the CPU (exact comparisons); the bf16 tests ask for bf16 themselves.
+    """
     settings = dict(N=1, d_model=32, d_ff=64, h=4, epochs=1, batch_tokens=240, warmup=50, device="cpu",
-                    run_dir=str(run_dir))
+                    bf16="false", run_dir=str(run_dir))
     settings.update(overrides)
     return tat.get_config("copy", **settings)
 
@@ -88,8 +92,14 @@ def last_state(run_dir) -> dict:
     (100_000, 512, 1.0, 4000), (37, 64, 2.0, 200), (500, 64, 0.5, 200),
 ])
 def test_rate_is_equation_3(step, d_model, factor, warmup):
-    expected = factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
-    assert tat.rate(step, d_model, factor, warmup) == pytest.approx(expected, rel=1e-12)
+    assert tat.rate(step, d_model, factor, warmup) == pytest.approx(eq3(step, d_model, factor, warmup), rel=1e-12)
+
+
+def eq3(step, d_model, factor, warmup):
+    """Eq. 3 written piecewise, as the paper's prose describes it (not as the module computes it):
+    linear from 0 to the peak d_model^-0.5 · warmup^-0.5 at step = warmup, then ∝ step^-0.5."""
+    peak = 1.0 / math.sqrt(d_model * warmup)
+    return factor * (peak * step / warmup if step <= warmup else peak * math.sqrt(warmup / step))
 
 
 def test_rate_known_values():
@@ -97,8 +107,9 @@ def test_rate_known_values():
     assert tat.rate(4000, 512, 1.0, 4000) == pytest.approx(6.987712429686843e-04, rel=1e-12)
     # Linear warm-up: step 1 is 1/4000 of the peak.
     assert tat.rate(1, 512, 1.0, 4000) == pytest.approx(6.987712429686843e-04 / 4000, rel=1e-12)
-    # LambdaLR starts counting at 0, which the module treats as step 1.
-    assert tat.rate(0, 512, 1.0, 4000) == tat.rate(1, 512, 1.0, 4000)
+    # Eq. 3 counts steps from 1; step 0 is not a step.
+    with pytest.raises(ValueError, match="from 1"):
+        tat.rate(0, 512, 1.0, 4000)
 
 
 @pytest.mark.parametrize("warmup", [10, 200, 4000])
@@ -122,20 +133,32 @@ def test_adam_uses_the_papers_betas_and_eps():
     assert group["eps"] == 1e-9
 
 
-def test_scheduler_sets_lr_to_rate_after_every_step():
+def test_update_k_applies_equation_3_at_step_k():
     cfg = tat.get_config("tiny", warmup=10, lr_factor=2.0)
     model = nn.Linear(4, 2)
     optimizer, scheduler = tat.make_optimizer(model, cfg)
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(tat.rate(1, cfg.d_model, 2.0, 10), rel=1e-12)
+    applied = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: applied.append(opt.param_groups[0]["lr"]))
     x = torch.randn(5, 4)
-    for step in range(1, 31):
+    for _ in range(30):
         model(x).pow(2).sum().backward()
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
-        expected = tat.rate(step, cfg.d_model, 2.0, 10)
-        assert optimizer.param_groups[0]["lr"] == pytest.approx(expected, rel=1e-12), step
-        assert scheduler.get_last_lr()[0] == pytest.approx(expected, rel=1e-12), step
+    assert len(applied) == 30
+    for k, lr in enumerate(applied, start=1):
+        assert lr == pytest.approx(eq3(k, cfg.d_model, 2.0, 10), rel=1e-12), k
+    assert applied[0] < applied[1], "updates 1 and 2 must not share a rate"
+    assert max(range(30), key=applied.__getitem__) + 1 == cfg.warmup
+
+
+def test_logged_lr_is_the_one_each_update_applied(tmp_path):
+    cfg = tiny_cfg(tmp_path / "lr", epochs=6, warmup=40)  # 60 updates; a training record every 50
+    run(cfg, tiny_data(cfg))
+    records = [json.loads(line) for line in (tmp_path / "lr" / "metrics.jsonl").read_text().splitlines()]
+    logged = [r for r in records if "lr" in r]
+    assert [r["step"] for r in logged] == [50]
+    assert logged[0]["lr"] == pytest.approx(eq3(50, cfg.d_model, cfg.lr_factor, cfg.warmup), rel=1e-12)
 
 
 # --------------------------------------------------------------------------------------------
@@ -320,6 +343,87 @@ def test_resume_gives_exactly_the_uninterrupted_run(tmp_path):
     assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
 
 
+def signal_at_update(monkeypatch, k: int, signum=signal.SIGINT):
+    """Make the process send itself ``signum`` while update ``k`` (counting from 1) is being applied."""
+    original = tat.make_optimizer
+
+    def patched(model, cfg):
+        optimizer, scheduler = original(model, cfg)
+        calls = []
+
+        def hook(opt, args, kwargs):
+            calls.append(1)
+            if len(calls) == k:
+                os.kill(os.getpid(), signum)
+
+        optimizer.register_step_pre_hook(hook)
+        return optimizer, scheduler
+
+    monkeypatch.setattr(tat, "make_optimizer", patched)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_mid_epoch_saves_and_resuming_gives_the_uninterrupted_run(tmp_path, monkeypatch, signum):
+    # 10 updates per epoch, two epochs; the signal arrives during update 5
+    cfg = tiny_cfg(tmp_path / "a", P_drop=0.1, epochs=2, checkpoint_minutes=0)
+    data = tiny_data(cfg)
+    with monkeypatch.context() as m:
+        signal_at_update(m, 5, signum)
+        with pytest.raises(tat.TrainingInterrupted, match="after update 5.*Run the same command again"):
+            run(cfg, data)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handler must be put back"
+    stopped = last_state(tmp_path / "a")
+    assert (stopped["step"], stopped["epoch"], stopped["batch_in_epoch"]) == (5, 0, 5)
+    run(cfg, data)  # the same command again: continues from update 6
+    run(dataclasses.replace(cfg, run_dir=str(tmp_path / "b")), data)  # never interrupted
+
+    a, b = last_state(tmp_path / "a"), last_state(tmp_path / "b")
+    assert a["step"] == b["step"] == 20
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for i in a["optimizer"]["state"]:
+        assert torch.equal(a["optimizer"]["state"][i]["exp_avg_sq"], b["optimizer"]["state"][i]["exp_avg_sq"])
+    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+    # the metrics log reads as one run: no step logged twice
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    valid_steps = [r["step"] for r in records if "valid_loss" in r]
+    assert valid_steps == [10, 20]
+    want = [json.loads(line) for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], sorted(r)) for r in records] == [(r["step"], sorted(r)) for r in want]
+
+
+def test_resume_drops_metrics_written_after_the_checkpoint(tmp_path):
+    cfg = tiny_cfg(tmp_path / "run", epochs=6, warmup=40)  # 60 updates: records at 10, 20, …, 50 (train), 60
+    data = tiny_data(cfg)
+    run(dataclasses.replace(cfg, max_steps=30), data)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    # as if the run had gone on past its last checkpoint (step 30) and then died
+    with open(metrics, "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": 35, "valid_loss": 1.0}) + "\n")
+    run(cfg, data)
+    steps = [(r["step"], "valid_loss" in r) for r in map(json.loads, metrics.read_text().splitlines())]
+    assert (35, True) not in steps
+    assert len(steps) == len(set(steps))
+
+
+def test_checkpoints_every_few_minutes_inside_an_epoch(tmp_path, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(tat.time, "time", lambda: clock[0])
+    original = tat.make_optimizer
+
+    def ticking(model, cfg):  # every update takes "one minute"
+        optimizer, scheduler = original(model, cfg)
+        optimizer.register_step_post_hook(lambda *a: clock.__setitem__(0, clock[0] + 60.0))
+        return optimizer, scheduler
+
+    monkeypatch.setattr(tat, "make_optimizer", ticking)
+    cfg = tiny_cfg(tmp_path / "run", checkpoint_minutes=3, keep_checkpoints=100)  # 10 updates
+    run(cfg, tiny_data(cfg))
+    steps = [int(p.stem.split("-")[1]) for p in tat.checkpoint_paths(tmp_path / "run")]
+    assert steps == [3, 6, 9, 10]  # every 3 minutes, and the end of the epoch
+    assert last_state(tmp_path / "run")["batch_in_epoch"] == 0  # the epoch's own checkpoint is the last
+
+
 # --------------------------------------------------------------------------------------------
 # 5. Checkpoints
 # --------------------------------------------------------------------------------------------
@@ -448,13 +552,15 @@ def test_non_finite_loss_before_any_checkpoint_says_so(tmp_path, monkeypatch):
 # 7. The copy preset learns the copy task
 # --------------------------------------------------------------------------------------------
 
-def test_copy_preset_learns_to_copy(tmp_path):
-    cfg = tat.get_config("copy", device="cpu", run_dir=str(tmp_path / "copy"))
+@pytest.mark.parametrize("seed", [1, 2])
+def test_copy_preset_learns_to_copy(tmp_path, seed):
+    """Not one tuned seed: measured at BLEU 99.1–100 over seeds 1–8, so 90 leaves a wide margin."""
+    cfg = tat.get_config("copy", device="cpu", seed=seed, run_dir=str(tmp_path / "copy"))
     data = tat.make_copy_data(cfg)
     t0, c0 = time.perf_counter(), time.process_time()
     summary = tat.train(cfg, data=data, log=quiet, progress=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    print(f"\ncopy preset: test BLEU {summary['bleu']:.2f} after {summary['steps']} updates in {wall:.1f} s "
+    print(f"\ncopy preset, seed {seed}: test BLEU {summary['bleu']:.2f} after {summary['steps']} updates in {wall:.1f} s "
           f"wall, {cpu:.1f} s CPU ({torch.get_num_threads()} thread)")
     assert summary["bleu"] >= 90, f"copy preset reached only BLEU {summary['bleu']:.2f}"
 
@@ -570,6 +676,61 @@ def test_bf16_autocast_trains_on_cpu(tmp_path, monkeypatch):
     assert math.isfinite(records[-1]["valid_loss"])
 
 
+@pytest.fixture
+def machine(monkeypatch):
+    """Set what torch reports about the hardware: machine(kernels=..., avx512_bf16=..., amx=..., cuda_bf16=...)."""
+    def set_(kernels="AVX512", avx512_bf16=False, amx=False, cuda_bf16=False):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: kernels)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: cuda_bf16)
+    return set_
+
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize("hardware, device, on, reason", [
+    (dict(kernels="AVX512", avx512_bf16=True), CPU, True, "AVX-512 BF16"),
+    (dict(kernels="AVX512", amx=True, avx512_bf16=True), CPU, True, "AMX"),
+    (dict(kernels="AVX512", avx512_bf16=False), CPU, False, "no native bf16"),  # AVX-512 without BF16
+    (dict(kernels="AVX2", avx512_bf16=False), CPU, False, "no native bf16"),  # the common AVX2 CPU
+    (dict(kernels="AVX2", avx512_bf16=True), CPU, False, "kernels: AVX2"),  # ATEN_CPU_CAPABILITY=avx2
+    (dict(kernels="DEFAULT"), CPU, False, "no native bf16"),
+    (dict(cuda_bf16=True), CUDA, True, "supports bf16"),
+    (dict(cuda_bf16=False), CUDA, False, "no bf16"),
+])
+def test_bf16_auto_is_on_only_where_bf16_is_native(machine, hardware, device, on, reason):
+    machine(**hardware)
+    got, line = tat.resolve_bf16("auto", device)
+    assert got is on
+    assert line.startswith(f"bf16 autocast: {'on' if on else 'off'} (auto:") and reason in line
+
+
+def test_bf16_true_and_false_are_obeyed_and_said(machine):
+    machine(kernels="AVX2")
+    on, line = tat.resolve_bf16("true", CPU)
+    assert on and "emulated" in line
+    machine(kernels="AVX512", avx512_bf16=True)
+    assert tat.resolve_bf16("false", CPU) == (False, "bf16 autocast: off (asked for)")
+
+
+def test_bf16_setting_accepts_auto_true_false_only():
+    assert tat.Config().bf16 == "auto"
+    assert tat.Config(bf16=True).bf16 == "true" and tat.Config(bf16="False").bf16 == "false"
+    with pytest.raises(ValueError, match="auto, true or false"):
+        tat.Config(bf16="maybe")
+    assert all(cfg.bf16 == "auto" for cfg in tat.PRESETS.values()), "presets must not hard-code bf16"
+
+
+def test_training_log_says_whether_bf16_is_used(tmp_path, machine):
+    machine(kernels="AVX2")
+    cfg = tiny_cfg(tmp_path / "run", max_steps=1, bf16="auto")
+    logs = []
+    tat.train(cfg, data=tiny_data(cfg), log=logs.append, progress=False, evaluate=False)
+    assert any(str(line).startswith("bf16 autocast: off (auto: the CPU has no native bf16") for line in logs), logs
+
+
 # --------------------------------------------------------------------------------------------
 # 10. Two processes (torchrun, Gloo) take the same steps as one process accumulating two batches
 # --------------------------------------------------------------------------------------------
@@ -584,7 +745,7 @@ import the_annotated_transformer as tat
 
 torch.set_num_threads(1)
 settings = json.loads(sys.argv[2])
-cfg = tat.get_config("copy", N=1, d_model=32, d_ff=64, h=4, epochs=1, warmup=50, device="cpu",
+cfg = tat.get_config("copy", N=1, d_model=32, d_ff=64, h=4, epochs=1, warmup=50, device="cpu", bf16="false",
                      run_dir=sys.argv[1], **settings)
 data = tat.make_copy_data(cfg, sizes=(200, 40, 20))
 summary = tat.train(cfg, data=data, log=lambda *a, **k: None, progress=False, evaluate=False)
@@ -641,15 +802,16 @@ def test_command_line_overrides_the_preset():
         ["train", "--config", "copy", "--max_steps", "7", "--P_drop", "0.2", "--bf16", "true"])
     assert command == "train"
     assert cfg.max_steps == 7 and isinstance(cfg.max_steps, int)
-    assert cfg.P_drop == 0.2 and cfg.bf16 is True
+    assert cfg.P_drop == 0.2 and cfg.bf16 == "true"
     assert cfg.run_dir == "runs/copy"
-    assert cfg == tat.get_config("copy", max_steps=7, P_drop=0.2, bf16=True, run_dir="runs/copy")
+    assert cfg == tat.get_config("copy", max_steps=7, P_drop=0.2, bf16="true", run_dir="runs/copy")
+    assert tat.config_from_args(["train", "--config", "copy", "--bf16", "auto"])[1].bf16 == "auto"
 
 
 def test_command_line_spellings_and_types():
     _, cfg = tat.config_from_args(["train", "--config", "tiny", "--max-steps", "3", "--betas", "0.8,0.9",
                                    "--run_dir", "somewhere", "--bf16", "off"])
-    assert (cfg.max_steps, cfg.betas, cfg.run_dir, cfg.bf16) == (3, (0.8, 0.9), "somewhere", False)
+    assert (cfg.max_steps, cfg.betas, cfg.run_dir, cfg.bf16) == (3, (0.8, 0.9), "somewhere", "false")
 
 
 @pytest.mark.parametrize("argv", [
