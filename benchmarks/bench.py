@@ -66,7 +66,7 @@ class Settings:
     peak_size: int = 2048  # n of the n×n×n matmul used to measure the peak
     peak_repeats: int = 5
     decode_sentences: int = 1000  # test sentences decoded by the batched methods
-    single_sentences: int = 100  # of those, decoded one at a time (evenly spaced)
+    single_sentences: int = 50  # of those, decoded one at a time (evenly spaced)
     beam_full_sentences: int = 24  # sentences for the cached-vs-full beam search check
     decode_extra: int = 50  # decoding stops at input length + this (§6.1)
     decode_batch: int = 128
@@ -79,9 +79,9 @@ class Settings:
 
 MODES = {
     "full": Settings("full"),
-    "quick": Settings("quick", train_batches=1, train_warmup=1, train_repeats=2, peak_size=1024,
-                      peak_repeats=3, decode_sentences=64, single_sentences=8, beam_full_sentences=8,
-                      scaling_lengths=(16, 64, 256), scaling_d_models=(256,), scaling_repeats=3,
+    "quick": Settings("quick", train_batches=1, train_warmup=1, train_repeats=2, batch_tokens=1000, peak_size=1024,
+                      peak_repeats=3, decode_sentences=16, single_sentences=4, beam_full_sentences=4,
+                      decode_extra=20, scaling_lengths=(16, 64, 256), scaling_d_models=(256,), scaling_repeats=3,
                       scaling_warmup=1),
     "smoke": Settings("smoke", model_overrides=(("N", 1), ("d_model", 32), ("d_ff", 64), ("h", 4)),
                       train_batches=2, train_warmup=1, train_repeats=2, batch_tokens=300, peak_size=256,
@@ -405,7 +405,7 @@ def bench_decoding(data: tat.Dataset, cfg: tat.Config, st: Settings, log: Callab
         single, t = timed(lambda: decode_batches(model, [test[i] for i in single_idx], 1, st.decode_extra,
                                                  greedy_full))
         row("greedy, one sentence, full recompute", len(single_idx), t,
-            f"every {step}th test sentence" if step > 1 else "")
+            f"1 in {step} test sentences, evenly spaced" if step > 1 else "")
         log(f"decoding: batched full recompute, {len(test)} sentences")
         batched, t = timed(lambda: decode_batches(model, test, st.decode_batch, st.decode_extra, greedy_full))
         row(f"greedy, batches of {st.decode_batch}, full recompute", len(test), t)
@@ -550,6 +550,9 @@ def table(report: dict) -> str:
              f"Model: {report['model']}; load average at start/end: "
              f"{m['load_average_start'][0] if m['load_average_start'] else 'n/a'} / "
              f"{m['load_average_end'][0] if m.get('load_average_end') else 'n/a'}", "",
+             f"Training batches: the first {tr['batches']} length-bucketed {report['dataset']} training batches "
+             f"(≤ {tr['batch_tokens']} tokens per side, {tr['target_tokens_per_pass']:,} target tokens); "
+             f"{tr['warmup_steps']} warm-up steps, median of {tr['repeats']} passes.", "",
              "| measurement | value | goal |", "|---|---|---|"]
     for r in tr["results"]:
         lines.append(f"| training, {r['name']}, {r['precision']} | {fmt(r['tokens_per_s'])} target tokens/s "
@@ -608,9 +611,17 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--out", default="runs/bench", help="output folder for bench.json and bench.png")
     parser.add_argument("--dataset", default="multi30k", choices=("multi30k", "copy"),
                         help="training/test data (copy: the synthetic task, needs no download)")
+    parser.add_argument("--decode-sentences", type=int, default=0,
+                        help="test sentences for the batched decoders (default: 1000; --quick 16)")
+    parser.add_argument("--single-sentences", type=int, default=0,
+                        help="of those, how many to decode one at a time (default: 50; --quick 4)")
     parser.add_argument("--quiet", action="store_true", help="no progress lines, only the table")
     args = parser.parse_args(list(argv[1:]))
     st = MODES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    if args.decode_sentences:
+        st = dataclasses.replace(st, decode_sentences=args.decode_sentences)
+    if args.single_sentences:
+        st = dataclasses.replace(st, single_sentences=args.single_sentences)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
