@@ -359,11 +359,17 @@ def greedy_cached(model, src, src_mask, max_len):
 
 
 def beam(cached: bool) -> Callable:
-    """Beam search of width 4 (α = 0.6) from the module, with or without its cache."""
+    """Beam search of width 4 (α = 0.6) from the module, with or without its cache.
+
+    Each sentence may generate up to its own input length + extra − 1 tokens, the same
+    limit the greedy outputs are cut at; <blank> is never generated.
+    """
     def run(model, src, src_mask, max_len):
+        extra = max_len - src.size(1)
+        limits = src_mask.sum(dim=(-2, -1)) + extra - 1  # (batch,)
         with torch.no_grad():
-            return tat.beam_search(model, src, src_mask, max_len - 1, tat.BOS, tat.EOS, beam_size=4, alpha=0.6,
-                                   cached=cached)
+            return tat.beam_search(model, src, src_mask, limits, tat.BOS, tat.EOS, beam_size=4, alpha=0.6,
+                                   banned=[tat.PAD], cached=cached)
     return run
 
 
