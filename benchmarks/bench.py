@@ -522,8 +522,13 @@ def plot(report: dict, path: Path) -> Path:
     ax.set_yticks(range(len(dec)), [r["method"].replace(", ", "\n", 1) for r in dec], fontsize=7)
     ax.invert_yaxis()
     ax.set_xscale("log")
+    values = [r["sentences_per_s"] for r in dec]
+    ax.set_xlim(min(values) / 3, max(values) * 3)
+    for i, r in enumerate(dec):
+        ax.text(r["sentences_per_s"], i, f" {r['sentences_per_s']:.3g}/s ({r['speedup_vs_single']:.1f}×)",
+                va="center", fontsize=7)
     ax.set_xlabel("sentences/s (log scale)")
-    ax.set_title("greedy decoding, random-weight model")
+    ax.set_title("decoding the test set, random-weight model")
     for ax, d in zip(axes[2:], d_models):
         for name, style in (("self-attention", "o-"), ("feed-forward", "s-")):
             pts = [r for r in report["scaling"]["results"] if r["sublayer"] == name and r["d_model"] == d]
