@@ -25,7 +25,7 @@ def report(tmp_path_factory):
     """Run ``bench.py --smoke`` once (on Multi30k from the mirror if there is one, else the copy task)."""
     out = tmp_path_factory.mktemp("bench")
     mirror = Path(os.environ.get("DATA_MIRROR") or ROOT.parent / "shared" / "data")
-    args = ["--smoke", "--quiet", "--out", str(out)]
+    args = ["--smoke", "--quiet", "--threads", "1", "--out", str(out)]
     env = {**os.environ, "ANNOTATED_TRANSFORMER_DATA": str(out / "data")}
     if (mirror / "multi30k").is_dir():
         env["DATA_MIRROR"] = str(mirror)
@@ -55,8 +55,9 @@ def test_training_rows_cover_three_models_and_the_native_precisions(report):
         (m, p) for m in ("fast", "readable", "torch") for p in expected}
     for r in tr["results"]:
         assert positive(r["tokens_per_s"]) and positive(r["step_s"]) and positive(r["flops_per_s"])
+        assert r["best_tokens_per_s"] >= r["tokens_per_s"]
     for prec in expected:
-        assert positive(tr["ratios"][prec]["fast_vs_torch"])
+        assert positive(tr["ratios"][prec]["fast_vs_torch"]) and positive(tr["ratios"][prec]["fast_vs_torch_best"])
 
 
 def test_flop_shares_are_positive_and_use_the_measured_peaks(report):
