@@ -563,8 +563,8 @@ def table(report: dict) -> str:
              f"bf16 native: {'yes' if m['bf16_native'] else 'no'} ({m['bf16_reason']})",
              f"Command: {report['command']}",
              f"Model: {report['model']}; load average at start/end: "
-             f"{m['load_average_start'][0] if m['load_average_start'] else 'n/a'} / "
-             f"{m['load_average_end'][0] if m.get('load_average_end') else 'n/a'}", "",
+             f"{format(m['load_average_start'][0], '.1f') if m['load_average_start'] else 'n/a'} / "
+             f"{format(m['load_average_end'][0], '.1f') if m.get('load_average_end') else 'n/a'}", "",
              f"Training batches: the first {tr['batches']} length-bucketed {report['dataset']} training batches "
              f"(≤ {tr['batch_tokens']} tokens per side, {tr['target_tokens_per_pass']:,} target tokens); "
              f"{tr['warmup_steps']} warm-up steps, median of {tr['repeats']} passes.", "",
