@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import platform
 import statistics
@@ -39,6 +38,7 @@ import time
 import warnings
 from contextlib import nullcontext
 from pathlib import Path
+from types import MappingProxyType
 from typing import Callable, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,7 @@ class Settings:
     scaling_repeats: int = 5
 
 
-MODES = {
+MODES = MappingProxyType({
     "full": Settings("full"),
     "quick": Settings("quick", train_batches=1, train_warmup=1, train_repeats=2, batch_tokens=1000, peak_size=1024,
                       peak_repeats=3, decode_sentences=16, single_sentences=4, beam_full_sentences=4,
@@ -88,7 +88,7 @@ MODES = {
                       peak_repeats=2, decode_sentences=12, single_sentences=6, beam_full_sentences=4,
                       decode_extra=5, decode_batch=4, scaling_lengths=(16, 32), scaling_d_models=(32,),
                       scaling_batch=4, scaling_repeats=2, scaling_warmup=1),
-}
+})
 
 
 def median_time(fn: Callable[[], object], warmup: int, repeats: int) -> float:
@@ -196,7 +196,8 @@ def build_model(kind: str, src_vocab: int, tgt_vocab: int, cfg: tat.Config) -> n
     return tat.make_model(src_vocab, tgt_vocab, cfg, fast_attention=(kind == "fast"))
 
 
-MODEL_NAMES = {"fast": "ours, fast path", "readable": "ours, readable path", "torch": "torch.nn.Transformer"}
+MODEL_NAMES = MappingProxyType({"fast": "ours, fast path", "readable": "ours, readable path",
+                                "torch": "torch.nn.Transformer"})
 
 
 # --------------------------------------------------------------------------- 1. training
