@@ -8,7 +8,7 @@ ARGS ?=
 NB := annotated_transformer.ipynb
 SRC := the_annotated_transformer.py
 
-.PHONY: install test sync notebook lab train clean help
+.PHONY: install test sync notebook lab train bench clean help
 
 help:
 	@echo "make install            create .venv and install requirements.txt"
@@ -17,6 +17,7 @@ help:
 	@echo "make notebook           execute the notebook top to bottom and store its outputs"
 	@echo "make lab                open the notebook in JupyterLab (from .venv)"
 	@echo "make train [CONFIG=..]  train a preset (default iwslt14-small); ARGS='--field value ...'"
+	@echo "make bench              performance side by side (a few minutes); ARGS=--quick for seconds"
 
 install: $(STAMP)
 
@@ -42,6 +43,9 @@ lab: $(STAMP)
 
 train: $(STAMP)
 	$(PY) $(SRC) train --config $(CONFIG) $(ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
