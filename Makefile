@@ -9,7 +9,7 @@ ARGS ?=
 NB := annotated_transformer.ipynb
 SRC := the_annotated_transformer.py
 
-.PHONY: install test sync notebook lab train translate evaluate clean help
+.PHONY: install test sync notebook lab train translate evaluate bench clean help
 
 help:
 	@echo "make install            create .venv and install requirements.txt"
@@ -20,6 +20,7 @@ help:
 	@echo "make train [CONFIG=..]  train a preset (default iwslt14-small); ARGS='--field value ...'"
 	@echo "make translate ARGS='\"Ein Satz.\"'  translate with the run in RUN (default runs/CONFIG)"
 	@echo "make evaluate [ARGS='--src F --ref F']  BLEU of the run in RUN (default: the test split)"
+	@echo "make bench              performance side by side (a few minutes); ARGS=--quick for seconds"
 
 install: $(STAMP)
 
@@ -51,6 +52,9 @@ translate: $(STAMP)
 
 evaluate: $(STAMP)
 	$(PY) $(SRC) evaluate --run_dir $(RUN) $(ARGS)
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,102 @@
+"""`make bench` in its smallest mode: every section is written, numbers are sane, checks agree.
+
+No timing is asserted (CI machines vary); only that the benchmark runs and reports.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "bench.py"
+SECTIONS = ("machine", "training", "flops", "padding", "decoding", "scaling")
+
+
+def positive(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    """Run ``bench.py --smoke`` once (on Multi30k from the mirror if there is one, else the copy task)."""
+    out = tmp_path_factory.mktemp("bench")
+    mirror = Path(os.environ.get("DATA_MIRROR") or ROOT.parent / "shared" / "data")
+    args = ["--smoke", "--quiet", "--threads", "1", "--out", str(out)]
+    env = {**os.environ, "ANNOTATED_TRANSFORMER_DATA": str(out / "data")}
+    if (mirror / "multi30k").is_dir():
+        env["DATA_MIRROR"] = str(mirror)
+    else:
+        args += ["--dataset", "copy"]
+    result = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=out, capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    return {"json": json.loads((out / "bench.json").read_text()), "stdout": result.stdout, "out": out}
+
+
+def test_every_section_is_written_with_the_machine_and_command(report):
+    data = report["json"]
+    for section in SECTIONS:
+        assert section in data, section
+    assert data["machine"]["cpu"] and data["machine"]["cores"] >= 1
+    assert isinstance(data["machine"]["bf16_native"], bool)
+    assert "--smoke" in data["command"]
+    assert data["machine"]["cpu"] in report["stdout"] and "| measurement | value | goal |" in report["stdout"]
+
+
+def test_training_rows_cover_three_models_and_the_native_precisions(report):
+    tr = report["json"]["training"]
+    expected = ["float32"] + (["bf16"] if report["json"]["machine"]["bf16_native"] else [])
+    assert tr["precisions"] == expected
+    assert {(r["model"], r["precision"]) for r in tr["results"]} == {
+        (m, p) for m in ("fast", "readable", "torch") for p in expected}
+    for r in tr["results"]:
+        assert positive(r["tokens_per_s"]) and positive(r["step_s"]) and positive(r["flops_per_s"])
+        assert r["best_tokens_per_s"] >= r["tokens_per_s"]
+    for prec in expected:
+        assert positive(tr["ratios"][prec]["fast_vs_torch"]) and positive(tr["ratios"][prec]["fast_vs_torch_best"])
+
+
+def test_flop_shares_are_positive_and_use_the_measured_peaks(report):
+    fl = report["json"]["flops"]
+    assert set(fl["peak_flops_per_s"]) == set(report["json"]["training"]["precisions"])
+    assert all(positive(p) for p in fl["peak_flops_per_s"].values())
+    for r in fl["results"]:
+        assert positive(r["share_of_peak"])
+        assert r["share_of_peak"] == pytest.approx(r["flops_per_s"] / fl["peak_flops_per_s"][r["precision"]])
+
+
+def test_padding_shares_are_fractions_and_bucketing_pads_less(report):
+    pad = report["json"]["padding"]
+    assert 0 <= pad["bucketed_share"] < 1 and 0 < pad["fixed_share"] < 1
+    assert pad["bucketed_share"] < pad["fixed_share"]
+
+
+def test_decoders_that_must_agree_do_agree(report):
+    dec = report["json"]["decoding"]
+    assert "random weights" in dec["model"]
+    assert "batched_full_vs_single" in dec["checks"]
+    for name, check in dec["checks"].items():
+        assert check["of"] > 0 and check["all_same"], (name, check)
+    available = [r for r in dec["results"] if r["available"]]
+    assert len(available) >= 2
+    for r in available:
+        assert positive(r["sentences_per_s"]) and positive(r["speedup_vs_single"])
+    for r in dec["results"]:
+        if not r["available"]:
+            assert "not available" in r["note"]
+
+
+def test_scaling_covers_every_length_for_both_sublayers(report):
+    sc = report["json"]["scaling"]
+    got = {(r["sublayer"], r["d_model"], r["length"]) for r in sc["results"]}
+    assert got == {(s, d, n) for s in ("self-attention", "feed-forward") for d in sc["d_models"] for n in sc["lengths"]}
+    assert all(positive(r["ms"]) for r in sc["results"])
+
+
+def test_the_plot_is_a_png(report):
+    png = report["out"] / "bench.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
