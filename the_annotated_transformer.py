@@ -2065,16 +2065,17 @@ def unwrap(model: nn.Module) -> nn.Module:
 #
 # §6.1 translates with beam search (beam size 4, length penalty $\alpha = 0.6$, citing Wu
 # et al. 2016), sets the maximum output length to the input length + 50, and terminates
-# early when possible. (§6 is not among the excerpts we quote from, so this is our
-# summary.) The pieces, in order: the length limit, the length penalty, beam search, and
-# `translate`, which decodes a whole set of sentences either greedily or with a beam.
+# early when possible (our summary of §6.1, not a quotation). The pieces, in order: the
+# length limit, the length penalty, beam search, and `translate`, which decodes a whole set
+# of sentences either greedily or with a beam.
 #
-# **The length limit, precisely.** For a source sentence with $n$ tokens (not counting
-# `<s>`, `</s>` and padding), at most $n + $ `max_decode_extra` tokens are generated after
-# `<s>`, and a final `</s>` counts as one of them. So a translation has at most
-# $n + 50$ words when it stops by itself (then $\le n + 49$ words and `</s>`), and exactly
-# $n + 50$ words, without `</s>`, when it is cut by the limit. The same rule holds for
-# greedy, cached greedy and beam search, and tests check it exactly for all three.
+# **The length limit, precisely.** For a source sentence with $n$ tokens (BPE pieces or
+# words, whatever the vocabulary holds; not counting `<s>`, `</s>` and padding), at most
+# $n + $ `max_decode_extra` tokens are generated after `<s>`, and a final `</s>` counts as
+# one of them. So a translation that stops by itself has at most $n + 49$ tokens and
+# `</s>`, and one cut by the limit has exactly $n + 50$ tokens, without `</s>`. The same
+# rule holds for greedy, cached greedy and beam search, and tests check it exactly for all
+# three.
 #
 # **Special tokens.** No decoder ever emits `<s>` or `<blank>` (their scores are set to
 # $-\infty$). `<unk>` is an ordinary token to the decoder: the model may produce it, and
