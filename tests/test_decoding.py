@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import the_annotated_transformer as T
-from the_annotated_transformer import BOS, EOS, PAD, UNK
+from the_annotated_transformer import BOS, EOS, PAD
 
 CPU = torch.device("cpu")
 
@@ -75,7 +75,7 @@ def random_probs(vocab, eos_weight=1.0, seed=0):
 
 
 def dist(vocab, **p):
-    """A distribution from {token id: probability}; the rest spread over no tokens (must sum to 1)."""
+    """A distribution from {"t<id>": probability}; every other token gets 0 (the values must sum to 1)."""
     out = torch.zeros(vocab, dtype=torch.float64)
     for k, v in p.items():
         out[int(k[1:])] = v
@@ -307,7 +307,6 @@ def test_real_model_that_prefers_specials_does_not_emit_them(cached):
     assert all(BOS not in g and PAD not in g for g in generated)
     beams = T.beam_search(model, src, mask, 10, BOS, EOS, 3, 0.6, banned=[PAD], cached=cached)
     assert all(BOS not in b and PAD not in b for b in beams)
-    assert UNK == 3  # <unk> is an ordinary token to the decoders
 
 
 # --- attention maps -----------------------------------------------------------------------------
