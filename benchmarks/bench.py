@@ -339,7 +339,7 @@ def cut(row: Sequence[int], limit: int) -> list[int]:
 def decode_batches(model: nn.Module, sources: Sequence[list[int]], batch_size: int, extra: int,
                    method: Callable) -> list[list[int]]:
     """Decode ``sources`` in length-sorted batches with ``method(model, src, src_mask, max_len)``;
-    returns each sentence's ids (cut at </s> and at its own limit, input length + ``extra``)."""
+    returns each sentence's ids (cut at </s> and at §6.1's limit, n + ``extra`` tokens for n source words)."""
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     out: list = [None] * len(sources)
     for start in range(0, len(order), batch_size):
@@ -349,7 +349,7 @@ def decode_batches(model: nn.Module, sources: Sequence[list[int]], batch_size: i
         rows = method(model, src, src_mask, src.size(1) + extra)
         rows = rows.tolist() if torch.is_tensor(rows) else rows
         for i, row in zip(idx, rows):
-            out[i] = cut(row, len(sources[i]) + extra - 1)
+            out[i] = cut(row, len(sources[i]) - 2 + extra)  # sources hold <s> … </s>
     return out
 
 
@@ -366,12 +366,12 @@ def greedy_cached(model, src, src_mask, max_len):
 def beam(cached: bool) -> Callable:
     """Beam search of width 4 (α = 0.6) from the module, with or without its cache.
 
-    Each sentence may generate up to its own input length + extra − 1 tokens, the same
+    Each sentence may generate up to n + extra tokens (``tat.max_output_tokens``), the same
     limit the greedy outputs are cut at; <blank> is never generated.
     """
     def run(model, src, src_mask, max_len):
         extra = max_len - src.size(1)
-        limits = src_mask.sum(dim=(-2, -1)) + extra - 1  # (batch,)
+        limits = tat.max_output_tokens(src, extra)  # (batch,)
         with torch.no_grad():
             return tat.beam_search(model, src, src_mask, limits, tat.BOS, tat.EOS, beam_size=4, alpha=0.6,
                                    banned=[tat.PAD], cached=cached)
