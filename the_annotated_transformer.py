@@ -79,7 +79,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Callable, Iterable, Optional, Sequence
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -346,6 +346,11 @@ class DecoderLayer(nn.Module):
 def subsequent_mask(size: int, device=None) -> torch.Tensor:
     """Causal mask (1, size, size): position i may attend to positions j ≤ i — §3.1, §3.2.3."""
     return torch.ones(1, size, size, dtype=torch.bool, device=device).tril()
+
+
+def padding_mask(ids: torch.Tensor, pad: int) -> torch.Tensor:
+    """Key mask (batch, 1, len) for token ids (batch, len): every real token may be attended to, padding not."""
+    return (ids != pad).unsqueeze(-2)  # (batch, 1, len)
 
 
 if EXAMPLES:
@@ -709,74 +714,34 @@ if EXAMPLES:
 # %% [markdown]
 # ## The full model
 #
-# §3's Figure 1, assembled. Sizes are named as in the paper and collected in one dataclass. Presets: `base` and `big`
-# are Table 3's two models; `tiny` is for tests; `copy`, `multi30k-small` and
-# `iwslt14-small` are the training runs of Part 3. The training fields are explained in
-# Part 2. Every preset is frozen; change a copy with `dataclasses.replace` or, on the
-# command line, with `--field value`.
+# §3's Figure 1, assembled. The model's sizes are named as in the paper and collected in one
+# frozen dataclass, `ModelConfig`; `base` and `big` are Table 3's two models and `tiny` is
+# for tests and examples. (The settings of a training run — data, optimizer, schedule,
+# checkpoints — extend it in Part 2 as `Config`.) Change a copy with `dataclasses.replace`.
 
 # %%
-@dataclass(frozen=True)
-class Config:
-    """Model and training settings. Field names follow the paper where it names them."""
+SAME_WEIGHTS = MappingProxyType({"same_weights": True})  # field metadata: changes the computation, not the weights
 
-    # --- model (§3, Table 3) ---
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's settings — §3 and Table 3 (base model by default); names as in the paper.
+
+    Fields marked ``SAME_WEIGHTS`` can differ between a checkpoint and the model loading it.
+    """
+
     N: int = 6  # layers per stack
     d_model: int = 512
     d_ff: int = 2048
     h: int = 8
-    P_drop: float = 0.1  # residual dropout, §5.4
+    P_drop: float = field(default=0.1, metadata=SAME_WEIGHTS)  # residual dropout, §5.4
     norm_first: bool = False  # False: post-norm as in §3.1; True: pre-norm (departure)
-    ffn_dropout: float = 0.0  # dropout inside the FFN (not in the paper)
-    attn_dropout: float = 0.0  # dropout on attention weights (not in the paper)
+    ffn_dropout: float = field(default=0.0, metadata=SAME_WEIGHTS)  # dropout inside the FFN (not in the paper)
+    attn_dropout: float = field(default=0.0, metadata=SAME_WEIGHTS)  # on attention weights (not in the paper)
     tie_weights: bool = True  # §3.4 weight sharing
-    fast_attention: bool = False  # FastMultiHeadedAttention instead of the readable class
+    shared_vocab: bool = True  # one vocabulary for both languages: three-way sharing (§3.4, §5.1)
+    fast_attention: bool = field(default=False, metadata=SAME_WEIGHTS)  # the fast path (aside after §4)
     max_len: int = 5000  # longest sequence the positional encoding covers
-    # --- data (§5.1) ---
-    dataset: str = "multi30k"  # "copy", "multi30k" or "iwslt14"
-    vocab: str = "bpe"  # "bpe": joint byte-pair encoding (§5.1); "words": whole words, rare ones <unk>
-    bpe_size: int = 37000  # size of the joint BPE vocabulary, specials included (§5.1: about 37000)
-    shared_vocab: bool = True  # one vocabulary for both languages (three-way tying)
-    min_freq: int = 2  # word vocabularies: keep words seen at least this often
-    max_tokens: int = 100  # pairs with a longer side are filtered out (and counted)
-    batch_tokens: int = 4096  # tokens (source or target, padding included) per batch
-    # --- optimisation (§5.3, §5.4) ---
-    warmup: int = 4000
-    lr_factor: float = 1.0  # multiplies Eq. 3
-    betas: tuple = (0.9, 0.98)
-    adam_eps: float = 1e-9
-    eps_ls: float = 0.1  # label smoothing
-    accum_steps: int = 1  # batches per optimizer update
-    clip_grad: float = 0.0  # max grad norm; 0 = off
-    epochs: int = 10
-    max_steps: int = 0  # stop after this many updates; 0 = no limit
-    seed: int = 1
-    # --- machinery ---
-    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
-    bf16: str = "auto"  # bf16 autocast: "auto" (only where the hardware computes bf16 natively), "true", "false"
-    compile: bool = False  # torch.compile the model
-    keep_checkpoints: int = 5  # last K kept (for averaging)
-    checkpoint_minutes: float = 10.0  # also save every this many minutes (§6.1: every 10 minutes); 0 = off
-    average_last: int = 0  # evaluate the average of the last K checkpoints; 0 = last only
-    run_dir: str = ""  # where checkpoints and logs go; "" = runs/<preset>
-    data_dir: str = ""  # downloads and caches; "" = $ANNOTATED_TRANSFORMER_DATA or ./data
-    data_mirror: str = ""  # a local folder holding the data sets; "" = $DATA_MIRROR
-    download: bool = True  # fetch missing data when no mirror has it
-    max_decode_extra: int = 50  # at most input length + this tokens after <s>, </s> included (§6.1)
-    beam_size: int = 4  # beam search at the end of training (§6.1); greedy is scored too
-    length_penalty_alpha: float = 0.6  # GNMT length penalty α (§6.1); 0 = raw log-probability
-    eval_batch_size: int = 128  # sentences per decoding batch
-    max_eval_sentences: int = 0  # decode only the first N test sentences; 0 = all
-    examples_to_show: int = 5
-
-    def __post_init__(self):
-        # bf16 is a three-way switch; True/False (older checkpoints, Python callers) mean "true"/"false".
-        value = {True: "true", False: "false"}.get(self.bf16, str(self.bf16).lower())
-        if value not in ("auto", "true", "false"):
-            raise ValueError(f"bf16 must be auto, true or false, not {self.bf16!r}")
-        object.__setattr__(self, "bf16", value)
-        if self.vocab not in ("bpe", "words"):
-            raise ValueError(f"vocab must be bpe or words, not {self.vocab!r}")
 
     @property
     def d_k(self) -> int:
@@ -784,26 +749,16 @@ class Config:
         return self.d_model // self.h
 
 
-PRESETS = MappingProxyType({
-    "base": Config(),
-    "big": Config(d_model=1024, d_ff=4096, h=16, P_drop=0.3),
-    "tiny": Config(N=2, d_model=32, d_ff=64, h=4, max_len=512, vocab="words", bpe_size=1000),
-    "copy": Config(N=2, d_model=64, d_ff=128, h=4, P_drop=0.0, dataset="copy", batch_tokens=1280,
-                   warmup=200, epochs=16, min_freq=1),
-    "multi30k-small": Config(N=3, d_model=256, d_ff=1024, h=8, dataset="multi30k", bpe_size=8000,
-                             batch_tokens=2500, warmup=1000, lr_factor=0.7, epochs=18, clip_grad=1.0,
-                             fast_attention=True, average_last=5),
-    "iwslt14-small": Config(N=6, d_model=512, d_ff=1024, h=4, P_drop=0.3, dataset="iwslt14", bpe_size=10000,
-                            batch_tokens=4096, warmup=4000, lr_factor=1.0, epochs=50,
-                            min_freq=3, clip_grad=0.0),
+MODEL_PRESETS = MappingProxyType({
+    "base": ModelConfig(),
+    "big": ModelConfig(d_model=1024, d_ff=4096, h=16, P_drop=0.3),
+    "tiny": ModelConfig(N=2, d_model=32, d_ff=64, h=4, max_len=512),
 })
 
 
-def get_config(name: str = "base", **overrides) -> Config:
-    """The preset ``name`` with ``overrides`` applied (unknown names raise a clear error)."""
-    if name not in PRESETS:
-        raise KeyError(f"unknown config {name!r}; presets: {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
+def weight_fields() -> tuple:
+    """The ModelConfig fields that decide the parameters (a checkpoint must agree on all of them)."""
+    return tuple(f.name for f in dataclasses.fields(ModelConfig) if not f.metadata.get("same_weights"))
 
 
 # %% [markdown]
@@ -813,14 +768,15 @@ def get_config(name: str = "base", **overrides) -> Config:
 # tensor, updated once per step.
 
 # %%
-def make_model(src_vocab: int, tgt_vocab: int, config: Optional[Config] = None, **overrides) -> EncoderDecoder:
-    r"""Build the Transformer of §3 (Figure 1) from a :class:`Config`.
+def make_model(src_vocab: int, tgt_vocab: int, config: Optional[ModelConfig] = None,
+               **overrides) -> EncoderDecoder:
+    r"""Build the Transformer of §3 (Figure 1) from a :class:`ModelConfig` (or a training :class:`Config`).
 
     ``overrides`` replace config fields (``make_model(11, 11, N=2)``). With
     ``tie_weights``, the target embedding and the pre-softmax projection share one matrix
     (§3.4); with ``shared_vocab`` too, the source embedding shares it as well (three-way).
     """
-    cfg = dataclasses.replace(config or PRESETS["base"], **overrides)
+    cfg = dataclasses.replace(config or MODEL_PRESETS["base"], **overrides)
     mha = FastMultiHeadedAttention if cfg.fast_attention else MultiHeadedAttention
     attn = mha(cfg.h, cfg.d_model, cfg.attn_dropout)
     ff = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.ffn_dropout)
@@ -852,7 +808,7 @@ def count_parameters(model: nn.Module) -> int:
 
 if EXAMPLES:
     for name in ("base", "big"):
-        m = make_model(37000, 37000, PRESETS[name])
+        m = make_model(37000, 37000, MODEL_PRESETS[name])
         print(f"{name}: {count_parameters(m) / 1e6:.1f}M parameters with a shared 37,000-token vocabulary")
     del m
 
@@ -957,7 +913,7 @@ def greedy_decode(model: EncoderDecoder, src, src_mask, max_len: int, start_symb
 
 
 if EXAMPLES:
-    test_model = make_model(11, 11, PRESETS["tiny"]).eval()
+    test_model = make_model(11, 11, MODEL_PRESETS["tiny"]).eval()
     src = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
     print("untrained model's output:", greedy_decode(test_model, src, torch.ones(1, 1, 10, dtype=torch.bool),
                                                     max_len=10, start_symbol=0)[0].tolist())
@@ -1075,7 +1031,7 @@ def greedy_decode_cached(model: EncoderDecoder, src, src_mask, max_len: int, sta
 # %%
 if EXAMPLES:
     torch.manual_seed(0)
-    timing_model = make_model(1000, 1000, PRESETS["tiny"], N=3, d_model=256, d_ff=1024, h=8).eval()
+    timing_model = make_model(1000, 1000, MODEL_PRESETS["tiny"], N=3, d_model=256, d_ff=1024, h=8).eval()
     timing_src = torch.randint(4, 1000, (32, 20))
     timing_mask = torch.ones(32, 1, 20, dtype=torch.bool)
     print("output length   full recompute (s)   cached (s)   speed-up   same tokens")
@@ -1127,6 +1083,101 @@ if EXAMPLES:
 # where one is known and are written atomically (to a temporary file that is renamed only
 # when complete). For IWSLT14 the download is the raw TED archive, which
 # `prepare_iwslt14` turns into the standard layout.
+
+# %% [markdown]
+# ## Training settings
+#
+# A training run needs more than the model's sizes: which data and vocabulary, the batch
+# size, the schedule, how long to train, and where to keep checkpoints. `Config` extends
+# `ModelConfig` with those fields (each explained where it is used below), so one frozen
+# object describes a run, and a checkpoint records it whole. The presets: `base` and `big`
+# (Table 3, averaging the last 5 and 20 checkpoints as §6.1 does), `tiny` (tests),
+# `copy`, `multi30k-small` and `iwslt14-small` (the runs of Part 4). On the command line,
+# `--field value` changes any field.
+
+# %%
+@dataclass(frozen=True)
+class Config(ModelConfig):
+    """A training run: the model (:class:`ModelConfig`) plus data, optimisation and machinery settings."""
+
+    # --- data (§5.1) ---
+    dataset: str = "multi30k"  # "copy", "multi30k" or "iwslt14"
+    vocab: str = "bpe"  # "bpe": joint byte-pair encoding (§5.1); "words": whole words, rare ones <unk>
+    bpe_size: int = 37000  # size of the joint BPE vocabulary, specials included (§5.1: about 37000)
+    min_freq: int = 2  # word vocabularies: keep words seen at least this often
+    max_tokens: int = 100  # training pairs with a longer side are filtered out (and counted)
+    batch_tokens: int = 4096  # tokens (source or target, padding included) per batch
+    # --- optimisation (§5.3, §5.4) ---
+    warmup: int = 4000
+    lr_factor: float = 1.0  # multiplies Eq. 3
+    betas: tuple = (0.9, 0.98)
+    adam_eps: float = 1e-9
+    eps_ls: float = 0.1  # label smoothing
+    accum_steps: int = 1  # batches per optimizer update
+    clip_grad: float = 0.0  # max grad norm; 0 = off
+    epochs: int = 10
+    max_steps: int = 0  # stop after this many updates; 0 = no limit
+    seed: int = 1
+    # --- machinery (Appendix) ---
+    device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
+    bf16: str = "auto"  # bf16 autocast: "auto" (only where the hardware computes bf16 natively), "true", "false"
+    compile: bool = False  # torch.compile the model
+    keep_checkpoints: int = 5  # last K kept (for averaging)
+    checkpoint_minutes: float = 10.0  # also save every this many minutes (§6.1: every 10 minutes); 0 = off
+    average_last: int = 0  # evaluate the average of the last K checkpoints; 0 = last only
+    run_dir: str = ""  # where checkpoints and logs go; "" = runs/<preset> (see run_dir_for)
+    data_dir: str = ""  # downloads and caches; "" = $ANNOTATED_TRANSFORMER_DATA or ./data
+    data_mirror: str = ""  # a local folder holding the data sets; "" = $DATA_MIRROR
+    download: bool = True  # fetch missing data when no mirror has it
+    # --- decoding (§6.1, Part 3) ---
+    max_decode_extra: int = 50  # at most input length + this tokens after <s>, </s> included (§6.1)
+    beam_size: int = 4  # beam search at the end of training (§6.1); greedy is scored too
+    length_penalty_alpha: float = 0.6  # GNMT length penalty α (§6.1); 0 = raw log-probability
+    eval_batch_size: int = 128  # sentences per decoding batch
+    max_eval_sentences: int = 0  # decode only the first N test sentences; 0 = all
+    examples_to_show: int = 5
+
+    def __post_init__(self):
+        # bf16 is a three-way switch; True/False (older checkpoints, Python callers) mean "true"/"false".
+        value = {True: "true", False: "false"}.get(self.bf16, str(self.bf16).lower())
+        if value not in ("auto", "true", "false"):
+            raise ValueError(f"bf16 must be auto, true or false, not {self.bf16!r}")
+        object.__setattr__(self, "bf16", value)
+        if self.vocab not in ("bpe", "words"):
+            raise ValueError(f"vocab must be bpe or words, not {self.vocab!r}")
+
+
+def _model(name: str) -> dict:
+    """The fields of model preset ``name``, to build a training preset on."""
+    return dataclasses.asdict(MODEL_PRESETS[name])
+
+
+PRESETS = MappingProxyType({
+    "base": Config(**_model("base"), average_last=5),
+    "big": Config(**_model("big"), average_last=20),
+    "tiny": Config(**_model("tiny"), vocab="words", bpe_size=1000),
+    "copy": Config(N=2, d_model=64, d_ff=128, h=4, P_drop=0.0, dataset="copy", batch_tokens=1280,
+                   warmup=200, epochs=16, min_freq=1),
+    "multi30k-small": Config(N=3, d_model=256, d_ff=1024, h=8, dataset="multi30k", bpe_size=8000,
+                             batch_tokens=2500, warmup=1000, lr_factor=0.7, epochs=18, clip_grad=1.0,
+                             fast_attention=True, average_last=5),
+    "iwslt14-small": Config(N=6, d_model=512, d_ff=1024, h=4, P_drop=0.3, dataset="iwslt14", bpe_size=10000,
+                            batch_tokens=4096, warmup=4000, lr_factor=1.0, epochs=50,
+                            min_freq=3, clip_grad=0.0),
+})
+
+
+def get_config(name: str = "base", **overrides) -> Config:
+    """The preset ``name`` with ``overrides`` applied (unknown names raise a clear error)."""
+    if name not in PRESETS:
+        raise KeyError(f"unknown config {name!r}; presets: {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def run_dir_for(cfg: Config, preset: str = "") -> Path:
+    """Where a run keeps its files: ``cfg.run_dir``, else ``runs/<preset>``, else ``runs/<dataset>``."""
+    return Path(cfg.run_dir or f"runs/{preset or cfg.dataset}")
+
 
 # %%
 SPECIALS = ("<s>", "</s>", "<blank>", "<unk>")
@@ -1740,7 +1791,7 @@ class Batch:
 
     def __init__(self, src: torch.Tensor, tgt: Optional[torch.Tensor] = None, pad: int = PAD):
         self.src = src  # (batch, src_len)
-        self.src_mask = (src != pad).unsqueeze(-2)  # (batch, 1, src_len)
+        self.src_mask = padding_mask(src, pad)  # (batch, 1, src_len)
         if tgt is not None:
             self.tgt = tgt[:, :-1]  # (batch, tgt_len): decoder input
             self.tgt_y = tgt[:, 1:]  # (batch, tgt_len): next tokens
@@ -1750,7 +1801,7 @@ class Batch:
     @staticmethod
     def make_std_mask(tgt: torch.Tensor, pad: int) -> torch.Tensor:
         """Target mask: not padding, and not a subsequent position."""
-        return (tgt != pad).unsqueeze(-2) & subsequent_mask(tgt.size(-1), device=tgt.device)
+        return padding_mask(tgt, pad) & subsequent_mask(tgt.size(-1), device=tgt.device)  # (batch, len, len)
 
     def to(self, device) -> "Batch":
         """The same batch on ``device``."""
@@ -1973,8 +2024,6 @@ class TrainingInterrupted(RuntimeError):
     """SIGINT or SIGTERM stopped training after the current update; a checkpoint was saved first."""
 
 
-MODEL_FIELDS = ("N", "d_model", "d_ff", "h", "norm_first", "tie_weights", "shared_vocab", "max_len", "dataset",
-                "vocab", "bpe_size")
 
 
 def save_checkpoint(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, src_vocab: Vocab,
@@ -2012,7 +2061,7 @@ def load_checkpoint(path: Path, cfg: Optional[Config] = None, src_vocab: Optiona
         raise CheckpointError(f"{path} is not a checkpoint written by this program")
     if cfg is not None:
         diff = [f"{k}: checkpoint {state['config'].get(k)!r} vs now {getattr(cfg, k)!r}"
-                for k in MODEL_FIELDS if state["config"].get(k) != getattr(cfg, k)]
+                for k in weight_fields() if state["config"].get(k) != getattr(cfg, k)]
         if diff:
             raise CheckpointError(f"{path} was written for another model config ({'; '.join(diff)})")
     for side, vocab in (("src", src_vocab), ("tgt", tgt_vocab)):
@@ -2239,7 +2288,7 @@ def translate(model: EncoderDecoder, sources: Sequence[list[int]], tgt_vocab: Vo
     for s in tqdm(starts, desc="decoding", disable=not progress, leave=False):
         idx = order[s: s + cfg.eval_batch_size]
         src = pad_sequences([sources[i] for i in idx]).to(device)
-        src_mask = (src != PAD).unsqueeze(-2)  # (batch, 1, src_len)
+        src_mask = padding_mask(src, PAD)  # (batch, 1, src_len)
         limits = max_output_tokens(src, cfg.max_decode_extra)  # (batch,)
         if beam_size == 1:
             decode = greedy_decode_cached if cached else greedy_decode
@@ -2275,9 +2324,11 @@ def bleu(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> 
 
 
 # %% [markdown]
-# ### `train`
+# ### Devices, precision, processes and signals
 #
-# The function the command line, `make train` and Part 3 of this notebook all call.
+# Small pieces the loop needs from its surroundings: which device, whether bf16 pays off
+# (above), whether several processes train together (`torchrun` sets `WORLD_SIZE`), and a
+# way to turn Ctrl-C into "save and stop after this update".
 
 # %%
 def resolve_device(name: str) -> torch.device:
@@ -2313,6 +2364,16 @@ def resolve_bf16(setting: str, device: torch.device) -> tuple[bool, str]:
         on, why = native_bf16(device)
         return True, "bf16 autocast: on (asked for" + ("" if on else f"; note: {why}") + ")"
     return False, "bf16 autocast: off (asked for)"
+
+
+def _distributed() -> tuple[int, int]:
+    """(rank, world size); starts the process group when launched by ``torchrun``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), world
 
 
 class StopRequest:
@@ -2353,24 +2414,145 @@ class StopRequest:
         return flag
 
 
-def trim_metrics(path: Path, step: int) -> None:
-    """Drop the records after ``step`` from a metrics log, so that a resumed run does not repeat them."""
-    path = Path(path)
-    if path.is_file():
-        lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-        write_atomic(path, [line for line in lines if json.loads(line)["step"] <= step])
+
+# %% [markdown]
+# ### One update
+#
+# `update` takes the micro-batches of one update and applies one optimizer step. Each
+# batch's summed loss is divided by the number of target tokens in the *whole* update —
+# counted over every micro-batch and, in a distributed run, every process (the
+# `all_reduce`) — and multiplied by the number of processes, because DDP *averages*
+# gradients over processes. So the gradient is the one of the mean loss per target token of
+# the whole update, however it is split (a test checks it). The learning rate it reports is
+# the one the step applied (Eq. 3 at this update's number).
+
+# %%
+class Run(NamedTuple):
+    """The objects of one training run, handed explicitly from step to step."""
+
+    cfg: Config
+    data: Dataset
+    model: EncoderDecoder  # the plain model (its parameters, its generator)
+    train_model: nn.Module  # what computes the forward pass: the model, compiled and/or wrapped in DDP
+    optimizer: torch.optim.Optimizer
+    scheduler: LambdaLR
+    device: torch.device
+    autocast: Callable  # a context manager factory: bf16 autocast or nothing
+    rank: int
+    world: int
+    files: "RunFiles"
+    log: Callable
 
 
-def _distributed() -> tuple[int, int]:
-    """(rank, world size); starts the process group when launched by ``torchrun``."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        return 0, 1
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-    return dist.get_rank(), world
+def update(run: Run, micro: Sequence[Batch]) -> tuple[float, int, float]:
+    """One optimizer update over the micro-batches ``micro`` — §5.3.
+
+    Returns (summed label-smoothed loss, real target tokens, learning rate applied) for this
+    process's batches. A non-finite loss raises :class:`TrainingDiverged` before the step.
+    """
+    ntokens = torch.tensor(sum(b.ntokens for b in micro), device=run.device)
+    if run.world > 1:
+        dist.all_reduce(ntokens)
+    ntokens = int(ntokens)
+    total = 0.0
+    for j, b in enumerate(micro):
+        last = j == len(micro) - 1
+        no_sync = run.train_model.no_sync() if (run.world > 1 and not last) else nullcontext()
+        with no_sync, run.autocast():
+            out = run.train_model(b.src, b.tgt, b.src_mask, b.tgt_mask)
+            loss = loss_sum(run.model.generator(out), b.tgt_y, run.cfg.eps_ls)
+        (loss * run.world / ntokens).backward()
+        total += float(loss.detach())
+    if not math.isfinite(total):
+        raise TrainingDiverged(f"loss is {total}")
+    if run.cfg.clip_grad:
+        nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.clip_grad)
+    lr = run.optimizer.param_groups[0]["lr"]  # set by the scheduler for this update
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return total, sum(b.ntokens for b in micro), lr
 
 
+# %% [markdown]
+# ### Checkpoint and metrics bookkeeping; resuming
+#
+# `RunFiles` is the run directory: it writes checkpoints (keeping the last
+# `keep_checkpoints`) and appends records to the metrics log; only the main process
+# writes. `Position` is where training stands — updates taken (the paper's $step\_num$),
+# the epoch, and the next update within it — and is what a checkpoint records so that
+# `resume` can continue in the middle of an epoch with the same batches.
+
+# %%
+@dataclass
+class Position:
+    """Where training stands: updates taken, the epoch (from 0), the next update in the epoch."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+
+
+class RunFiles:
+    """A run directory's checkpoints (the last ``keep`` kept) and JSONL metrics log; writes only if ``write``."""
+
+    def __init__(self, run_dir: Path, keep: int, write: bool):
+        self.dir, self.keep, self.write = Path(run_dir), keep, write
+        self.metrics = self.dir / "metrics.jsonl"
+        self.saved_at = time.time()  # when a checkpoint was last written (for checkpoint_minutes)
+        if write:
+            self.dir.mkdir(parents=True, exist_ok=True)
+
+    def log(self, record: dict) -> None:
+        """Append one record to the metrics log."""
+        if self.write:
+            with open(self.metrics, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def save(self, run: Run, pos: Position) -> Optional[Path]:
+        """Write a checkpoint of ``run`` at ``pos`` and drop the oldest beyond ``keep``."""
+        self.saved_at = time.time()
+        if not self.write:
+            return None
+        path = save_checkpoint(self.dir / f"checkpoint-{pos.step:08d}.pt", run.model, run.optimizer, run.scheduler,
+                               run.cfg, run.data.src_vocab, run.data.tgt_vocab, pos.step, pos.epoch,
+                               pos.batch_in_epoch, run.data.subwords)
+        for old in checkpoint_paths(self.dir)[: -self.keep]:
+            old.unlink()
+        return path
+
+
+def resume(run: Run) -> Position:
+    """Restore the newest checkpoint of the run directory (model, optimizer, schedule, RNGs), if any.
+
+    Metrics logged after that checkpoint are dropped, so the resumed run logs no step twice.
+    """
+    existing = checkpoint_paths(run.files.dir)
+    if not existing:
+        return Position()
+    state = load_checkpoint(existing[-1], run.cfg, run.data.src_vocab, run.data.tgt_vocab, run.data.subwords)
+    run.model.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    if state["rng"]["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    pos = Position(state["step"], state["epoch"], state["batch_in_epoch"])
+    run.log(f"resumed from {existing[-1]} at step {pos.step} (epoch {pos.epoch + 1}, batch {pos.batch_in_epoch})")
+    if run.files.write and run.files.metrics.is_file():
+        lines = [line for line in run.files.metrics.read_text(encoding="utf-8").splitlines() if line.strip()]
+        write_atomic(run.files.metrics, [line for line in lines if json.loads(line)["step"] <= pos.step])
+    return pos
+
+
+# %% [markdown]
+# ### Validation
+#
+# After every epoch: the mean cross-entropy per target token on the validation split,
+# without label smoothing, so that $e^{\text{loss}}$ is the perplexity.
+
+# %%
 @torch.no_grad()
 def evaluate_loss(model: nn.Module, pairs: Sequence, cfg: Config, device) -> float:
     """Mean cross-entropy per target token (no label smoothing) on ``pairs``."""
@@ -2385,163 +2567,131 @@ def evaluate_loss(model: nn.Module, pairs: Sequence, cfg: Config, device) -> flo
     return total / max(ntokens, 1)
 
 
+
+# %% [markdown]
+# ### One epoch
+#
+# The batches of an epoch are a function of (seed, epoch), so `train_epoch` can start at
+# any update of it. After each update: the progress bar, a metrics record every 50
+# updates, and the two ways training stops early — `max_steps`, or a signal (save, then
+# stop with a message) — and the checkpoint every `checkpoint_minutes` (not at the last
+# update of an epoch, whose own checkpoint follows at once). It returns whether training
+# is finished.
+
+# %%
+def train_epoch(run: Run, pos: Position, stop: StopRequest, progress: bool, t_start: float) -> bool:
+    """The updates of epoch ``pos.epoch`` from ``pos.batch_in_epoch`` on, advancing ``pos``; True once ``max_steps`` is reached."""
+    cfg, pairs = run.cfg, run.data.splits["train"]
+    lengths = [(len(s), len(t)) for s, t in pairs]
+    batches = length_batches(lengths, cfg.batch_tokens, cfg.seed, pos.epoch, rank=run.rank, world_size=run.world)
+    updates = [batches[i: i + cfg.accum_steps] for i in range(0, len(batches), cfg.accum_steps)]
+    bar = tqdm(total=len(updates), initial=pos.batch_in_epoch, desc=f"epoch {pos.epoch + 1}/{cfg.epochs}",
+               disable=not (progress and run.rank == 0), dynamic_ncols=True)
+    run.train_model.train()
+    seen, t0, loss_acc, tok_acc = 0, time.time(), 0.0, 0
+    finished = False
+    with bar:
+        for u in range(pos.batch_in_epoch, len(updates)):
+            try:
+                loss, tokens, lr = update(run, [make_batch(pairs, idx).to(run.device) for idx in updates[u]])
+            except TrainingDiverged as e:
+                last = checkpoint_paths(run.files.dir)
+                raise TrainingDiverged(f"{e} at step {pos.step + 1}; stopped. Last good checkpoint: "
+                                       f"{last[-1] if last else 'none (no checkpoint written yet)'}") from None
+            pos.step, pos.batch_in_epoch = pos.step + 1, u + 1
+            seen, loss_acc, tok_acc = seen + tokens, loss_acc + loss, tok_acc + tokens
+            tps = seen * run.world / max(time.time() - t0, 1e-9)
+            bar.set_postfix(loss=f"{loss / max(tokens, 1):.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
+            bar.update(1)
+            if pos.step % 50 == 0:
+                run.files.log({"step": pos.step, "epoch": pos.epoch + 1, "train_loss": loss_acc / max(tok_acc, 1),
+                               "lr": lr, "tokens_per_s": tps, "elapsed_s": time.time() - t_start})
+                loss_acc, tok_acc = 0.0, 0
+            if cfg.max_steps and pos.step >= cfg.max_steps:
+                finished = True
+                break
+            if stop.requested(run.world):
+                path = run.files.save(run, pos)
+                name = signal.Signals(stop.signum).name if stop.signum else "a signal in another process"
+                raise TrainingInterrupted(f"stopped by {name} after update {pos.step}; checkpoint saved to {path}. "
+                                          "Run the same command again to continue from there.")
+            if (cfg.checkpoint_minutes and u < len(updates) - 1
+                    and time.time() - run.files.saved_at >= cfg.checkpoint_minutes * 60):
+                run.files.save(run, pos)
+    if pos.batch_in_epoch == len(updates):  # the epoch is complete (also when max_steps ended it there)
+        pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
+    return finished
+
+
+# %% [markdown]
+# ### `train`
+#
+# The function the command line, `make train` and Part 4 of this notebook all call. It
+# sets up a `Run`, resumes if the run directory holds a checkpoint, and then repeats: an
+# epoch, validation, an end-of-epoch checkpoint. Last, it draws the training curve and
+# scores the test set (Part 3).
+
+# %%
+def setup(cfg: Config, data: Dataset, device: torch.device, rank: int, world: int, log: Callable) -> Run:
+    """The model, optimizer, schedule, precision and run directory of a training run."""
+    model = make_model(len(data.src_vocab), len(data.tgt_vocab), cfg).to(device)
+    optimizer, scheduler = make_optimizer(model, cfg)
+    train_model = torch.compile(model) if cfg.compile else model
+    if world > 1:
+        train_model = nn.parallel.DistributedDataParallel(
+            train_model, device_ids=[device.index] if device.type == "cuda" else None)
+    use_bf16, why = resolve_bf16(cfg.bf16, device)
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
+    files = RunFiles(run_dir_for(cfg), cfg.keep_checkpoints, write=rank == 0)
+    log(f"device: {device}" + (f" × {world} processes" if world > 1 else "") + f"; run directory: {files.dir}")
+    log(why)
+    return Run(cfg, data, model, train_model, optimizer, scheduler, device, autocast, rank, world, files, log)
+
+
 def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, progress: bool = True,
           evaluate: bool = True) -> dict:
-    """Train ``cfg`` (resuming from ``run_dir`` when it holds a checkpoint), then score the test set.
+    """Train ``cfg`` (resuming from its run directory when that holds a checkpoint), then score the test set.
 
-    Returns a summary: steps, minutes, validation losses, BLEU, example translations and
-    where the run's files are.
+    Returns a summary: steps, minutes, BLEU, example translations and where the run's files are.
     """
     rank, world = _distributed()
-    is_main = rank == 0
-    log = log if is_main else (lambda *a, **k: None)
+    log = log if rank == 0 else (lambda *a, **k: None)
     device = resolve_device(cfg.device)
     if device.type == "cuda" and world > 1:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
-    run_dir = Path(cfg.run_dir or f"runs/{cfg.dataset}")
     t_start = time.time()
     data = data or load_dataset(cfg, log=log)
-    log(f"device: {device}" + (f" × {world} processes" if world > 1 else "")
-        + f"; run directory: {run_dir}")
-
-    model = make_model(len(data.src_vocab), len(data.tgt_vocab), cfg).to(device)
-    optimizer, scheduler = make_optimizer(model, cfg)
-    step, epoch, batch_in_epoch = 0, 0, 0
-    existing = checkpoint_paths(run_dir)
-    if existing:
-        state = load_checkpoint(existing[-1], cfg, data.src_vocab, data.tgt_vocab, data.subwords)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step, epoch, batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        if state["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        log(f"resumed from {existing[-1]} at step {step} (epoch {epoch + 1}, batch {batch_in_epoch})")
-        if is_main:
-            trim_metrics(run_dir / "metrics.jsonl", step)
-    log(f"model: {count_parameters(model) / 1e6:.2f}M parameters "
+    run = setup(cfg, data, device, rank, world, log)
+    pos = resume(run)
+    log(f"model: {count_parameters(run.model) / 1e6:.2f}M parameters "
         f"(N={cfg.N}, d_model={cfg.d_model}, d_ff={cfg.d_ff}, h={cfg.h}, P_drop={cfg.P_drop})")
-
-    train_model = model
-    if cfg.compile:
-        train_model = torch.compile(train_model)
-    if world > 1:
-        train_model = nn.parallel.DistributedDataParallel(
-            train_model, device_ids=[device.index] if device.type == "cuda" else None)
-    use_bf16, why = resolve_bf16(cfg.bf16, device)
-    log(why)
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
-
-    if is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-    metrics_path = run_dir / "metrics.jsonl"
-    pairs = data.splits["train"]
-    lengths = [(len(s), len(t)) for s, t in pairs]
-
-    def write_metrics(record: dict) -> None:
-        if is_main:
-            with open(metrics_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def checkpoint() -> Optional[Path]:
-        if not is_main:
-            return None
-        path = save_checkpoint(run_dir / f"checkpoint-{step:08d}.pt", model, optimizer, scheduler, cfg,
-                               data.src_vocab, data.tgt_vocab, step, epoch, batch_in_epoch, data.subwords)
-        for old in checkpoint_paths(run_dir)[: -cfg.keep_checkpoints]:
-            old.unlink()
-        return path
-
-    last_save = time.time()  # when the last checkpoint was written, for one every checkpoint_minutes
     with StopRequest() as stop:
-        finished = cfg.max_steps and step >= cfg.max_steps
-        while epoch < cfg.epochs and not finished:
-            batches = length_batches(lengths, cfg.batch_tokens, cfg.seed, epoch, rank=rank, world_size=world)
-            updates = [batches[i: i + cfg.accum_steps] for i in range(0, len(batches), cfg.accum_steps)]
-            bar = tqdm(total=len(updates), initial=batch_in_epoch, desc=f"epoch {epoch + 1}/{cfg.epochs}",
-                       disable=not (progress and is_main), dynamic_ncols=True)
-            train_model.train()
-            tokens_seen, t0, loss_acc, tok_acc = 0, time.time(), 0.0, 0
-            for u in range(batch_in_epoch, len(updates)):
-                micro = [make_batch(pairs, idx).to(device) for idx in updates[u]]
-                ntokens = torch.tensor(sum(b.ntokens for b in micro), device=device)
-                if world > 1:
-                    dist.all_reduce(ntokens)
-                ntokens = int(ntokens)
-                update_loss = 0.0
-                for j, b in enumerate(micro):
-                    sync = j == len(micro) - 1 or world == 1
-                    ctx = train_model.no_sync() if (world > 1 and not sync) else nullcontext()
-                    with ctx, autocast():
-                        out = train_model(b.src, b.tgt, b.src_mask, b.tgt_mask)
-                        loss = loss_sum(model.generator(out), b.tgt_y, cfg.eps_ls)
-                    (loss * world / ntokens).backward()
-                    update_loss += float(loss.detach())
-                if not math.isfinite(update_loss):
-                    last = checkpoint_paths(run_dir)
-                    raise TrainingDiverged(f"loss is {update_loss} at step {step + 1}; stopped. Last good checkpoint: "
-                                           f"{last[-1] if last else 'none (no checkpoint written yet)'}")
-                if cfg.clip_grad:
-                    nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
-                lr = optimizer.param_groups[0]["lr"]  # the rate this update applies: Eq. 3 at step + 1
-                optimizer.step()
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
-                step += 1
-                batch_in_epoch = u + 1
-                local_tokens = sum(b.ntokens for b in micro)
-                tokens_seen += local_tokens
-                loss_acc += update_loss
-                tok_acc += local_tokens
-                tps = tokens_seen * world / max(time.time() - t0, 1e-9)
-                bar.set_postfix(loss=f"{update_loss / max(local_tokens, 1):.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
-                bar.update(1)
-                if step % 50 == 0:
-                    write_metrics({"step": step, "epoch": epoch + 1, "train_loss": loss_acc / max(tok_acc, 1),
-                                   "lr": lr, "tokens_per_s": tps, "elapsed_s": time.time() - t_start})
-                    loss_acc, tok_acc = 0.0, 0
-                if cfg.max_steps and step >= cfg.max_steps:
-                    finished = True
-                    break
-                if stop.requested(world):
-                    path = checkpoint()
-                    bar.close()
-                    name = signal.Signals(stop.signum).name if stop.signum else "a signal in another process"
-                    raise TrainingInterrupted(f"stopped by {name} after update {step}; checkpoint saved to {path}. "
-                                              "Run the same command again to continue from there.")
-                if (is_main and cfg.checkpoint_minutes and u < len(updates) - 1
-                        and time.time() - last_save >= cfg.checkpoint_minutes * 60):
-                    checkpoint()
-                    last_save = time.time()
-            bar.close()
-            epoch_number = epoch + 1  # the epoch these updates belong to, counting from 1
-            if batch_in_epoch == len(updates):  # the epoch is complete (also when max_steps ended it)
-                epoch, batch_in_epoch = epoch + 1, 0
-            valid_loss = evaluate_loss(model, data.splits["valid"], cfg, device) if is_main else float("nan")
-            write_metrics({"step": step, "epoch": epoch_number, "valid_loss": valid_loss,
-                           "valid_ppl": math.exp(min(valid_loss, 50)), "elapsed_s": time.time() - t_start})
-            log(f"step {step}: validation loss {valid_loss:.3f} (perplexity {math.exp(min(valid_loss, 50)):.2f})")
-            path = checkpoint()
-            last_save = time.time()
+        finished = bool(cfg.max_steps and pos.step >= cfg.max_steps)
+        while pos.epoch < cfg.epochs and not finished:
+            epoch_number = pos.epoch + 1  # the epoch these updates belong to, counting from 1
+            finished = train_epoch(run, pos, stop, progress, t_start)
+            valid_loss = evaluate_loss(run.model, data.splits["valid"], cfg, device) if rank == 0 else float("nan")
+            ppl = math.exp(min(valid_loss, 50))
+            run.files.log({"step": pos.step, "epoch": epoch_number, "valid_loss": valid_loss, "valid_ppl": ppl,
+                           "elapsed_s": time.time() - t_start})
+            log(f"step {pos.step}: validation loss {valid_loss:.3f} (perplexity {ppl:.2f})")
+            path = run.files.save(run, pos)
             if world > 1:
                 dist.barrier()
-            if stop.requested(world) and (epoch < cfg.epochs and not finished):
-                raise TrainingInterrupted(f"stopped after update {step} (end of epoch {epoch}); checkpoint saved "
-                                          f"to {path}. Run the same command again to continue from there.")
-
-    summary = {"config": dataclasses.asdict(cfg), "steps": step, "train_minutes": (time.time() - t_start) / 60,
-               "device": str(device), "world_size": world, "data": data.origin, "run_dir": str(run_dir)}
-    if is_main and metrics_path.is_file():
-        summary["curve"] = str(plot_curves(metrics_path, run_dir / "curve.png"))
-    if evaluate and is_main:
-        summary.update(evaluate_test(model, data, cfg, device, run_dir, log=log, progress=progress))
+            if stop.requested(world) and pos.epoch < cfg.epochs and not finished:
+                raise TrainingInterrupted(f"stopped after update {pos.step} (end of epoch {pos.epoch}); checkpoint "
+                                          f"saved to {path}. Run the same command again to continue from there.")
+    summary = {"config": dataclasses.asdict(cfg), "steps": pos.step, "train_minutes": (time.time() - t_start) / 60,
+               "device": str(device), "world_size": world, "data": data.origin, "run_dir": str(run.files.dir)}
+    if rank == 0 and run.files.metrics.is_file():
+        summary["curve"] = str(plot_curves(run.files.metrics, run.files.dir / "curve.png"))
+    if evaluate and rank == 0:
+        summary.update(evaluate_test(run.model, data, cfg, device, run.files.dir, log=log, progress=progress))
         summary["total_minutes"] = (time.time() - t_start) / 60
-        write_atomic(run_dir / "results.json", [json.dumps(summary, indent=2)])
+        write_atomic(run.files.dir / "results.json", [json.dumps(summary, indent=2)])
     return summary
 
 
@@ -2711,7 +2861,7 @@ def attention_maps(model: EncoderDecoder, src, tgt) -> dict:
     handles = [m.register_forward_pre_hook(lambda _m, args, key=key: inputs.__setitem__(key, args))
                for key, m in modules.items()]
     try:
-        model(src, tgt, (src != PAD).unsqueeze(-2), subsequent_mask(tgt.size(1), device=tgt.device))
+        model(src, tgt, padding_mask(src, PAD), subsequent_mask(tgt.size(1), device=tgt.device))
     finally:
         for handle in handles:
             handle.remove()
@@ -2808,7 +2958,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name) is not None}
     cfg = get_config(args.config, **overrides)
     if not cfg.run_dir:
-        cfg = dataclasses.replace(cfg, run_dir=f"runs/{args.config}")
+        cfg = dataclasses.replace(cfg, run_dir=str(run_dir_for(cfg, args.config)))
     return args.command, cfg
 
 
