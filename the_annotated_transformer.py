@@ -999,8 +999,8 @@ def _model(name: str) -> dict:
 
 
 PRESETS = MappingProxyType({
-    "base": Config(**_model("base"), average_last=5),
-    "big": Config(**_model("big"), average_last=20),
+    "base": Config(**_model("base"), epochs=10**6, max_steps=100_000, average_last=5),  # §5.2, §6.1
+    "big": Config(**_model("big"), epochs=10**6, max_steps=300_000, keep_checkpoints=20, average_last=20),
     "tiny": Config(**_model("tiny"), vocab="words", bpe_size=1000),
     "copy": Config(N=2, d_model=64, d_ff=128, h=4, P_drop=0.0, dataset="copy", batch_tokens=1280,
                    warmup=200, epochs=16, min_freq=1),

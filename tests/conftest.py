@@ -9,7 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def mirror() -> Path:
     """The local data mirror: $DATA_MIRROR, else ../shared/data beside the repository."""
     path = Path(os.environ.get("DATA_MIRROR") or ROOT.parent / "shared" / "data")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import the_annotated_transformer as T
+import the_annotated_transformer as tat
 from the_annotated_transformer import BOS, EOS, PAD, SPECIALS, UNK, DataError
 
 
@@ -128,7 +128,7 @@ def test_download_with_matching_sha256_writes_the_same_bytes(tmp_path):
     src.parent.mkdir()
     src.write_bytes(random.Random(0).randbytes(2_500_000))  # more than one 1 MiB chunk
     dest = tmp_path / "out" / "blob.bin"
-    result = T.download(src.as_uri(), dest, sha256_of(src))
+    result = tat.download(src.as_uri(), dest, sha256_of(src))
     assert Path(result) == dest
     assert dest.read_bytes() == src.read_bytes()
     assert part_files(tmp_path / "out") == []
@@ -140,7 +140,7 @@ def test_download_with_wrong_sha256_leaves_nothing_behind(tmp_path):
     src.write_bytes(b"the real bytes\n" * 1000)
     out = tmp_path / "out"
     with pytest.raises(DataError, match="checksum"):
-        T.download(src.as_uri(), out / "blob.bin", "0" * 64)
+        tat.download(src.as_uri(), out / "blob.bin", "0" * 64)
     assert not (out / "blob.bin").exists()
     assert list(out.iterdir()) == []  # no dest, no leftover ".part" temporary
 
@@ -152,7 +152,7 @@ def test_download_failure_keeps_an_existing_file_untouched(tmp_path):
     dest.parent.mkdir()
     dest.write_bytes(b"old complete content")
     with pytest.raises(DataError):
-        T.download(src.as_uri(), dest, "f" * 64)
+        tat.download(src.as_uri(), dest, "f" * 64)
     assert dest.read_bytes() == b"old complete content"
     assert part_files(dest.parent) == []
 
@@ -166,7 +166,7 @@ def prepared(tmp_path):
     archive = tmp_path / "de-en.tgz"
     expected = fake_iwslt_archive(archive)
     out = tmp_path / "prepared"
-    counts = T.prepare_iwslt14(archive, out)
+    counts = tat.prepare_iwslt14(archive, out)
     return out, counts, expected
 
 
@@ -215,7 +215,7 @@ def test_prepare_iwslt14_keeps_pairs_aligned_across_unicode_line_separators(tmp_
     expected = fake_iwslt_archive(archive, de_extra=["Erste Zeile\u2028zweiter Teil."],
                                   en_extra=["First line second part."])
     out = tmp_path / "prepared"
-    T.prepare_iwslt14(archive, out)
+    tat.prepare_iwslt14(archive, out)
     de, en = read_split(out, "train")
     pairs = list(zip(de, en))
     assert pairs[: len(expected["train"])] == expected["train"]
@@ -231,39 +231,39 @@ def test_locate_iwslt14_downloads_and_prepares_the_archive(tmp_path, offline):
     archive.parent.mkdir()
     expected = fake_iwslt_archive(archive)
     data_dir = tmp_path / "data"
-    cfg = T.get_config("tiny", dataset="iwslt14", data_mirror="", data_dir=str(data_dir))
-    source = T.locate_dataset("iwslt14", cfg, url_base=archive.as_uri())
+    cfg = tat.get_config("tiny", dataset="iwslt14", data_mirror="", data_dir=str(data_dir))
+    source = tat.locate_dataset("iwslt14", cfg, url_base=archive.as_uri())
     assert set(source.files) == {"train", "valid", "test"}
     for split, (s, t) in source.files.items():
         assert s == data_dir / "iwslt14" / f"{split}.de" and t == data_dir / "iwslt14" / f"{split}.en"
-        assert len(T.read_lines(s)) == len(T.read_lines(t)) == len(expected[split])
+        assert len(tat.read_lines(s)) == len(tat.read_lines(t)) == len(expected[split])
     assert "downloaded" in source.origin
     assert (data_dir / "downloads" / "iwslt14-de-en.tgz").read_bytes() == archive.read_bytes()
 
 
 def _fake_multi30k_source(folder: Path) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
-    for split, (de, en) in T.MULTI30K_FILES.items():
+    for split, (de, en) in tat.MULTI30K_FILES.items():
         for name, lang in ((de, "de"), (en, "en")):
             lines = [f"{split} {lang} satz {i}." for i in range(3)]
             (folder / name).write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
-    return {name: sha256_of(folder / name) for pair in T.MULTI30K_FILES.values() for name in pair}
+    return {name: sha256_of(folder / name) for pair in tat.MULTI30K_FILES.values() for name in pair}
 
 
 def test_locate_multi30k_downloads_the_six_files(tmp_path, offline, monkeypatch):
     src = tmp_path / "remote"
-    monkeypatch.setattr(T, "MULTI30K_SHA256", _fake_multi30k_source(src))
+    monkeypatch.setattr(tat, "MULTI30K_SHA256", _fake_multi30k_source(src))
     data_dir = tmp_path / "data"
-    cfg = T.get_config("tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir))
-    source = T.locate_dataset("multi30k", cfg, url_base=src.as_uri() + "/")
+    cfg = tat.get_config("tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir))
+    source = tat.locate_dataset("multi30k", cfg, url_base=src.as_uri() + "/")
     assert set(source.files) == {"train", "valid", "test"}
     assert "downloaded" in source.origin
-    for split, (de, en) in T.MULTI30K_FILES.items():
+    for split, (de, en) in tat.MULTI30K_FILES.items():
         assert source.files[split] == (data_dir / "multi30k" / de, data_dir / "multi30k" / en)
         for name in (de, en):
             assert (data_dir / "multi30k" / name).read_bytes() == (src / name).read_bytes()
     # Once downloaded, the files are found in the data folder without going online again.
-    again = T.locate_dataset("multi30k", cfg, url_base=(tmp_path / "nowhere").as_uri() + "/")
+    again = tat.locate_dataset("multi30k", cfg, url_base=(tmp_path / "nowhere").as_uri() + "/")
     assert again.files == source.files and "data folder" in again.origin
 
 
@@ -271,9 +271,9 @@ def test_locate_multi30k_rejects_files_that_do_not_match_the_pinned_sha256(tmp_p
     src = tmp_path / "remote"
     _fake_multi30k_source(src)  # not the real files: the pinned checksums must refuse them
     data_dir = tmp_path / "data"
-    cfg = T.get_config("tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir))
+    cfg = tat.get_config("tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir))
     with pytest.raises(DataError, match="checksum"):
-        T.locate_dataset("multi30k", cfg, url_base=src.as_uri() + "/")
+        tat.locate_dataset("multi30k", cfg, url_base=src.as_uri() + "/")
     assert [p for p in data_dir.rglob("*") if p.is_file()] == []
 
 
@@ -285,11 +285,11 @@ def test_locate_multi30k_rejects_files_that_do_not_match_the_pinned_sha256(tmp_p
 @pytest.mark.parametrize("how", ["download-disabled", "unreachable"])
 def test_missing_data_fails_once_naming_mirror_and_download(tmp_path, offline, name, how):
     data_dir = tmp_path / "data"
-    cfg = T.get_config("tiny", dataset=name, data_mirror="", data_dir=str(data_dir),
+    cfg = tat.get_config("tiny", dataset=name, data_mirror="", data_dir=str(data_dir),
                        download=(how != "download-disabled"))
     nowhere = (tmp_path / "no-such-server").as_uri() + ("/" if name == "multi30k" else "/de-en.tgz")
     with pytest.raises(DataError) as err:
-        T.locate_dataset(name, cfg, url_base=nowhere)
+        tat.locate_dataset(name, cfg, url_base=nowhere)
     msg = str(err.value)
     assert "DATA_MIRROR" in msg
     assert "online" in msg and "download" in msg
@@ -298,9 +298,9 @@ def test_missing_data_fails_once_naming_mirror_and_download(tmp_path, offline, n
 
 
 def test_unknown_dataset_name_is_a_data_error(tmp_path, offline):
-    cfg = T.get_config("tiny", data_mirror="", data_dir=str(tmp_path))
+    cfg = tat.get_config("tiny", data_mirror="", data_dir=str(tmp_path))
     with pytest.raises(DataError, match="unknown data set"):
-        T.locate_dataset("wmt14", cfg)
+        tat.locate_dataset("wmt14", cfg)
 
 
 # --------------------------------------------------------------------------------------
@@ -308,11 +308,11 @@ def test_unknown_dataset_name_is_a_data_error(tmp_path, offline):
 # --------------------------------------------------------------------------------------
 
 def mirror_cfg(mirror, tmp_path, dataset="iwslt14", **kw):
-    return T.get_config("tiny", dataset=dataset, data_mirror=str(mirror), data_dir=str(tmp_path), **kw)
+    return tat.get_config("tiny", dataset=dataset, data_mirror=str(mirror), data_dir=str(tmp_path), **kw)
 
 
 def test_mirror_iwslt14_uses_the_training_sample_and_says_so(mirror, tmp_path):
-    source = T.locate_dataset("iwslt14", mirror_cfg(mirror, tmp_path))
+    source = tat.locate_dataset("iwslt14", mirror_cfg(mirror, tmp_path))
     folder = mirror / "iwslt14"
     assert source.files["train"] == (folder / "train-sample.de", folder / "train-sample.en")
     assert source.files["valid"] == (folder / "valid.de", folder / "valid.en")
@@ -321,8 +321,8 @@ def test_mirror_iwslt14_uses_the_training_sample_and_says_so(mirror, tmp_path):
 
 
 def test_mirror_multi30k_is_found(mirror, tmp_path):
-    source = T.locate_dataset("multi30k", mirror_cfg(mirror, tmp_path, "multi30k"))
-    for split, (de, en) in T.MULTI30K_FILES.items():
+    source = tat.locate_dataset("multi30k", mirror_cfg(mirror, tmp_path, "multi30k"))
+    for split, (de, en) in tat.MULTI30K_FILES.items():
         assert source.files[split] == (mirror / "multi30k" / de, mirror / "multi30k" / en)
     assert "mirror" in source.origin
     assert list(tmp_path.iterdir()) == []  # nothing downloaded
@@ -330,14 +330,14 @@ def test_mirror_multi30k_is_found(mirror, tmp_path):
 
 def test_mirror_iwslt14_vocab_is_built_from_train_only(mirror, tmp_path):
     cfg = mirror_cfg(mirror, tmp_path)
-    data = T.load_dataset(cfg, log=quiet)
+    data = tat.load_dataset(cfg, log=quiet)
     folder = mirror / "iwslt14"
     train_counts = Counter(tok for f in ("train-sample.de", "train-sample.en")
-                           for line in T.read_lines(folder / f) for tok in line.split())
+                           for line in tat.read_lines(folder / f) for tok in line.split())
     vocab = data.src_vocab
     assert all(train_counts[tok] >= cfg.min_freq for tok in vocab.itos[len(SPECIALS):])
     # The most frequent German test token that never occurs in training must be <unk>.
-    test_de = [line.split() for line in T.read_lines(folder / "test.de")]
+    test_de = [line.split() for line in tat.read_lines(folder / "test.de")]
     test_only = Counter(t for sent in test_de for t in sent if t not in train_counts)
     token, n = test_only.most_common(1)[0]
     assert n >= cfg.min_freq  # frequent enough that a vocab built with the test set would keep it
@@ -349,7 +349,7 @@ def test_mirror_iwslt14_vocab_is_built_from_train_only(mirror, tmp_path):
 
 
 def test_mirror_iwslt14_specials_and_sentence_boundaries(mirror, tmp_path):
-    data = T.load_dataset(mirror_cfg(mirror, tmp_path), log=quiet)
+    data = tat.load_dataset(mirror_cfg(mirror, tmp_path), log=quiet)
     assert (BOS, EOS, PAD, UNK) == (0, 1, 2, 3)
     assert SPECIALS == ("<s>", "</s>", "<blank>", "<unk>")
     for vocab in (data.src_vocab, data.tgt_vocab):
@@ -365,13 +365,13 @@ def test_mirror_iwslt14_specials_and_sentence_boundaries(mirror, tmp_path):
 
 
 def test_mirror_iwslt14_shared_and_separate_vocabularies(mirror, tmp_path):
-    shared = T.load_dataset(mirror_cfg(mirror, tmp_path, shared_vocab=True), log=quiet)
+    shared = tat.load_dataset(mirror_cfg(mirror, tmp_path, shared_vocab=True), log=quiet)
     assert shared.src_vocab is shared.tgt_vocab
-    separate = T.load_dataset(mirror_cfg(mirror, tmp_path, shared_vocab=False), log=quiet)
+    separate = tat.load_dataset(mirror_cfg(mirror, tmp_path, shared_vocab=False), log=quiet)
     assert separate.src_vocab is not separate.tgt_vocab
     assert separate.src_vocab != separate.tgt_vocab
-    de_tokens = {t for line in T.read_lines(mirror / "iwslt14" / "train-sample.de") for t in line.split()}
-    en_tokens = {t for line in T.read_lines(mirror / "iwslt14" / "train-sample.en") for t in line.split()}
+    de_tokens = {t for line in tat.read_lines(mirror / "iwslt14" / "train-sample.de") for t in line.split()}
+    en_tokens = {t for line in tat.read_lines(mirror / "iwslt14" / "train-sample.en") for t in line.split()}
     assert set(separate.src_vocab.itos[4:]) <= de_tokens
     assert set(separate.tgt_vocab.itos[4:]) <= en_tokens
     # Counting both sides together only raises counts: the shared vocabulary holds both.
@@ -381,12 +381,12 @@ def test_mirror_iwslt14_shared_and_separate_vocabularies(mirror, tmp_path):
 def test_mirror_iwslt14_vocab_cache_is_reused_and_keyed_on_settings(mirror, tmp_path):
     cfg = mirror_cfg(mirror, tmp_path)
     cache = tmp_path / "cache"
-    first = T.load_dataset(cfg, log=quiet)
+    first = tat.load_dataset(cfg, log=quiet)
     files = sorted(cache.iterdir())
     assert len(files) == 1 and files[0].name.startswith("vocab-") and files[0].suffix == ".json"
     stamp = files[0].stat().st_mtime_ns
 
-    second = T.load_dataset(cfg, log=quiet)
+    second = tat.load_dataset(cfg, log=quiet)
     assert sorted(cache.iterdir()) == files and files[0].stat().st_mtime_ns == stamp
     assert second.src_vocab == first.src_vocab
 
@@ -394,9 +394,9 @@ def test_mirror_iwslt14_vocab_cache_is_reused_and_keyed_on_settings(mirror, tmp_
     saved = json.loads(files[0].read_text(encoding="utf-8"))
     saved["src"] = saved["src"][:10]
     files[0].write_text(json.dumps(saved), encoding="utf-8")
-    assert T.load_dataset(cfg, log=quiet).src_vocab.itos == first.src_vocab.itos[:10]
+    assert tat.load_dataset(cfg, log=quiet).src_vocab.itos == first.src_vocab.itos[:10]
 
-    other = T.load_dataset(dataclasses.replace(cfg, min_freq=cfg.min_freq + 1), log=quiet)
+    other = tat.load_dataset(dataclasses.replace(cfg, min_freq=cfg.min_freq + 1), log=quiet)
     assert len(list(cache.iterdir())) == 2
     assert other.src_vocab != first.src_vocab
 
@@ -410,7 +410,7 @@ def test_misaligned_parallel_files_name_both_files_and_counts(tmp_path):
     a.write_text("eins\nzwei\ndrei\n", encoding="utf-8")
     b.write_text("one\ntwo\n", encoding="utf-8")
     with pytest.raises(DataError) as err:
-        T.read_parallel(a, b)
+        tat.read_parallel(a, b)
     msg = str(err.value)
     assert str(a) in msg and str(b) in msg
     assert "3 lines" in msg and "2 lines" in msg
@@ -422,7 +422,7 @@ def test_invalid_utf8_names_file_and_line(tmp_path, gz):
     path = tmp_path / ("bad.de.gz" if gz else "bad.de")
     path.write_bytes(gzip.compress(raw) if gz else raw)
     with pytest.raises(DataError) as err:
-        T.read_lines(path)
+        tat.read_lines(path)
     assert str(path) in str(err.value) and "line 3" in str(err.value)
 
 
@@ -430,7 +430,7 @@ def test_empty_lines_are_skipped_and_counted(tmp_path):
     a, b = tmp_path / "x.de", tmp_path / "x.en"
     a.write_text("a\n\nc\nd\ne\n", encoding="utf-8")
     b.write_text("v\nw\n  \nx\ny\n", encoding="utf-8")
-    pairs, skipped = T.read_parallel(a, b)
+    pairs, skipped = tat.read_parallel(a, b)
     assert pairs == [("a", "v"), ("d", "x"), ("e", "y")]
     assert skipped == 2
 
@@ -454,12 +454,12 @@ def test_overlong_training_pairs_are_filtered_and_counted_but_test_is_kept(tmp_p
              "A very big brown dog runs fast across the green meadow."),
             ("Ein Kind.", "A child.")]
     for split, pairs in (("train", train), ("valid", valid), ("test", test)):
-        de, en = T.MULTI30K_FILES[split]
+        de, en = tat.MULTI30K_FILES[split]
         _write_gz(folder / de, [p[0] for p in pairs])
         _write_gz(folder / en, [p[1] for p in pairs])
-    cfg = T.get_config("tiny", dataset="multi30k", data_mirror=str(tmp_path / "mirror"),
+    cfg = tat.get_config("tiny", dataset="multi30k", data_mirror=str(tmp_path / "mirror"),
                        data_dir=str(tmp_path / "data"), max_tokens=5, min_freq=1)
-    data = T.load_dataset(cfg, log=quiet)
+    data = tat.load_dataset(cfg, log=quiet)
     assert data.stats["train_empty_skipped"] == 1
     assert data.stats["train_too_long_filtered"] == 2
     assert data.stats["train_pairs"] == len(data.splits["train"]) == 3
@@ -475,15 +475,15 @@ def test_overlong_training_pairs_are_filtered_and_counted_but_test_is_kept(tmp_p
 
 def test_vocab_respects_min_freq_and_orders_by_frequency():
     sents = [["a", "b", "a", "c"], ["b", "a", "d", "<unk>"], ["e", "e", "c"]]
-    v = T.Vocab.build(sents, min_freq=2)
+    v = tat.Vocab.build(sents, min_freq=2)
     assert v.itos == list(SPECIALS) + ["a", "b", "c", "e"]  # a:3, then ties alphabetical
     assert "d" not in v.stoi
-    assert T.Vocab.build(sents, min_freq=1).itos[-1] == "d"
-    assert len(T.Vocab.build(sents, min_freq=4)) == len(SPECIALS)
+    assert tat.Vocab.build(sents, min_freq=1).itos[-1] == "d"
+    assert len(tat.Vocab.build(sents, min_freq=4)) == len(SPECIALS)
 
 
 def test_vocab_stoi_itos_are_inverse_and_unknowns_map_to_unk():
-    v = T.Vocab.build([["der", "hund", "läuft", "der"]], min_freq=1)
+    v = tat.Vocab.build([["der", "hund", "läuft", "der"]], min_freq=1)
     assert all(v.stoi[tok] == i for i, tok in enumerate(v.itos))
     assert len(v.stoi) == len(v.itos) == len(v)
     assert v(["der", "katze", "läuft"]) == [v.stoi["der"], UNK, v.stoi["läuft"]]
@@ -493,9 +493,9 @@ def test_vocab_stoi_itos_are_inverse_and_unknowns_map_to_unk():
 
 def test_vocab_must_start_with_the_specials():
     with pytest.raises(ValueError):
-        T.Vocab(["a", "<s>", "</s>", "<blank>", "<unk>"])
+        tat.Vocab(["a", "<s>", "</s>", "<blank>", "<unk>"])
     with pytest.raises(ValueError):
-        T.Vocab(list(SPECIALS) + ["a", "a"])
+        tat.Vocab(list(SPECIALS) + ["a", "a"])
 
 
 # --------------------------------------------------------------------------------------
@@ -510,7 +510,7 @@ def lengths():
 
 def test_length_batches_cover_every_index_once_within_the_token_budget(lengths):
     bt = 256
-    batches = T.length_batches(lengths, bt, seed=1, epoch=0)
+    batches = tat.length_batches(lengths, bt, seed=1, epoch=0)
     flat = [i for b in batches for i in b]
     assert sorted(flat) == list(range(len(lengths)))
     for b in batches:
@@ -524,18 +524,18 @@ def test_length_batches_cover_every_index_once_within_the_token_budget(lengths):
 
 
 def test_length_batches_are_reproducible_per_seed_and_epoch(lengths):
-    a = T.length_batches(lengths, 256, seed=3, epoch=1)
-    assert T.length_batches(lengths, 256, seed=3, epoch=1) == a
-    assert T.length_batches(lengths, 256, seed=3, epoch=2) != a
-    assert T.length_batches(lengths, 256, seed=4, epoch=1) != a
+    a = tat.length_batches(lengths, 256, seed=3, epoch=1)
+    assert tat.length_batches(lengths, 256, seed=3, epoch=1) == a
+    assert tat.length_batches(lengths, 256, seed=3, epoch=2) != a
+    assert tat.length_batches(lengths, 256, seed=4, epoch=1) != a
 
 
 @pytest.mark.parametrize("n", [502, 501])  # an even and an odd number of batches overall
 def test_length_batches_split_disjointly_between_ranks(lengths, n):
     lengths = lengths[:n]
-    full = T.length_batches(lengths, 256, seed=5, epoch=0)
-    r0 = T.length_batches(lengths, 256, seed=5, epoch=0, rank=0, world_size=2)
-    r1 = T.length_batches(lengths, 256, seed=5, epoch=0, rank=1, world_size=2)
+    full = tat.length_batches(lengths, 256, seed=5, epoch=0)
+    r0 = tat.length_batches(lengths, 256, seed=5, epoch=0, rank=0, world_size=2)
+    r1 = tat.length_batches(lengths, 256, seed=5, epoch=0, rank=1, world_size=2)
     assert len(r0) == len(r1) > 0  # every rank takes the same number of steps
     assert not {i for b in r0 for i in b} & {i for b in r1 for i in b}
     assert all(b in full for b in r0 + r1)
@@ -550,7 +550,7 @@ def test_batch_masks_offsets_and_token_count():
     pairs = [([BOS, 5, 6, 7, EOS], [BOS, 8, 9, EOS]),
              ([BOS, 5, EOS], [BOS, 8, 9, 10, 11, EOS]),
              ([BOS, 6, 7, EOS], [BOS, 9, EOS])]
-    b = T.make_batch(pairs, [0, 1, 2])
+    b = tat.make_batch(pairs, [0, 1, 2])
     src_len = [len(p[0]) for p in pairs]
     tgt_full = [len(p[1]) for p in pairs]
     B, S, L = 3, max(src_len), max(tgt_full) - 1
@@ -561,7 +561,7 @@ def test_batch_masks_offsets_and_token_count():
         assert b.src_mask[i, 0].tolist() == [j < src_len[i] for j in range(S)]
         assert all(b.src[i, j] == PAD for j in range(src_len[i], S))
 
-    full = T.pad_sequences([p[1] for p in pairs])
+    full = tat.pad_sequences([p[1] for p in pairs])
     assert torch.equal(b.tgt, full[:, :-1]) and torch.equal(b.tgt_y, full[:, 1:])
     assert torch.equal(b.tgt[:, 1:], b.tgt_y[:, :-1])
 
@@ -578,15 +578,15 @@ def test_batch_masks_offsets_and_token_count():
 # --------------------------------------------------------------------------------------
 
 def test_multi30k_tokenizer_splits_punctuation():
-    de = T.make_tokenizer("multi30k", "de")
+    de = tat.make_tokenizer("multi30k", "de")
     [tokens] = de(["Ein Hund, der läuft."])
     assert tokens == ["Ein", "Hund", ",", "der", "läuft", "."]
-    en = T.make_tokenizer("multi30k", "en")
+    en = tat.make_tokenizer("multi30k", "en")
     assert en(["A dog runs.", "Two  cats!"]) == [["A", "dog", "runs", "."], ["Two", "cats", "!"]]
 
 
 def test_iwslt14_tokenizer_splits_on_whitespace_only():
-    tok = T.make_tokenizer("iwslt14", "de")
+    tok = tat.make_tokenizer("iwslt14", "de")
     assert tok(["ein hund , der läuft .", "it &apos;s  don't"]) == [
         ["ein", "hund", ",", "der", "läuft", "."], ["it", "&apos;s", "don't"]]
 
@@ -595,23 +595,23 @@ def test_multi30k_extra_test_sets_are_found_or_downloaded_without_a_pin(tmp_path
     remote, mirror = tmp_path / "remote", tmp_path / "mirror" / "multi30k"
     remote.mkdir()
     mirror.mkdir(parents=True)
-    for split, names in T.MULTI30K_EXTRA_TESTS.items():
+    for split, names in tat.MULTI30K_EXTRA_TESTS.items():
         for name in names:
             (remote / name).write_bytes(gzip.compress(f"{split} {name} remote\n".encode()))
     data_dir = tmp_path / "data"
-    cfg = T.get_config("tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir))
-    de, en = T.locate_multi30k_test("test_2017_flickr", cfg, url_base=remote.as_uri() + "/")
+    cfg = tat.get_config("tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir))
+    de, en = tat.locate_multi30k_test("test_2017_flickr", cfg, url_base=remote.as_uri() + "/")
     assert (de, en) == (data_dir / "multi30k" / "test_2017_flickr.de.gz", data_dir / "multi30k" / "test_2017_flickr.en.gz")
-    assert T.read_lines(en) == ["test_2017_flickr test_2017_flickr.en.gz remote"]
+    assert tat.read_lines(en) == ["test_2017_flickr test_2017_flickr.en.gz remote"]
     # a mirror holding the files wins over the data folder and the network
-    for name in T.MULTI30K_EXTRA_TESTS["test_2018_flickr"]:
+    for name in tat.MULTI30K_EXTRA_TESTS["test_2018_flickr"]:
         (mirror / name).write_bytes(gzip.compress(b"mirror\n"))
     cfg_m = dataclasses.replace(cfg, data_mirror=str(tmp_path / "mirror"))
-    de, en = T.locate_multi30k_test("test_2018_flickr", cfg_m, url_base=(tmp_path / "nowhere").as_uri() + "/")
-    assert de.parent == mirror and T.read_lines(de) == ["mirror"]
+    de, en = tat.locate_multi30k_test("test_2018_flickr", cfg_m, url_base=(tmp_path / "nowhere").as_uri() + "/")
+    assert de.parent == mirror and tat.read_lines(de) == ["mirror"]
     with pytest.raises(DataError, match="unknown Multi30k test split"):
-        T.locate_multi30k_test("test_2099", cfg)
+        tat.locate_multi30k_test("test_2099", cfg)
     with pytest.raises(DataError, match="downloading is off"):
-        T.locate_multi30k_test("test_2018_flickr", dataclasses.replace(cfg, download=False))
+        tat.locate_multi30k_test("test_2018_flickr", dataclasses.replace(cfg, download=False))
     with pytest.raises(DataError, match="could not download"):
-        T.locate_multi30k_test("test_2018_flickr", cfg, url_base=(tmp_path / "nowhere").as_uri() + "/")
+        tat.locate_multi30k_test("test_2018_flickr", cfg, url_base=(tmp_path / "nowhere").as_uri() + "/")

@@ -46,10 +46,8 @@ def bpe_cfg(mirror: Path, tmp_path: Path, **kw) -> tat.Config:
 
 
 @pytest.fixture(scope="module")
-def multi30k_bpe(tmp_path_factory):
+def multi30k_bpe(tmp_path_factory, mirror):
     """The multi30k-small preset's BPE data set, from the real mirror (skipped without it)."""
-    import os
-    mirror = Path(os.environ.get("DATA_MIRROR") or Path(tat.__file__).resolve().parent.parent / "shared" / "data")
     if not (mirror / "multi30k").is_dir():
         pytest.skip(f"no Multi30k in the data mirror at {mirror}")
     cfg = tat.get_config("multi30k-small", data_mirror=str(mirror), data_dir=str(tmp_path_factory.mktemp("data")))
