@@ -23,6 +23,16 @@ def test_notebook_and_module_have_the_same_cells():
     assert cells(PY) == cells(NB), "run `make sync`"
 
 
+def test_no_code_cell_is_longer_than_60_lines_and_each_follows_prose():
+    nb = jupytext.read(PY)
+    long = [(i, len(c.source.splitlines())) for i, c in enumerate(nb.cells)
+            if c.cell_type == "code" and len(c.source.splitlines()) > 60]
+    assert not long, f"code cells over 60 lines (index, lines): {long}"
+    bare = [i for i, (a, b) in enumerate(zip(nb.cells, nb.cells[1:]), start=1)
+            if a.cell_type == "code" and b.cell_type == "code"]
+    assert not bare, f"code cells with no prose before them: {bare}"
+
+
 def test_jupytext_pairs_the_two_files():
     meta = jupytext.read(PY).metadata["jupytext"]
     assert meta["formats"] == "ipynb,the_/py:percent"
