@@ -131,7 +131,7 @@ def test_the_checkpoint_carries_the_bpe_model_and_translates_alone(bpe_run):
     subwords = tat.checkpoint_subwords(state)
     assert subwords == data.subwords
     # everything needed to translate comes from the checkpoint file: model settings, weights, pieces
-    saved = tat.Config(**{**state["config"], "betas": tuple(state["config"]["betas"])})
+    saved = tat.config_from_dict(state["config"])
     model = tat.make_model(len(subwords.vocab), len(subwords.vocab), saved)
     model.load_state_dict(state["model"])
     ids = [BOS] + subwords.vocab(subwords.encode(["Ein Hund sieht eine Katze."])[0]) + [EOS]
