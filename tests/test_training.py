@@ -650,6 +650,19 @@ def test_bleu_of_exact_copies_is_100():
     assert tat.bleu(["1 2 3", "4 5 6"], refs, "copy") < 50
 
 
+def test_tokenized_iwslt_scoring_does_not_warn_about_tokenized_text(caplog):
+    # IWSLT14 is scored on tokenized text on purpose; sacreBLEU would otherwise warn after
+    # 100 lines ending in " ." that the text looks tokenized.
+    lines = [f"this is line {i} ." for i in range(120)]
+    with caplog.at_level("WARNING", logger="sacrebleu"):
+        assert tat.bleu(lines, lines, "iwslt14") == pytest.approx(100.0)
+        assert tat.bleu_with_signature(lines, lines, "iwslt14")[0].score == pytest.approx(100.0)
+    assert not [r for r in caplog.records if "detokenize" in r.getMessage()]
+    with caplog.at_level("WARNING", logger="sacrebleu"):  # the same text scored as Multi30k does warn
+        tat.bleu(lines, lines, "multi30k")
+    assert [r for r in caplog.records if "detokenize" in r.getMessage()]
+
+
 # --------------------------------------------------------------------------------------------
 # 9. bf16 autocast on the CPU
 # --------------------------------------------------------------------------------------------
