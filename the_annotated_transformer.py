@@ -2149,10 +2149,12 @@ def beam_search(model, src, src_mask, max_new_tokens, start_symbol: int, end_sym
 # wastes little padding) and returns token lists without `<s>` and cut at `</s>`: greedily
 # with `beam_size=1`, otherwise with beam search; with the key/value cache whenever the
 # model is an `EncoderDecoder`. The result does not depend on how sentences are batched.
-# Then ids become text, and sacreBLEU scores it: on Multi30k the output is detokenized
-# (sacremoses) and scored against the raw, cased references with sacreBLEU's default
-# tokenizer; on IWSLT14 the output stays tokenized and lowercased and is scored against the
-# prepared references with `tokenize="none"`, the way published IWSLT14 numbers are computed.
+# Then ids become text — BPE pieces are joined back by sentencepiece; a word-level
+# vocabulary's Multi30k output is detokenized with sacremoses — and sacreBLEU scores it: on
+# Multi30k against the raw, cased references with sacreBLEU's default tokenizer; on IWSLT14
+# the text stays tokenized and lowercased and is scored against the prepared references with
+# `tokenize="none"`, the way published IWSLT14 numbers are computed (sacreBLEU's warning that
+# the text looks tokenized is switched off there, since it is meant to be).
 
 # %%
 @torch.no_grad()
@@ -2202,14 +2204,17 @@ def detokenize(tokens_list: Sequence[list[str]], dataset: str, subwords: Optiona
     return [" ".join(t) for t in tokens_list]
 
 
-def bleu(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> float:
-    """Corpus BLEU with sacreBLEU (detokenized for Multi30k; tokenized for IWSLT14 and copy)."""
+def bleu_metric(dataset: str):
+    """sacreBLEU's BLEU as each data set is scored: detokenized for Multi30k; tokenized for IWSLT14 and copy."""
     import sacrebleu
 
     tokenize = "13a" if dataset == "multi30k" else "none"
-    # force: tokenized input is intended here, so sacreBLEU's "forgot to detokenize?" warning is not
-    return sacrebleu.corpus_bleu(list(hypotheses), [list(references)], tokenize=tokenize,
-                                 force=tokenize == "none").score
+    return sacrebleu.BLEU(tokenize=tokenize, force=tokenize == "none")  # force: tokenized text is intended
+
+
+def bleu(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> float:
+    """Corpus BLEU (§6.1's metric) with sacreBLEU, scored as :func:`bleu_metric` says."""
+    return bleu_metric(dataset).corpus_score(list(hypotheses), [list(references)]).score
 
 
 # %% [markdown]
@@ -3020,10 +3025,7 @@ def encode_sources(lines: Sequence[str], dataset: str, src_vocab: Vocab,
 
 def bleu_with_signature(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> tuple:
     """(sacreBLEU score object, signature string) scored as :func:`bleu` does — the BLEU of §6.1."""
-    import sacrebleu
-
-    tokenize = "13a" if dataset == "multi30k" else "none"
-    metric = sacrebleu.BLEU(tokenize=tokenize, force=tokenize == "none")
+    metric = bleu_metric(dataset)
     return metric.corpus_score(list(hypotheses), [list(references)]), str(metric.get_signature())
 
 
