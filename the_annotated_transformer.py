@@ -1821,8 +1821,10 @@ def plot_curves(metrics_path: Path, out: Path) -> Path:
 # this for a whole batch at once and stops when every sentence has produced the end symbol
 # or the length limit is reached (§6.1 uses input length + 50). The start symbol and the
 # padding symbol are never chosen: their scores are set to $-\infty$ before the argmax
-# (`ban_tokens`), since neither can occur inside a target sentence. An untrained model
-# produces noise, but every piece above has now run end to end.
+# (`ban_tokens`), since neither can occur inside a target sentence. The loop itself is
+# `greedy_search`, given a function from prefixes to next-token scores, so that the faster
+# decoder of Part 3 reuses it unchanged. An untrained model produces noise, but every piece
+# above has now run end to end.
 
 # %%
 def ban_tokens(scores, tokens: Sequence[int]):
@@ -1846,14 +1848,27 @@ def greedy_decode(model: EncoderDecoder, src, src_mask, max_len: int, start_symb
     and ``pad`` are never generated.
     """
     memory = model.encode(src, src_mask)
-    batch = src.size(0)
-    ys = torch.full((batch, 1), start_symbol, dtype=torch.long, device=src.device)
-    done = torch.zeros(batch, dtype=torch.bool, device=src.device)
+
+    def next_scores(ys):  # the whole prefix through the decoder; scores for the last position
+        out = model.decode(memory, src_mask, ys, subsequent_mask(ys.size(1), device=src.device))
+        return model.generator(out[:, -1])  # (batch, vocab)
+
+    return greedy_search(next_scores, src.size(0), max_len, start_symbol, end_symbol, pad, src.device)
+
+
+def greedy_search(next_scores: Callable, batch: int, max_len: int, start_symbol: int,
+                  end_symbol: Optional[int], pad: Optional[int], device):
+    """The loop of greedy decoding (§3): append the argmax of ``next_scores(prefix)`` until all end.
+
+    ``next_scores`` maps the prefixes (batch, len) to next-token scores (batch, vocab); the
+    readable decoder recomputes the prefix, the cached one (Part 3) feeds only its last token.
+    """
+    ys = torch.full((batch, 1), start_symbol, dtype=torch.long, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
     fill = end_symbol if pad is None else pad
     banned = [start_symbol] + ([pad] if pad is not None else [])
     for _ in range(max_len - 1):
-        out = model.decode(memory, src_mask, ys, subsequent_mask(ys.size(1), device=src.device))
-        next_word = ban_tokens(model.generator(out[:, -1]), banned).argmax(dim=-1)  # (batch,)
+        next_word = ban_tokens(next_scores(ys), banned).argmax(dim=-1)  # (batch,)
         if end_symbol is not None:
             next_word = torch.where(done, torch.full_like(next_word, fill), next_word)
             done |= next_word == end_symbol
@@ -1945,8 +1960,8 @@ class IncrementalDecoder:
 
 
 # %% [markdown]
-# Greedy decoding on top of it is the loop of `greedy_decode` with one call to `step` per
-# token instead of a full decoder pass (§3). Same arguments, same result: a test checks that
+# Greedy decoding on top of it is the same loop, `greedy_search`, with one call to `step`
+# per token instead of a full decoder pass (§3). Same arguments, same result: a test checks that
 # both produce exactly the same tokens, in float64 and float32, with padded sources in the
 # batch, for the readable and the fast attention class, post-norm and pre-norm.
 
@@ -1957,20 +1972,8 @@ def greedy_decode_cached(model: EncoderDecoder, src, src_mask, max_len: int, sta
     """Batched greedy decoding (§3) with :class:`IncrementalDecoder`; the tokens of :func:`greedy_decode`."""
     memory = model.encode(src, src_mask)
     state = IncrementalDecoder(model, memory, src_mask)
-    batch = src.size(0)
-    ys = torch.full((batch, 1), start_symbol, dtype=torch.long, device=src.device)
-    done = torch.zeros(batch, dtype=torch.bool, device=src.device)
-    fill = end_symbol if pad is None else pad
-    banned = [start_symbol] + ([pad] if pad is not None else [])
-    for _ in range(max_len - 1):
-        next_word = ban_tokens(state.step(ys[:, -1]), banned).argmax(dim=-1)  # (batch,)
-        if end_symbol is not None:
-            next_word = torch.where(done, torch.full_like(next_word, fill), next_word)
-            done |= next_word == end_symbol
-        ys = torch.cat([ys, next_word.unsqueeze(1)], dim=1)  # (batch, len + 1)
-        if end_symbol is not None and bool(done.all()):
-            break
-    return ys
+    return greedy_search(lambda ys: state.step(ys[:, -1]), src.size(0), max_len, start_symbol, end_symbol,
+                         pad, src.device)
 
 
 # %% [markdown]
