@@ -685,6 +685,73 @@ if EXAMPLES:
     plt.show()
 
 # %% [markdown]
+# ## Aside: the fast path
+#
+# The readable `MultiHeadedAttention` of §3.2.2 spells out every step. `FastMultiHeadedAttention` computes the
+# same function with the same parameters (so checkpoints move freely between the two), but
+# (1) when query, key and value are one tensor (self-attention) it does the three
+# projections as one fused matrix product, and (2) it calls
+# `torch.nn.functional.scaled_dot_product_attention`, which picks a fused kernel
+# (FlashAttention or memory-efficient attention on a GPU) and never materialises the
+# attention weights. A test shows both give the same numbers.
+#
+# "Fast" is a claim about a device, and on a CPU it is false for our sentence lengths.
+# PROFILE_FINDINGS_PLACEHOLDER
+# So `ModelConfig.attention` is `"auto"` by default, decided once per run by `resolve_attention`
+# and written in the run log like the precision: the fused path on a GPU, the readable one on a
+# CPU; `"readable"` and `"fast"` override it.
+
+# %%
+class FastMultiHeadedAttention(MultiHeadedAttention):
+    r"""Multi-head attention — §3.2.2, fused projections and PyTorch's SDPA kernel.
+
+    Same parameters and same function as :class:`MultiHeadedAttention`; the attention
+    weights are never materialised.
+    """
+
+    def forward(self, query, key, value, mask=None):
+        """query (batch, len_q, d_model), key/value (batch, len_k, d_model) → (batch, len_q, d_model)."""
+        if mask is not None and mask.dim() == 3:
+            mask = mask.unsqueeze(1)  # (batch, 1, len_q|1, len_k)
+        if query is key and key is value:
+            weight = torch.cat([self.w_q.weight, self.w_k.weight, self.w_v.weight])  # (3·d_model, d_model)
+            bias = torch.cat([self.w_q.bias, self.w_k.bias, self.w_v.bias])
+            q, k, v = F.linear(query, weight, bias).chunk(3, dim=-1)  # 3 × (batch, len, d_model)
+        else:
+            q = self.w_q(query)
+            if key is value:
+                weight = torch.cat([self.w_k.weight, self.w_v.weight])  # (2·d_model, d_model)
+                bias = torch.cat([self.w_k.bias, self.w_v.bias])
+                k, v = F.linear(key, weight, bias).chunk(2, dim=-1)  # 2 × (batch, len_k, d_model)
+            else:
+                k, v = self.w_k(key), self.w_v(value)
+        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (batch, h, len, d_k)
+        return self.w_o(self.merge_heads(self.attend(q, k, v, mask)))
+
+    def attend(self, q, k, v, mask=None):
+        """Eq. 1 through PyTorch's fused kernel; same shapes as :meth:`MultiHeadedAttention.attend`."""
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=self.dropout.p if self.training else 0.0
+        )  # (batch, h, len_q, d_k)
+
+def resolve_attention(setting: str, device: Optional[torch.device] = None) -> tuple[str, str]:
+    """Decide ``ModelConfig.attention`` ("auto" | "readable" | "fast") for ``device``: (path, a line for the log).
+
+    ``auto``: the fused path on CUDA, where SDPA has fused kernels; the readable one elsewhere
+    (on a CPU it is as fast or faster at our sentence lengths — measured in the aside).
+    """
+    if setting not in ("auto", "readable", "fast"):
+        raise ValueError(f"attention must be auto, readable or fast, not {setting!r}")
+    if setting != "auto":
+        return setting, f"attention: {setting} path (asked for)"
+    kind = "cpu" if device is None else torch.device(device).type  # make_model builds on the CPU
+    path = "fast" if kind == "cuda" else "readable"
+    why = ("SDPA's fused kernels on CUDA" if path == "fast"
+           else f"on {kind} the readable path is as fast or faster at sentence lengths")
+    return path, f"attention: {path} path (auto: {why})"
+
+
+# %% [markdown]
 # ## The full model
 #
 # §3's Figure 1, assembled. The model's sizes are named as in the paper and collected in one
@@ -713,7 +780,7 @@ class ModelConfig:
     attn_dropout: float = field(default=0.0, metadata=SAME_WEIGHTS)  # on attention weights (not in the paper)
     tie_weights: bool = True  # §3.4 weight sharing
     shared_vocab: bool = True  # one vocabulary for both languages: three-way sharing (§3.4, §5.1)
-    fast_attention: bool = field(default=False, metadata=SAME_WEIGHTS)  # the fast path (aside after §4)
+    attention: str = field(default="auto", metadata=SAME_WEIGHTS)  # "readable", "fast" (aside after §4) or "auto"
     max_len: int = 5000  # longest sequence the positional encoding covers
 
     @property
@@ -750,7 +817,7 @@ def make_model(src_vocab: int, tgt_vocab: int, config: Optional[ModelConfig] = N
     (§3.4); with ``shared_vocab`` too, the source embedding shares it as well (three-way).
     """
     cfg = dataclasses.replace(config or MODEL_PRESETS["base"], **overrides)
-    mha = FastMultiHeadedAttention if cfg.fast_attention else MultiHeadedAttention
+    mha = FastMultiHeadedAttention if resolve_attention(cfg.attention)[0] == "fast" else MultiHeadedAttention
     attn = mha(cfg.h, cfg.d_model, cfg.attn_dropout)
     ff = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.ffn_dropout)
     c = copy.deepcopy
@@ -834,52 +901,6 @@ if EXAMPLES:
     for n in (16, 64, 256):
         x = torch.randn(8, n, d)
         print(f"{n:3d}   {time_layer(self_attn, x, x, x):10.2f}   {time_layer(lstm, x):14.2f}")
-
-# %% [markdown]
-# ## Aside: the fast path
-#
-# The readable `MultiHeadedAttention` of §3.2.2 spells out every step. `FastMultiHeadedAttention` computes the
-# same function with the same parameters (so checkpoints move freely between the two), but
-# (1) when query, key and value are one tensor (self-attention) it does the three
-# projections as one fused matrix product, and (2) it calls
-# `torch.nn.functional.scaled_dot_product_attention`, which picks a fused kernel
-# (FlashAttention or memory-efficient attention on a GPU) and never materialises the
-# attention weights. A test shows both give the same numbers. `ModelConfig.fast_attention`
-# chooses between them.
-
-# %%
-class FastMultiHeadedAttention(MultiHeadedAttention):
-    r"""Multi-head attention — §3.2.2, fused projections and PyTorch's SDPA kernel.
-
-    Same parameters and same function as :class:`MultiHeadedAttention`; the attention
-    weights are never materialised.
-    """
-
-    def forward(self, query, key, value, mask=None):
-        """query (batch, len_q, d_model), key/value (batch, len_k, d_model) → (batch, len_q, d_model)."""
-        if mask is not None and mask.dim() == 3:
-            mask = mask.unsqueeze(1)  # (batch, 1, len_q|1, len_k)
-        if query is key and key is value:
-            weight = torch.cat([self.w_q.weight, self.w_k.weight, self.w_v.weight])  # (3·d_model, d_model)
-            bias = torch.cat([self.w_q.bias, self.w_k.bias, self.w_v.bias])
-            q, k, v = F.linear(query, weight, bias).chunk(3, dim=-1)  # 3 × (batch, len, d_model)
-        else:
-            q = self.w_q(query)
-            if key is value:
-                weight = torch.cat([self.w_k.weight, self.w_v.weight])  # (2·d_model, d_model)
-                bias = torch.cat([self.w_k.bias, self.w_v.bias])
-                k, v = F.linear(key, weight, bias).chunk(2, dim=-1)  # 2 × (batch, len_k, d_model)
-            else:
-                k, v = self.w_k(key), self.w_v(value)
-        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (batch, h, len, d_k)
-        return self.w_o(self.merge_heads(self.attend(q, k, v, mask)))
-
-    def attend(self, q, k, v, mask=None):
-        """Eq. 1 through PyTorch's fused kernel; same shapes as :meth:`MultiHeadedAttention.attend`."""
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout.p if self.training else 0.0
-        )  # (batch, h, len_q, d_k)
-
 
 # %% [markdown]
 # # Part 2 — Training
@@ -1006,7 +1027,7 @@ PRESETS = MappingProxyType({
                    warmup=200, epochs=16, min_freq=1),
     "multi30k-small": Config(N=3, d_model=256, d_ff=1024, h=8, dataset="multi30k", bpe_size=8000,
                              batch_tokens=2500, warmup=1000, lr_factor=0.7, epochs=15, clip_grad=1.0,
-                             fast_attention=True, average_last=5),
+                             average_last=5),
     "iwslt14-small": Config(N=6, d_model=512, d_ff=1024, h=4, P_drop=0.3, dataset="iwslt14", bpe_size=10000,
                             batch_tokens=4096, warmup=4000, lr_factor=1.0, epochs=50,
                             min_freq=3, clip_grad=0.0),
@@ -1306,8 +1327,14 @@ def rate(step: int, d_model: int, factor: float = 1.0, warmup: int = 4000) -> fl
 
 
 def make_optimizer(model: nn.Module, cfg: Config) -> tuple[torch.optim.Optimizer, LambdaLR]:
-    """Adam with §5.3's β1, β2, ε and the Eq. 3 schedule: update k (counting from 1) uses ``rate(k)``."""
-    optimizer = torch.optim.Adam(model.parameters(), lr=1.0, betas=tuple(cfg.betas), eps=cfg.adam_eps)
+    """Adam with §5.3's β1, β2, ε and the Eq. 3 schedule: update k (counting from 1) uses ``rate(k)``.
+
+    Adam's fused kernel (one pass over all parameters per step; the same arithmetic as the
+    per-tensor loop, a test checks it) where the parameters' device has one.
+    """
+    params = list(model.parameters())
+    fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+    optimizer = torch.optim.Adam(params, lr=1.0, betas=tuple(cfg.betas), eps=cfg.adam_eps, fused=fused)
     scheduler = LambdaLR(optimizer, lambda taken: rate(taken + 1, cfg.d_model, cfg.lr_factor, cfg.warmup))
     return optimizer, scheduler
 
@@ -1379,9 +1406,18 @@ class LabelSmoothing(nn.Module):
 
 
 def loss_sum(log_probs: torch.Tensor, target: torch.Tensor, eps_ls: float, pad: int = PAD) -> torch.Tensor:
-    """Label-smoothed cross-entropy summed over non-pad positions (the training loss)."""
-    return F.cross_entropy(log_probs.reshape(-1, log_probs.size(-1)).float(), target.reshape(-1),
-                           ignore_index=pad, label_smoothing=eps_ls, reduction="sum")
+    r"""Label-smoothed cross-entropy summed over non-pad positions (the training loss) — §5.4.
+
+    $\sum_i (1-\epsilon)\,(-\log p_i(y_i)) + \epsilon \cdot \tfrac{1}{K}\sum_k (-\log p_i(k))$, the
+    quantity ``F.cross_entropy(logits, label_smoothing=ε)`` computes, taken directly from the
+    generator's log-probabilities (``cross_entropy`` would apply a second log-softmax to them).
+    """
+    log_probs = log_probs.reshape(-1, log_probs.size(-1)).float()  # (tokens, K)
+    target = target.reshape(-1)  # (tokens,)
+    keep = target != pad
+    nll = -log_probs.gather(1, target.unsqueeze(1)).squeeze(1)  # (tokens,)
+    uniform = -log_probs.mean(dim=1)  # (tokens,)
+    return (((1.0 - eps_ls) * nll + eps_ls * uniform) * keep).sum()
 
 
 if EXAMPLES:
@@ -1660,7 +1696,8 @@ def train_epoch(run: Run, pos: Position, stop: StopRequest, progress: bool, t_st
 # %%
 def setup(cfg: Config, data: Dataset, device: torch.device, rank: int, world: int, log: Callable) -> Run:
     """The model, optimizer, schedule, precision and run directory of a training run."""
-    model = make_model(len(data.src_vocab), len(data.tgt_vocab), cfg).to(device)
+    attention, why_attention = resolve_attention(cfg.attention, device)
+    model = make_model(len(data.src_vocab), len(data.tgt_vocab), cfg, attention=attention).to(device)
     optimizer, scheduler = make_optimizer(model, cfg)
     train_model = torch.compile(model) if cfg.compile else model
     if world > 1:
@@ -1671,6 +1708,7 @@ def setup(cfg: Config, data: Dataset, device: torch.device, rank: int, world: in
     files = RunFiles(run_dir_for(cfg), cfg.keep_checkpoints, write=rank == 0)
     log(f"device: {device}" + (f" × {world} processes" if world > 1 else "") + f"; run directory: {files.dir}")
     log(why)
+    log(why_attention)
     return Run(cfg, data, model, train_model, optimizer, scheduler, device, autocast, rank, world, files, log)
 
 

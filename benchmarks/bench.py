@@ -193,7 +193,7 @@ def build_model(kind: str, src_vocab: int, tgt_vocab: int, cfg: tat.Config) -> n
     """``"fast"`` / ``"readable"`` (our model) or ``"torch"`` (nn.Transformer), random weights."""
     if kind == "torch":
         return TorchTransformer(src_vocab, tgt_vocab, cfg)
-    return tat.make_model(src_vocab, tgt_vocab, cfg, fast_attention=(kind == "fast"))
+    return tat.make_model(src_vocab, tgt_vocab, cfg, attention=kind)
 
 
 MODEL_NAMES = MappingProxyType({"fast": "ours, fast path", "readable": "ours, readable path",
@@ -399,7 +399,7 @@ def bench_decoding(data: tat.Dataset, cfg: tat.Config, st: Settings, log: Callab
     and most sentences run to the length limit: fine for timing, not for translation.
     """
     torch.manual_seed(cfg.seed)
-    model = tat.make_model(len(data.src_vocab), len(data.tgt_vocab), cfg, fast_attention=True).eval()
+    model = tat.make_model(len(data.src_vocab), len(data.tgt_vocab), cfg, attention="fast").eval()
     test = [s for s, _ in data.splits["test"]][: st.decode_sentences]
     step = max(1, len(test) // max(1, st.single_sentences))
     single_idx = list(range(0, len(test), step))[: st.single_sentences]

@@ -88,7 +88,7 @@ def dist(vocab, **p):
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_cached_greedy_gives_exactly_the_tokens_of_the_full_recompute(dtype, fast, norm_first):
-    model = lively_model(dtype=dtype, fast_attention=fast, norm_first=norm_first)
+    model = lively_model(dtype=dtype, attention="fast" if fast else "readable", norm_first=norm_first)
     _, src = padded_sources()
     mask = (src != PAD).unsqueeze(-2)
     full = T.greedy_decode(model, src, mask, 25, BOS, EOS, PAD)
@@ -100,7 +100,7 @@ def test_cached_greedy_gives_exactly_the_tokens_of_the_full_recompute(dtype, fas
 @pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_each_cached_step_equals_the_last_position_of_a_full_decode(fast, norm_first):
-    model = lively_model(fast_attention=fast, norm_first=norm_first)
+    model = lively_model(attention="fast" if fast else "readable", norm_first=norm_first)
     _, src = padded_sources()
     mask = (src != PAD).unsqueeze(-2)
     memory = model.encode(src, mask)
@@ -228,7 +228,7 @@ def test_beam_search_does_not_depend_on_batch_composition():
 
 
 def test_cached_and_full_recompute_beam_search_agree():
-    model = lively_model(fast_attention=True, norm_first=True)
+    model = lively_model(attention="fast", norm_first=True)
     _, src = padded_sources()
     mask = (src != PAD).unsqueeze(-2)
     limits = T.max_output_tokens(src, 5)
@@ -313,8 +313,8 @@ def test_real_model_that_prefers_specials_does_not_emit_them(cached):
 
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_attention_maps_of_the_fast_path_equal_the_readable_ones(norm_first):
-    fast = lively_model(fast_attention=True, norm_first=norm_first)
-    readable = lively_model(fast_attention=False, norm_first=norm_first)
+    fast = lively_model(attention="fast", norm_first=norm_first)
+    readable = lively_model(attention="readable", norm_first=norm_first)
     readable.load_state_dict(fast.state_dict())
     src, tgt = torch.tensor([BOS, 5, 9, 7, 4, EOS]), torch.tensor([BOS, 6, 8, 11])
     a, b = T.attention_maps(fast, src, tgt), T.attention_maps(readable, src, tgt)
@@ -329,7 +329,7 @@ def test_attention_maps_of_the_fast_path_equal_the_readable_ones(norm_first):
 
 
 def test_attention_maps_are_the_weights_the_readable_forward_uses(monkeypatch):
-    model = lively_model(fast_attention=False)
+    model = lively_model(attention="readable")
     src, tgt = torch.tensor([BOS, 5, 9, 7, EOS]), torch.tensor([BOS, 6, 8])
     seen = []
     real = T.attention

@@ -133,7 +133,7 @@ def test_multi_head_attention_is_h_independent_heads_concatenated_then_projected
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_fast_path_equals_readable_path(norm_first):
     readable = tiny_model(norm_first=norm_first).double().eval()
-    fast = T.make_model(13, 13, TINY, norm_first=norm_first, fast_attention=True).double().eval()
+    fast = T.make_model(13, 13, TINY, norm_first=norm_first, attention="fast").double().eval()
     fast.load_state_dict(readable.state_dict())
     assert isinstance(fast.encoder.layers[0].self_attn, T.FastMultiHeadedAttention)
     src, tgt = random_batch()
@@ -334,3 +334,22 @@ def test_untrained_model_decodes_end_to_end():
     out = T.greedy_decode(model, src, torch.ones(1, 1, 5, dtype=torch.bool), max_len=7, start_symbol=T.BOS)
     assert out.shape == (1, 7) and out[0, 0] == T.BOS
     assert out.min() >= 0 and out.max() < 13
+
+
+@pytest.mark.parametrize("device, setting, path", [
+    ("cpu", "auto", "readable"), ("cuda", "auto", "fast"), ("cuda:1", "auto", "fast"),
+    ("cpu", "fast", "fast"), ("cuda", "readable", "readable"), (None, "auto", "readable"),
+])
+def test_attention_auto_takes_the_fused_path_on_cuda_only(device, setting, path):
+    chosen, line = T.resolve_attention(setting, None if device is None else torch.device(device))
+    assert chosen == path
+    assert line.startswith(f"attention: {path} path (") and ("auto" in line) == (setting == "auto")
+
+
+def test_attention_setting_is_checked_and_builds_its_class():
+    with pytest.raises(ValueError, match="auto, readable or fast"):
+        T.resolve_attention("flash")
+    for setting, cls in (("readable", T.MultiHeadedAttention), ("fast", T.FastMultiHeadedAttention),
+                         ("auto", T.MultiHeadedAttention)):
+        model = T.make_model(11, 11, TINY, attention=setting)
+        assert type(model.encoder.layers[0].self_attn) is cls

@@ -3,6 +3,7 @@
 Everything runs on the CPU with tiny models and shrunken copy data; every run writes into
 pytest's tmp_path, never into the repository.
 """
+import copy
 import dataclasses
 import json
 import math
@@ -133,6 +134,26 @@ def test_adam_uses_the_papers_betas_and_eps():
     assert group["eps"] == 1e-9
 
 
+def test_fused_adam_takes_the_same_steps_as_the_per_tensor_loop():
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, tat.PRESETS["tiny"]).double().eval()  # no dropout; float64: no rounding noise for Adam to amplify
+    twin = copy.deepcopy(model)
+    fused, _ = tat.make_optimizer(model, tat.get_config("tiny"))
+    assert fused.defaults["fused"]  # the CPU has Adam's fused kernel
+    loop = torch.optim.Adam(twin.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9, foreach=False)
+    for group in (fused.param_groups[0], loop.param_groups[0]):
+        group["lr"] = 1e-3
+    src = torch.randint(4, 11, (3, 7))
+    for _ in range(3):
+        for m, opt in ((model, fused), (twin, loop)):
+            out = m(src, src, (src != PAD).unsqueeze(-2), tat.subsequent_mask(7))
+            m.generator(out).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_update_k_applies_equation_3_at_step_k():
     cfg = tat.get_config("tiny", warmup=10, lr_factor=2.0)
     model = nn.Linear(4, 2)
@@ -250,6 +271,14 @@ def test_loss_sum_is_the_cross_entropy_it_wraps(eps):
     noisy = log_probs.clone()
     noisy[target == PAD] = F.log_softmax(torch.randn(int((target == PAD).sum()), K), -1)
     torch.testing.assert_close(tat.loss_sum(noisy, target, eps), got)
+    # and it is what F.cross_entropy computes from the logits, value and gradient
+    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    ours = tat.loss_sum(F.log_softmax(a, -1), target.reshape(-1), eps)
+    library = F.cross_entropy(b, target.reshape(-1), ignore_index=PAD, label_smoothing=eps, reduction="sum")
+    torch.testing.assert_close(ours, library)
+    ours.backward()
+    library.backward()
+    torch.testing.assert_close(a.grad, b.grad)
 
 
 # --------------------------------------------------------------------------------------------
