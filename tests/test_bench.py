@@ -58,6 +58,11 @@ def test_training_rows_cover_three_models_and_the_native_precisions(report):
         assert r["best_tokens_per_s"] >= r["tokens_per_s"]
     for prec in expected:
         assert positive(tr["ratios"][prec]["fast_vs_torch"]) and positive(tr["ratios"][prec]["fast_vs_torch_best"])
+        fastest = max((r for r in tr["results"] if r["precision"] == prec), key=lambda r: r["tokens_per_s"])
+        assert tr["fastest"][prec] == fastest["model"]
+    # the row of the path the preset would train with on this machine is marked
+    assert tr["preset_path"] in ("fast", "readable")
+    assert {r["model"] for r in tr["results"] if r["preset_choice"]} == {tr["preset_path"]}
 
 
 def test_flop_shares_are_positive_and_use_the_measured_peaks(report):
