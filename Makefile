@@ -3,7 +3,7 @@ PYTHON_SYSTEM ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-CONFIG ?= iwslt14-small
+CONFIG ?= $(shell $(PY) -c "import the_annotated_transformer as m; print(m.default_preset())")
 RUN ?= runs/$(CONFIG)
 ARGS ?=
 NB := annotated_transformer.ipynb
@@ -17,7 +17,7 @@ help:
 	@echo "make sync               bring $(NB) and $(SRC) up to date with each other"
 	@echo "make notebook           execute the notebook top to bottom and store its outputs"
 	@echo "make lab                open the notebook in JupyterLab (from .venv)"
-	@echo "make train [CONFIG=..]  train a preset (default iwslt14-small); ARGS='--field value ...'"
+	@echo "make train [CONFIG=..]  train a preset (default: iwslt14-small with CUDA, else iwslt14-sample); ARGS='--field value ...'"
 	@echo "make translate ARGS='\"Ein Satz.\"'  translate with the run in RUN (default runs/CONFIG)"
 	@echo "make evaluate [ARGS='--src F --ref F']  BLEU of the run in RUN (default: the test split)"
 	@echo "make bench              performance side by side (a few minutes); ARGS=--quick for seconds"

@@ -1031,6 +1031,9 @@ PRESETS = MappingProxyType({
     "iwslt14-small": Config(N=6, d_model=512, d_ff=1024, h=4, P_drop=0.3, dataset="iwslt14", bpe_size=10000,
                             batch_tokens=4096, warmup=4000, lr_factor=1.0, epochs=50,
                             min_freq=3, clip_grad=0.0),
+    "iwslt14-sample": Config(N=3, d_model=256, d_ff=1024, h=4, P_drop=0.3, attn_dropout=0.1, ffn_dropout=0.1,
+                             dataset="iwslt14", bpe_size=4000, batch_tokens=2048, warmup=1000, lr_factor=0.7,
+                             epochs=25, clip_grad=1.0, average_last=5),
 })
 
 
@@ -1039,6 +1042,12 @@ def get_config(name: str = "base", **overrides) -> Config:
     if name not in PRESETS:
         raise KeyError(f"unknown config {name!r}; presets: {', '.join(PRESETS)}")
     return dataclasses.replace(PRESETS[name], **overrides)
+
+
+def default_preset() -> str:
+    """The preset a run without ``--config`` trains: the GPU-sized IWSLT14 model where CUDA is
+    available, else the one sized to train on a CPU in about half an hour."""
+    return "iwslt14-small" if torch.cuda.is_available() else "iwslt14-sample"
 
 
 def run_dir_for(cfg: Config, preset: str = "") -> Path:
@@ -1631,6 +1640,66 @@ def evaluate_loss(model: nn.Module, pairs: Sequence, cfg: Config, device) -> flo
 
 
 # %% [markdown]
+# ### How long, and is the run sized for this data?
+#
+# Before long work a run says what it will do: how many updates, and — after its first few
+# updates, timed on this machine — roughly how many minutes of training that is. A preset is
+# sized for a data set and a device (`iwslt14-small` for the full IWSLT14 set on a GPU), so a
+# run also says, in one line, when its model is far larger than its training data, or when it
+# will take hours on this device, and then goes on: the choice stays the user's.
+
+# %%
+OVERSIZED = 50  # parameters per training target token above which a model is "sized for more data"
+LONG_MINUTES = 120  # an estimate above this on a CPU is said out loud
+
+
+@dataclass
+class UpdateClock:
+    """Times updates ``skip+1 … skip+count`` of this process's run and logs one estimate for the rest."""
+
+    remaining: int  # updates this run will take from where it starts
+    device: torch.device
+    log: Callable
+    skip: int = 3  # the first updates are slower (allocation, caches)
+    count: int = 10
+    seen: int = 0
+    t0: float = 0.0
+    minutes: Optional[float] = None  # the estimate, once made
+
+    def tick(self) -> None:
+        """Call after every update."""
+        self.seen += 1
+        if self.seen == self.skip:
+            self.t0 = time.time()
+        elif self.seen == self.skip + self.count:
+            per_update = (time.time() - self.t0) / self.count
+            self.minutes = per_update * (self.remaining - self.seen) / 60
+            self.log(f"estimate: {per_update:.2f} s per update measured here → about {self.minutes:.0f} min for the "
+                     f"remaining {self.remaining - self.seen:,} updates (validation and test decoding come on top)")
+            if self.device.type == "cpu" and self.minutes > LONG_MINUTES:
+                self.log(f"note: about {self.minutes / 60:.1f} h on this CPU — this preset is sized for a GPU; "
+                         "--epochs or --max_steps shortens it, or see the CPU presets in the README")
+
+
+def plan_run(cfg: Config, data: Dataset, world: int, step: int, model: nn.Module) -> tuple[int, list[str]]:
+    """(updates left to take, lines for the log): the run's length and whether the model suits the data."""
+    lengths = [(len(s), len(t)) for s, t in data.splits["train"]]
+    batches = len(length_batches(lengths, cfg.batch_tokens, cfg.seed, 0, rank=0, world_size=world))
+    per_epoch = math.ceil(batches / cfg.accum_steps)
+    total = per_epoch * cfg.epochs if not cfg.max_steps else min(per_epoch * cfg.epochs, cfg.max_steps)
+    tokens = sum(t - 1 for _, t in lengths)  # target tokens predicted per epoch
+    lines = [f"plan: {cfg.epochs} epochs × {per_epoch:,} updates"
+             + (f", at most {cfg.max_steps:,} updates" if cfg.max_steps else "")
+             + f" = {total:,} updates ({max(total - step, 0):,} to go) on {len(lengths):,} training pairs "
+             f"({tokens:,} target tokens per epoch)"]
+    ratio = count_parameters(model) / max(tokens, 1)
+    if ratio > OVERSIZED:
+        lines.append(f"note: the model has {ratio:.0f} parameters per training target token — it is sized for far "
+                     "more data than this and will overfit it; a smaller preset suits this data (see the README)")
+    return max(total - step, 0), lines
+
+
+# %% [markdown]
 # ### One epoch
 #
 # The batches of an epoch are a function of (seed, epoch), so `train_epoch` can start at
@@ -1641,7 +1710,8 @@ def evaluate_loss(model: nn.Module, pairs: Sequence, cfg: Config, device) -> flo
 # is finished.
 
 # %%
-def train_epoch(run: Run, pos: Position, stop: StopRequest, progress: bool, t_start: float) -> bool:
+def train_epoch(run: Run, pos: Position, stop: StopRequest, progress: bool, t_start: float,
+                clock: Optional[UpdateClock] = None) -> bool:
     """The updates of epoch ``pos.epoch`` from ``pos.batch_in_epoch`` on, advancing ``pos``; True once ``max_steps`` is reached."""
     cfg, pairs = run.cfg, run.data.splits["train"]
     lengths = [(len(s), len(t)) for s, t in pairs]
@@ -1661,6 +1731,8 @@ def train_epoch(run: Run, pos: Position, stop: StopRequest, progress: bool, t_st
                 raise TrainingDiverged(f"{e} at step {pos.step + 1}; stopped. Last good checkpoint: "
                                        f"{last[-1] if last else 'none (no checkpoint written yet)'}") from None
             pos.step, pos.batch_in_epoch = pos.step + 1, u + 1
+            if clock is not None:
+                clock.tick()
             seen, loss_acc, tok_acc = seen + tokens, loss_acc + loss, tok_acc + tokens
             tps = seen * run.world / max(time.time() - t0, 1e-9)
             bar.set_postfix(loss=f"{loss / max(tokens, 1):.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
@@ -1737,11 +1809,15 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
     pos = resume(run)
     log(f"model: {count_parameters(run.model) / 1e6:.2f}M parameters "
         f"(N={cfg.N}, d_model={cfg.d_model}, d_ff={cfg.d_ff}, h={cfg.h}, P_drop={cfg.P_drop})")
+    remaining, plan = plan_run(cfg, data, world, pos.step, run.model)
+    for line in plan:
+        log(line)
+    clock = UpdateClock(remaining, device, log)
     with StopRequest() as stop:
         finished = bool(cfg.max_steps and pos.step >= cfg.max_steps)
         while pos.epoch < cfg.epochs and not finished:
             epoch_number = pos.epoch + 1  # the epoch these updates belong to, counting from 1
-            finished = train_epoch(run, pos, stop, progress, t_start)
+            finished = train_epoch(run, pos, stop, progress, t_start, clock)
             valid_loss = evaluate_loss(run.model, data.splits["valid"], cfg, device) if rank == 0 else float("nan")
             ppl = math.exp(min(valid_loss, 50))
             run.files.log({"step": pos.step, "epoch": epoch_number, "valid_loss": valid_loss, "valid_ppl": ppl,
@@ -2978,7 +3054,8 @@ def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
     parser = argparse.ArgumentParser(prog="the_annotated_transformer.py",
                                      description="Train and evaluate the Transformer of Vaswani et al. (2017).")
     parser.add_argument("command", choices=["train"])  # translate and evaluate: run_inference_command
-    parser.add_argument("--config", default="iwslt14-small", choices=list(PRESETS))
+    parser.add_argument("--config", default=None, choices=list(PRESETS),
+                        help="a preset (default: iwslt14-small where CUDA is available, else iwslt14-sample)")
     defaults = Config()
     for f in dataclasses.fields(Config):
         like = getattr(defaults, f.name)
@@ -2987,9 +3064,10 @@ def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
                             type=lambda text, like=like, name=f.name: _parse_value(text, like, name), help=f"(default from preset)")
     args = parser.parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name) is not None}
-    cfg = get_config(args.config, **overrides)
+    preset = args.config or default_preset()
+    cfg = get_config(preset, **overrides)
     if not cfg.run_dir:
-        cfg = dataclasses.replace(cfg, run_dir=str(run_dir_for(cfg, args.config)))
+        cfg = dataclasses.replace(cfg, run_dir=str(run_dir_for(cfg, preset)))
     return args.command, cfg
 
 

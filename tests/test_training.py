@@ -879,3 +879,52 @@ def test_main_reports_an_unusable_checkpoint(tmp_path, capsys):
     (tmp_path / "checkpoint-00000001.pt").write_bytes(b"not a checkpoint")
     assert tat.main(["train", "--config", "copy", "--device", "cpu", "--run_dir", str(tmp_path)]) == 2
     assert "truncated" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# The run says how long it will take and whether its model suits its data
+# --------------------------------------------------------------------------------------------
+
+def test_run_plan_counts_updates_and_flags_a_model_too_big_for_its_data():
+    cfg = tat.get_config("copy", epochs=3, accum_steps=2)
+    data = tat.make_copy_data(cfg)
+    lengths = [(len(s), len(t)) for s, t in data.splits["train"]]
+    per_epoch = -(-len(tat.length_batches(lengths, cfg.batch_tokens, cfg.seed, 0)) // 2)
+    small = tat.make_model(len(data.src_vocab), len(data.tgt_vocab), cfg)
+    remaining, lines = tat.plan_run(cfg, data, 1, 5, small)
+    assert remaining == 3 * per_epoch - 5
+    assert lines[0].startswith(f"plan: 3 epochs × {per_epoch} updates = {3 * per_epoch} updates")
+    assert not any("sized for" in line for line in lines)
+    big = tat.make_model(len(data.src_vocab), len(data.tgt_vocab), tat.MODEL_PRESETS["base"])
+    _, lines = tat.plan_run(cfg, data, 1, 0, big)
+    assert any("sized for far more data" in line for line in lines)
+    assert tat.plan_run(dataclasses.replace(cfg, max_steps=4), data, 1, 1, small)[0] == 3
+
+
+def test_the_clock_estimates_once_from_timed_updates_and_warns_on_long_cpu_runs(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr(tat.time, "time", lambda: now[0])
+    lines = []
+    clock = tat.UpdateClock(remaining=10_013, device=torch.device("cpu"), log=lines.append)
+    for _ in range(20):
+        clock.tick()
+        now[0] += 1.5  # every update takes 1.5 s
+    estimates = [line for line in lines if line.startswith("estimate:")]
+    assert len(estimates) == 1 and "1.50 s per update" in estimates[0]
+    assert clock.minutes == pytest.approx(1.5 * (10_013 - 13) / 60)
+    assert any("sized for a GPU" in line for line in lines)  # 250 min on a CPU
+
+
+def test_training_log_says_the_plan_and_the_estimate(tmp_path):
+    lines = []
+    tat.train(tat.get_config("copy", run_dir=str(tmp_path), max_steps=16), log=lines.append, progress=False,
+              evaluate=False)
+    assert any(line.startswith("plan: ") for line in lines)
+    assert any(line.startswith("estimate: ") for line in lines)
+
+
+@pytest.mark.parametrize("cuda, preset", [(True, "iwslt14-small"), (False, "iwslt14-sample")])
+def test_default_preset_follows_the_machine(monkeypatch, cuda, preset):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert tat.default_preset() == preset
+    assert tat.config_from_args(["train"])[1] == dataclasses.replace(tat.get_config(preset), run_dir=f"runs/{preset}")
