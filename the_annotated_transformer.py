@@ -925,6 +925,77 @@ class FastMultiHeadedAttention(MultiHeadedAttention):
 # practical.
 
 # %% [markdown]
+# ## Checking settings before any work
+#
+# A run that would fail — or silently do something else — because of a setting is stopped
+# when its `Config` is made, with every wrong field named: a beam of 0, a warmup of 0, a
+# dropout of 2, an `h` that does not divide `d_model` (§3.2.2 needs $d_k = d_{model}/h$),
+# a CUDA device on a machine without one. The command line turns the message into one
+# line and exit status 2 before it loads any data. The rules are one table, next to the
+# device check they share with `translate` and `evaluate`.
+
+# %%
+def _config_rules(c: "Config") -> list:
+    """(field, holds, what it must be) for every numeric setting of a run — our addition: checked before any work."""
+    def finite(x):
+        return isinstance(x, (int, float)) and math.isfinite(x)
+
+    def prob(x):  # a dropout or smoothing probability
+        return finite(x) and 0 <= x < 1
+
+    return [
+        ("N", c.N >= 1, "must be at least 1"), ("d_model", c.d_model >= 2 and c.d_model % 2 == 0,
+                                                 "must be even and at least 2 (§3.5: sine/cosine pairs)"),
+        ("d_ff", c.d_ff >= 1, "must be at least 1"), ("h", c.h >= 1, "must be at least 1"),
+        ("h", c.h >= 1 and c.d_model % c.h == 0, f"must divide d_model={c.d_model} (§3.2.2: d_k = d_model/h)"),
+        ("P_drop", prob(c.P_drop), "must be in [0, 1)"), ("ffn_dropout", prob(c.ffn_dropout), "must be in [0, 1)"),
+        ("attn_dropout", prob(c.attn_dropout), "must be in [0, 1)"), ("max_len", c.max_len >= 3, "must be at least 3"),
+        ("dataset", c.dataset in ("copy", "multi30k", "iwslt14"), "must be copy, multi30k or iwslt14"),
+        ("bpe_size", c.bpe_size >= 8, "must be at least 8"), ("min_freq", c.min_freq >= 1, "must be at least 1"),
+        ("max_tokens", c.max_tokens >= 1, "must be at least 1"),
+        ("batch_tokens", c.batch_tokens >= 1, "must be at least 1"), ("warmup", c.warmup >= 1, "must be at least 1"),
+        ("lr_factor", finite(c.lr_factor) and c.lr_factor > 0, "must be a finite number above 0"),
+        ("betas", len(c.betas) == 2 and all(finite(b) and 0 <= b < 1 for b in c.betas),
+         "must be two numbers in [0, 1), e.g. 0.9,0.98"),
+        ("adam_eps", finite(c.adam_eps) and c.adam_eps > 0, "must be a finite number above 0"),
+        ("eps_ls", prob(c.eps_ls), "must be in [0, 1)"), ("accum_steps", c.accum_steps >= 1, "must be at least 1"),
+        ("clip_grad", finite(c.clip_grad) and c.clip_grad >= 0, "must be a finite number, 0 or more"),
+        ("epochs", c.epochs >= 1, "must be at least 1"), ("max_steps", c.max_steps >= 0, "must be 0 (no limit) or more"),
+        ("keep_checkpoints", c.keep_checkpoints >= 1, "must be at least 1"),
+        ("checkpoint_minutes", finite(c.checkpoint_minutes) and c.checkpoint_minutes >= 0,
+         "must be a finite number, 0 (off) or more"),
+        ("average_last", c.average_last >= 0, "must be 0 or more"),
+        ("max_decode_extra", c.max_decode_extra >= 0, "must be 0 or more"),
+        ("beam_size", c.beam_size >= 1, "must be at least 1 (1 = greedy)"),
+        ("length_penalty_alpha", finite(c.length_penalty_alpha) and c.length_penalty_alpha >= 0,
+         "must be a finite number, 0 or more"),
+        ("eval_batch_size", c.eval_batch_size >= 1, "must be at least 1"),
+        ("max_eval_sentences", c.max_eval_sentences >= 0, "must be 0 (all) or more"),
+        ("examples_to_show", c.examples_to_show >= 0, "must be 0 or more"),
+    ]
+
+
+def device_problem(name: str) -> Optional[str]:
+    """Why ``name`` cannot be used as a device here (None if it can) — our addition, checked before any work."""
+    if name == "auto":
+        return None
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        return f"device {name!r} is not a device name (auto, cpu, cuda, cuda:1, ...)"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"device {name!r}: this machine (or this torch build) has no CUDA device; use --device cpu"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) here"
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        return f"device {name!r}: MPS is not available here; use --device cpu"
+    elif device.type not in ("cpu", "cuda", "mps"):
+        return f"device {name!r}: only cpu, cuda and mps are supported"
+    return None
+
+
+# %% [markdown]
 # ## Training settings
 #
 # A training run needs more than the model's sizes: which data and vocabulary, the batch
@@ -985,6 +1056,13 @@ class Config(ModelConfig):
         object.__setattr__(self, "bf16", value)
         if self.vocab not in ("bpe", "words"):
             raise ValueError(f"vocab must be bpe or words, not {self.vocab!r}")
+        problems = [f"{name} {words}, not {getattr(self, name)!r}" for name, ok, words in _config_rules(self) if not ok]
+        if problems:
+            raise ValueError("; ".join(problems))
+        problem = device_problem(self.device)
+        if problem:
+            raise ValueError(problem)
+
 
 
 # %% [markdown]
@@ -1508,6 +1586,14 @@ def update(run: Run, micro: Sequence[Batch]) -> tuple[float, int, float]:
 # writes. `Position` is where training stands — updates taken (the paper's $step\_num$),
 # the epoch, and the next update within it — and is what a checkpoint records so that
 # `resume` can continue in the middle of an epoch with the same batches.
+#
+# Faults are expected, not exceptional (our addition; the paper says nothing of them). The
+# run directory is locked (an operating-system lock, gone when the process dies) so that a
+# second run there stops at once instead of writing every record twice. Metrics records
+# are flushed to the disk as they are written. On resuming, a torn last record (a full disk,
+# a killed process) is dropped with a warning, and an unreadable newest checkpoint (a power
+# loss) is set aside with a warning in favour of the newest readable one; the metrics log is
+# then cut back to that checkpoint, so no step is logged twice.
 
 # %%
 @dataclass
@@ -1526,26 +1612,167 @@ class RunFiles:
         self.dir, self.keep, self.write = Path(run_dir), keep, write
         self.metrics = self.dir / "metrics.jsonl"
         self.saved_at = time.time()  # when a checkpoint was last written (for checkpoint_minutes)
-        if write:
-            self.dir.mkdir(parents=True, exist_ok=True)
+        self.lock = open_run_dir(self.dir) if write else None  # open while this process holds the directory
 
     def log(self, record: dict) -> None:
-        """Append one record to the metrics log."""
+        """Append one record to the metrics log, on the disk before it returns."""
         if self.write:
             with open(self.metrics, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
 
     def save(self, run: Run, pos: Position) -> Optional[Path]:
-        """Write a checkpoint of ``run`` at ``pos`` and drop the oldest beyond ``keep``."""
+        """Write a checkpoint of ``run`` at ``pos``; once it is on the disk, delete the oldest beyond ``keep``."""
         self.saved_at = time.time()
         if not self.write:
             return None
-        path = save_checkpoint(self.dir / f"checkpoint-{pos.step:08d}.pt", run.model, run.optimizer, run.scheduler,
-                               run.cfg, run.data.src_vocab, run.data.tgt_vocab, pos.step, pos.epoch,
-                               pos.batch_in_epoch, run.data.subwords)
+        path = self.dir / f"checkpoint-{pos.step:08d}.pt"
+        try:
+            save_checkpoint(path, run.model, run.optimizer, run.scheduler, run.cfg, run.data.src_vocab,
+                            run.data.tgt_vocab, pos.step, pos.epoch, pos.batch_in_epoch, run.data.subwords)
+        except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
+            raise CheckpointError(f"cannot write checkpoint {path} ({first_line(e)}; {free_space(self.dir)}); "
+                                  "the checkpoints already in the run directory are intact") from e
         for old in checkpoint_paths(self.dir)[: -self.keep]:
             old.unlink()
         return path
+
+    def repair_metrics(self, step: int) -> None:
+        """Make the metrics log agree with a run resumed at ``step`` — our addition: lines that are not whole
+        records (torn by a crash or a full disk) are dropped with a warning, and records after ``step``."""
+        if not (self.write and self.metrics.is_file()):
+            return
+        raw = self.metrics.read_bytes()
+        kept, torn, later = metrics_lines_upto(raw, step)
+        if torn:
+            print(f"warning: {self.metrics}: dropped {torn} unreadable line(s), cut short by a crash or a full "
+                  "disk", file=sys.stderr)
+        if torn or later or not raw.endswith(b"\n"):
+            write_atomic(self.metrics, kept)
+
+
+# %% [markdown]
+# The lock `RunFiles` takes on its directory: `flock`, which the operating system releases
+# when the process ends, however it ends — so a killed run never leaves a stale lock behind.
+
+# %%
+def lock_run_dir(run_dir: Path):
+    """Hold an exclusive lock on ``run_dir/run.lock`` — our addition: one run per run directory.
+
+    Returns the open lock file (the lock lasts while it is open; the operating system drops it
+    when the process ends, however it ends), or None where there is no ``flock`` or when this
+    same process already holds it. Raises :class:`RunDirectoryError` naming the process that holds it.
+    """
+    try:
+        import fcntl
+    except ImportError:  # no flock on this system: runs are not locked
+        return None
+    f = open(Path(run_dir) / "run.lock", "a+", encoding="utf-8")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid, _, command = f.read().strip().partition(" ")
+        f.close()
+        if pid == str(os.getpid()):
+            return None  # an earlier run of this process, not yet collected
+        raise RunDirectoryError(f"run directory {run_dir} is in use by process {pid or '(unknown)'}"
+                                + (f" ({command})" if command else "")
+                                + "; two runs in one directory would mix their checkpoints and metrics. "
+                                "Wait for it to end, or give another --run_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()} {' '.join(sys.argv)[:300]}\n")
+    f.flush()
+    return f
+
+
+def open_run_dir(run_dir: Path):
+    """Create and lock ``run_dir`` (see :func:`lock_run_dir`) and remove temporary files a killed run left there."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirectoryError(f"run directory {run_dir} is a file, not a directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = lock_run_dir(run_dir)
+    except OSError as e:
+        raise RunDirectoryError(f"cannot write in run directory {run_dir}: {e.strerror or e}") from None
+    for tmp in [*run_dir.glob(".checkpoint-*.part"), *run_dir.glob(".metrics.jsonl.*.part")]:
+        tmp.unlink(missing_ok=True)  # the lock says that no running process is writing them
+    return lock
+
+
+# %% [markdown]
+# Reading back a metrics log that a crash may have torn, and the short forms of an error
+# and of the free disk space that the messages quote.
+
+# %%
+
+def metrics_lines_upto(raw: bytes, step: int) -> tuple[list[str], int, int]:
+    """(whole records of step ≤ ``step``, lines that are not whole records, records after ``step``) — our addition."""
+    kept, torn, later = [], 0, 0
+    for line in raw.decode("utf-8", errors="replace").split("\n"):
+        if not line.strip():
+            continue
+        try:
+            record_step = json.loads(line)["step"]
+            if not isinstance(record_step, int):
+                raise TypeError(record_step)
+        except (ValueError, KeyError, TypeError):
+            torn += 1
+            continue
+        if record_step > step:
+            later += 1
+        else:
+            kept.append(line)
+    return kept, torn, later
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message, first line only (torch's can run to many lines) — for one-line errors."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def free_space(folder: Path) -> str:
+    """How much room the disk of ``folder`` has left, in words (for error messages)."""
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**20:,.0f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
+# %% [markdown]
+# Resuming: the newest checkpoint that can be read, with everything it recorded.
+
+# %%
+def newest_readable_checkpoint(run_dir: Path, cfg: Config, src_vocab: Vocab, tgt_vocab: Vocab,
+                               subwords: Optional[Subwords], tidy: bool) -> Optional[tuple[Path, dict]]:
+    """(path, state) of the newest checkpoint of ``run_dir`` that can be read; None if there is none — our addition.
+
+    Newer ones that cannot be read (truncated by a power loss) are skipped with a warning and,
+    if ``tidy`` (the process that writes), renamed to ``*.unreadable`` so that the rotation
+    never keeps them in place of good ones. A checkpoint that reads but does not fit ``cfg``
+    or the vocabularies is an error, as is a directory where none can be read.
+    """
+    paths = checkpoint_paths(run_dir)
+    bad = []
+    for path in reversed(paths):
+        try:
+            state = load_checkpoint(path, cfg, src_vocab, tgt_vocab, subwords)
+        except UnreadableCheckpoint as e:
+            bad.append(path)
+            if tidy:
+                print(f"warning: {e}; falling back to the checkpoint before it", file=sys.stderr)
+            continue
+        if tidy:
+            for b in bad:
+                os.replace(b, b.with_name(b.name + ".unreadable"))
+        return path, state
+    if bad:
+        raise CheckpointError(f"none of the {len(bad)} checkpoint(s) in {run_dir} can be read; move them "
+                              "away to start the run over")
+    return None
 
 
 def resume(run: Run) -> Position:
@@ -1553,10 +1780,12 @@ def resume(run: Run) -> Position:
 
     Metrics logged after that checkpoint are dropped, so the resumed run logs no step twice.
     """
-    existing = checkpoint_paths(run.files.dir)
-    if not existing:
+    found = newest_readable_checkpoint(run.files.dir, run.cfg, run.data.src_vocab, run.data.tgt_vocab,
+                                       run.data.subwords, tidy=run.files.write)
+    if found is None:
+        run.files.repair_metrics(0)
         return Position()
-    state = load_checkpoint(existing[-1], run.cfg, run.data.src_vocab, run.data.tgt_vocab, run.data.subwords)
+    path, state = found
     run.model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
@@ -1565,10 +1794,8 @@ def resume(run: Run) -> Position:
     if state["rng"]["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     pos = Position(state["step"], state["epoch"], state["batch_in_epoch"])
-    run.log(f"resumed from {existing[-1]} at step {pos.step} (epoch {pos.epoch + 1}, batch {pos.batch_in_epoch})")
-    if run.files.write and run.files.metrics.is_file():
-        lines = [line for line in run.files.metrics.read_text(encoding="utf-8").splitlines() if line.strip()]
-        write_atomic(run.files.metrics, [line for line in lines if json.loads(line)["step"] <= pos.step])
+    run.log(f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, batch {pos.batch_in_epoch})")
+    run.files.repair_metrics(pos.step)
     return pos
 
 
@@ -2014,7 +2241,11 @@ if EXAMPLES:
 # one of them. So a translation that stops by itself has at most $n + 49$ tokens and
 # `</s>`, and one cut by the limit has exactly $n + 50$ tokens, without `</s>`. The same
 # rule holds for greedy, cached greedy and beam search, and tests check it exactly for all
-# three.
+# three. The paper's models never meet the other limit, ours: the positional encoding covers
+# `max_len` positions, so the limit is min($n + 50$, `max_len` − 1), and the target `<s>`
+# $y_1 \dots y_L$ always fits. A source of more than `max_len` tokens (with `<s>` and
+# `</s>`) cannot be encoded at all; `translate` refuses it before decoding anything, naming
+# it, and the command line skips such lines and translates the rest (Appendix).
 #
 # **Special tokens.** No decoder ever emits `<s>` or `<blank>` (their scores are set to
 # $-\infty$). `<unk>` is an ordinary token to the decoder: the model may produce it, and
@@ -2168,8 +2399,10 @@ def translate(model: EncoderDecoder, sources: Sequence[list[int]], tgt_vocab: Vo
 
     ``beam_size=1`` is greedy decoding, otherwise :func:`beam_search` with length penalty
     ``alpha``. ``cached`` (default: when the model is an :class:`EncoderDecoder`) uses the
-    key/value cache. At most n + ``cfg.max_decode_extra`` tokens follow <s> (see above).
-    """
+    key/value cache. At most min(n + ``cfg.max_decode_extra``, ``cfg.max_len`` − 1) tokens follow <s>
+    (see above); sources longer than ``cfg.max_len`` raise ``ValueError``."""
+    if too_long := [i for i, s in enumerate(sources) if len(s) > cfg.max_len]:
+        raise ValueError(f"sources {too_long[:10]} are longer than max_len={cfg.max_len} positions")
     model = unwrap(model)
     model.eval()
     if cached is None:
@@ -2181,7 +2414,7 @@ def translate(model: EncoderDecoder, sources: Sequence[list[int]], tgt_vocab: Vo
         idx = order[s: s + cfg.eval_batch_size]
         src = pad_sequences([sources[i] for i in idx]).to(device)
         src_mask = padding_mask(src, PAD)  # (batch, 1, src_len)
-        limits = max_output_tokens(src, cfg.max_decode_extra)  # (batch,)
+        limits = max_output_tokens(src, cfg.max_decode_extra).clamp(max=cfg.max_len - 1)  # (batch,)
         if beam_size == 1:
             decode = greedy_decode_cached if cached else greedy_decode
             ys = decode(model, src, src_mask, max_len=1 + int(limits.max()), start_symbol=BOS,
@@ -2276,7 +2509,11 @@ def default_data_dir() -> Path:
 # Every file this program writes — downloads, prepared data, vocabulary and BPE caches,
 # checkpoints, logs — goes through one helper that writes to a temporary file beside the
 # target and renames it only when the writing finished, so an interrupted run never leaves
-# a file that looks complete. `download` uses it and checks the checksum before the rename.
+# a file that looks complete. Before the rename the file's bytes are forced to the disk
+# (`fsync`), and after it the directory's entry too, so that after a power loss the name
+# holds either the old file or the whole new one — and a caller that then deletes older
+# files (the checkpoint rotation) never deletes them before their successor is safe.
+# `download` uses it and checks the checksum before the rename.
 
 # %%
 @contextmanager
@@ -2292,10 +2529,25 @@ def atomic_file(path: Path, mode: str = "wb"):
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    sync_directory(path.parent)
+
+
+def sync_directory(folder: Path) -> None:
+    """Force ``folder``'s entries (a rename, a new file) to the disk — our addition; a no-op where unsupported."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)  # Windows cannot open a directory: OSError, nothing to do
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def write_atomic(path: Path, data) -> None:
@@ -2309,6 +2561,10 @@ def write_atomic(path: Path, data) -> None:
                 f.write(line + "\n")
 
 
+# %% [markdown]
+# `download` writes through it, and checks the checksum before the rename.
+
+# %%
 def download(url: str, dest: Path, sha256: Optional[str] = None, desc: Optional[str] = None) -> Path:
     """Fetch ``url`` to ``dest`` atomically, checking ``sha256`` when given.
 
@@ -2559,26 +2815,39 @@ def locate_multi30k_test(split: str, cfg: Config, url_base: Optional[str] = None
 #
 # Bad data fails loudly and precisely: files of different lengths name both files and both
 # line counts; invalid UTF-8 names the file and line; empty lines are skipped and counted.
+# Only `\n` and `\r\n` end a line — not the form feed, a lone carriage return, U+0085 or
+# U+2028 that Python's `str.splitlines` also splits at — so line $i$ of a file is line $i$
+# of its translation; a leading byte-order mark is dropped. Standard input is read the same way.
 # Over-long pairs are filtered out of the *training* data with a count (never truncated);
 # the test set is always scored in full.
 
 # %%
-def read_lines(path: Path) -> list[str]:
-    """Lines of a UTF-8 text file (``.gz`` allowed), without newlines; bad bytes name file and line."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        raw = f.read()
+def split_lines(raw: bytes, name: str) -> list[str]:
+    """Lines of UTF-8 bytes: only ``\n`` and ``\r\n`` end one; a leading BOM is dropped; bad bytes name the line."""
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
     lines = raw.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
     out = []
     for i, line in enumerate(lines, start=1):
         try:
-            out.append(line.decode("utf-8").rstrip("\r"))
+            out.append(line.decode("utf-8").removesuffix("\r"))
         except UnicodeDecodeError as e:
-            raise DataError(f"{path}, line {i}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+            raise DataError(f"{name}, line {i}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
     return out
+
+
+def read_lines(path: Path) -> list[str]:
+    """Lines of a UTF-8 text file (``.gz`` allowed), as :func:`split_lines` reads them; names what is wrong."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+    return split_lines(raw, str(path))
 
 
 def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[tuple[str, str]], int]:
@@ -2710,6 +2979,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be used: unreadable, truncated, or from another config or vocabulary."""
 
 
+class UnreadableCheckpoint(CheckpointError):
+    """A checkpoint file is missing, truncated or not one this program wrote (resuming falls back past it)."""
+
+
+class RunDirectoryError(RuntimeError):
+    """The run directory cannot be used: not writable, or in use by another run (our addition)."""
+
+
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 
@@ -2751,12 +3028,19 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer, scheduler, cfg: Con
 def load_checkpoint(path: Path, cfg: Optional[Config] = None, src_vocab: Optional[Vocab] = None,
                     tgt_vocab: Optional[Vocab] = None, subwords: Optional[Subwords] = None) -> dict:
     """Read a checkpoint safely (``weights_only=True``) and check it fits ``cfg``, the vocabularies and BPE model."""
+    if not Path(path).is_file():
+        where = "is a directory (give a run directory as --run_dir)" if Path(path).is_dir() else "does not exist"
+        raise UnreadableCheckpoint(f"checkpoint {path} {where}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated or foreign files
-        raise CheckpointError(f"cannot read checkpoint {path}: it is truncated or not a checkpoint ({e})") from e
+        raise UnreadableCheckpoint(f"cannot read checkpoint {path}: it is truncated or not a checkpoint "
+                                   f"({first_line(e)})") from e
     if not isinstance(state, dict) or state.get("format") != 1:
-        raise CheckpointError(f"{path} is not a checkpoint written by this program")
+        raise UnreadableCheckpoint(f"{path} is not a checkpoint written by this program")
+    missing = [k for k in ("model", "config", "vocab") if not isinstance(state.get(k), dict)]
+    if missing:
+        raise UnreadableCheckpoint(f"{path} is damaged or hand-made: it lacks {', '.join(missing)}")
     if cfg is not None:
         diff = [f"{k}: checkpoint {state['config'].get(k)!r} vs now {getattr(cfg, k)!r}"
                 for k in weight_fields() if state["config"].get(k) != getattr(cfg, k)]
@@ -2784,22 +3068,32 @@ def checkpoint_subwords(state: dict) -> Optional[Subwords]:
 
 # %%
 def checkpoint_paths(run_dir: Path) -> list[Path]:
-    """Checkpoints in ``run_dir``, oldest first."""
-    return sorted(Path(run_dir).glob("checkpoint-*.pt"))
+    """The checkpoints this program wrote in ``run_dir`` (``checkpoint-<step>.pt``), oldest first.
+
+    Other files that merely look similar (a hand-made ``checkpoint-best.pt``) are not counted,
+    so they are never resumed from, averaged or deleted by the rotation.
+    """
+    found = [(int(m.group(1)), p) for p in Path(run_dir).glob("checkpoint-*.pt")
+             if (m := re.fullmatch(r"checkpoint-(\d{8,})\.pt", p.name))]
+    return [p for _, p in sorted(found)]
 
 
 def average_checkpoints(paths: Sequence[Path]) -> dict:
     """Element-wise mean of the models in ``paths`` (§6.1 averages the last 5)."""
     if not paths:
         raise CheckpointError("no checkpoints to average")
-    avg = None
+    avg, vocab = None, None
     for p in paths:
-        model_state = load_checkpoint(p)["model"]
+        state = load_checkpoint(p)
+        model_state = state["model"]
         if avg is None:
             avg = {k: v.double().clone() if v.is_floating_point() else v.clone() for k, v in model_state.items()}
+            vocab = state["vocab"]
         else:
-            if model_state.keys() != avg.keys():
-                raise CheckpointError(f"{p} holds a different model than {paths[0]}")
+            if (model_state.keys() != avg.keys() or any(v.shape != avg[k].shape for k, v in model_state.items())
+                    or state["vocab"] != vocab):
+                raise CheckpointError(f"{p} holds a different model or vocabulary than {paths[0]}, so the two "
+                                      "cannot be averaged; use one checkpoint (--checkpoint, or --average_last 1)")
             for k, v in model_state.items():
                 if v.is_floating_point():
                     avg[k] += v.double()
