@@ -3212,8 +3212,20 @@ class StopRequest:
 # `--data_mirror ../shared/data`, …). Under `torchrun --nproc_per_node=K` the same command
 # trains on K processes. `make train CONFIG=NAME` runs it. Two more commands use a trained
 # model, below: `translate` and `evaluate`.
+#
+# Every mistake on the command line is one line on standard error and a non-zero exit
+# status, never a traceback (`--debug` shows one): a wrong option stops with status 2 before
+# any work starts, and so do a missing file, an unwritable run directory, a run directory
+# another run is using, a checkpoint that does not fit, and a full disk.
 
 # %%
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit status 2 — our addition."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
 def _parse_value(text: str, like, name: str = ""):
     """Turn a command-line string into the type of the config field ``name`` whose default is ``like``."""
     if isinstance(like, bool) or name == "bf16":  # switches; bf16 also takes "auto"
@@ -3224,15 +3236,19 @@ def _parse_value(text: str, like, name: str = ""):
         if text.lower() == "auto" and name == "bf16":
             return "auto"
         raise argparse.ArgumentTypeError(f"expected {'auto/' if name == 'bf16' else ''}true/false, got {text!r}")
-    if isinstance(like, tuple):
-        return tuple(float(x) for x in text.split(","))
-    return type(like)(text)
+    try:
+        if isinstance(like, tuple):
+            return tuple(float(x) for x in text.split(","))
+        return type(like)(text)
+    except ValueError:
+        kind = {int: "a whole number", float: "a number", tuple: "numbers separated by commas"}.get(type(like))
+        raise argparse.ArgumentTypeError(f"expected {kind or 'text'}, got {text!r}") from None
 
 
 def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
     """(command, Config) from ``train --config NAME --field value ...``."""
-    parser = argparse.ArgumentParser(prog="the_annotated_transformer.py",
-                                     description="Train and evaluate the Transformer of Vaswani et al. (2017).")
+    parser = OneLineParser(prog="the_annotated_transformer.py",
+                           description="Train and evaluate the Transformer of Vaswani et al. (2017).")
     parser.add_argument("command", choices=["train"])  # translate and evaluate: run_inference_command
     parser.add_argument("--config", default="iwslt14-small", choices=list(PRESETS))
     defaults = Config()
@@ -3243,22 +3259,30 @@ def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
                             type=lambda text, like=like, name=f.name: _parse_value(text, like, name), help=f"(default from preset)")
     args = parser.parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name) is not None}
-    cfg = get_config(args.config, **overrides)
+    try:  # the preset with the overrides: Config.__post_init__ checks every field
+        cfg = get_config(args.config, **overrides)
+    except ValueError as e:
+        parser.error(str(e))
     if not cfg.run_dir:
         cfg = dataclasses.replace(cfg, run_dir=str(run_dir_for(cfg, args.config)))
     return args.command, cfg
 
 
+# %% [markdown]
+# `main` runs a command and turns every failure into one line: the program's own errors
+# (bad data, a checkpoint that does not fit, a run directory in use) and the operating
+# system's (a missing file, a full disk) with status 2, an interruption with 130, anything
+# unforeseen with 1 — and `--debug` anywhere on the line shows the traceback instead.
+
+# %%
 def main(argv: Sequence[str]) -> int:
-    """Entry point of the command line: ``train``, ``translate`` or ``evaluate``."""
-    if argv and argv[0] in ("translate", "evaluate"):
-        try:
-            return run_inference_command(argv[0], argv[1:])
-        except (DataError, CheckpointError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    command, cfg = config_from_args(argv)
+    """Entry point of the command line: ``train``, ``translate`` or ``evaluate``; returns the exit status."""
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     try:
+        if argv and argv[0] in ("translate", "evaluate"):
+            return run_inference_command(argv[0], argv[1:])
+        command, cfg = config_from_args(argv)
         if command == "train":
             summary = train(cfg)
             if summary.get("bleu") is not None:
@@ -3267,9 +3291,22 @@ def main(argv: Sequence[str]) -> int:
     except TrainingInterrupted as e:
         print(f"interrupted: {e}", file=sys.stderr)
         return 130
-    except (DataError, CheckpointError, TrainingDiverged) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (DataError, CheckpointError, TrainingDiverged, RunDirectoryError, OSError) as e:
+        if debug:
+            raise
+        print(f"error: {e.strerror}: {e.filename}" if isinstance(e, OSError) and e.filename and e.strerror
+              else f"error: {first_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # unforeseen: still one line, with the way to see more
+        if debug:
+            raise
+        print(f"error: {type(e).__name__}: {first_line(e)} (run again with --debug to see where)", file=sys.stderr)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -3290,7 +3327,7 @@ def main(argv: Sequence[str]) -> int:
 # %%
 def config_from_dict(values: dict) -> Config:
     """A :class:`Config` from a checkpoint's saved fields (unknown to it: defaults) — for §6.1 inference."""
-    names = {f.name for f in dataclasses.fields(Config)}
+    names = {f.name for f in dataclasses.fields(Config)} - {"device"}  # trained elsewhere: decode anywhere
     kept = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if k in names}
     return Config(**kept)
 
@@ -3304,12 +3341,18 @@ def load_for_inference(checkpoint: Optional[Path] = None, run_dir: Optional[Path
     else:
         paths = checkpoint_paths(Path(run_dir))[-max(average_last, 1):]
         if not paths:
-            raise CheckpointError(f"no checkpoint-*.pt in {run_dir}")
+            raise CheckpointError(f"no checkpoint-*.pt in {run_dir}"
+                                  + ("" if Path(run_dir).is_dir() else " (it is not a directory)"))
     state = load_checkpoint(paths[-1])
-    cfg = config_from_dict(state["config"])
-    src_vocab, tgt_vocab = Vocab(state["vocab"]["src"]), Vocab(state["vocab"]["tgt"])
-    model = make_model(len(src_vocab), len(tgt_vocab), cfg)
-    model.load_state_dict(average_checkpoints(paths) if len(paths) > 1 else state["model"])
+    try:
+        cfg = config_from_dict(state["config"])
+        src_vocab, tgt_vocab = Vocab(state["vocab"]["src"]), Vocab(state["vocab"]["tgt"])
+        model = make_model(len(src_vocab), len(tgt_vocab), cfg)
+        model.load_state_dict(average_checkpoints(paths) if len(paths) > 1 else state["model"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{paths[-1]} does not hold a model this program can build ({first_line(e)})") from e
     return model.to(device).eval(), cfg, src_vocab, tgt_vocab, checkpoint_subwords(state)
 
 
@@ -3341,6 +3384,8 @@ def evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
         src, ref = read_lines(args.src), read_lines(args.ref)
         if len(src) != len(ref):
             raise DataError(f"misaligned files: {args.src} has {len(src)} lines, {args.ref} has {len(ref)}")
+        if not src:
+            raise DataError(f"nothing to score: {args.src} and {args.ref} hold no lines")
         return src, ref
     if cfg.dataset == "copy":
         if args.split != "test":
@@ -3364,20 +3409,54 @@ def evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
 # (`--input`), or from standard input, and prints one translation per line; `evaluate`
 # scores a pair of parallel files (`--src`, `--ref`; by default the data set's test split)
 # and prints sacreBLEU's score and signature line. Both decode with beam size 4 and
-# $\alpha = 0.6$ (§6.1) unless told otherwise (`--beam 1` is greedy).
+# $\alpha = 0.6$ (§6.1) unless told otherwise (`--beam 1` is greedy). Their options are
+# checked as they are parsed: a beam of at least 1, a finite $\alpha \ge 0$ (beam search's
+# early stop needs it), at least one checkpoint to average, a device this machine has.
 
 # %%
+def _whole_number(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``low`` (our addition)."""
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return check
+
+
+def _alpha(text: str) -> float:
+    """An argparse type: the length penalty α of §6.1, a finite number ≥ 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text!r}")
+    return value
+
+
+def _device(text: str) -> str:
+    """An argparse type: a device this machine has (see :func:`device_problem`)."""
+    problem = device_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def inference_parser(command: str) -> argparse.ArgumentParser:
     """Options of the ``translate`` and ``evaluate`` commands (§6.1 decoding)."""
-    parser = argparse.ArgumentParser(prog=f"the_annotated_transformer.py {command}")
+    parser = OneLineParser(prog=f"the_annotated_transformer.py {command}")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--run_dir", "--run-dir", type=Path, help="a run directory: average its last checkpoints")
     where.add_argument("--checkpoint", type=Path, help="one checkpoint file")
-    parser.add_argument("--average_last", "--average-last", type=int, default=5,
+    parser.add_argument("--average_last", "--average-last", type=_whole_number(1), default=5,
                         help="checkpoints of --run_dir to average (default 5, fewer if fewer exist)")
-    parser.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy; default 4, §6.1)")
-    parser.add_argument("--alpha", type=float, default=0.6, help="length penalty α (default 0.6, §6.1)")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--beam", type=_whole_number(1), default=4, help="beam size (1 = greedy; default 4, §6.1)")
+    parser.add_argument("--alpha", type=_alpha, default=0.6, help="length penalty α (default 0.6, §6.1)")
+    parser.add_argument("--device", type=_device, default="auto")
     if command == "translate":
         parser.add_argument("sentences", nargs="*", help="sentences to translate (else --input or stdin)")
         parser.add_argument("--input", type=Path, help="a file with one sentence per line")
@@ -3390,29 +3469,67 @@ def inference_parser(command: str) -> argparse.ArgumentParser:
     return parser
 
 
+# %% [markdown]
+# Output line $i$ is the translation of input line $i$, whatever the input holds. A blank
+# line gives a blank line without decoding (the model would otherwise invent a sentence for
+# `<s> </s>`). A line longer than the model's positional encoding covers (`max_len`
+# positions, `<s>` and `</s>` included) cannot be encoded; rather than failing every other
+# line with it, the commands translate the rest, print an empty line in its place, name it on
+# standard error and exit with status 1.
+
+# %%
+def translate_lines(lines: Sequence[str], model: EncoderDecoder, cfg: Config, src_vocab: Vocab, tgt_vocab: Vocab,
+                    subwords: Optional[Subwords], device, beam_size: int, alpha: float) -> tuple[list[str], list]:
+    """One translation per line (§6.1 decoding); blank and over-long lines give ""; returns (outputs, skipped).
+
+    ``skipped`` lists (line number from 1, tokens) of the lines longer than ``cfg.max_len`` positions.
+    """
+    wanted = [i for i, line in enumerate(lines) if line.strip()]
+    sources = encode_sources([lines[i] for i in wanted], cfg.dataset, src_vocab, subwords)
+    skipped = [(i + 1, len(ids) - 2) for i, ids in zip(wanted, sources) if len(ids) > cfg.max_len]
+    todo = [(i, ids) for i, ids in zip(wanted, sources) if len(ids) <= cfg.max_len]
+    out = [""] * len(lines)
+    if todo:
+        tokens = translate(model, [ids for _, ids in todo], tgt_vocab, cfg, device, beam_size=beam_size, alpha=alpha)
+        for (i, _), text in zip(todo, detokenize(tokens, cfg.dataset, subwords)):
+            out[i] = " ".join(text.splitlines())  # one output line per input line, always
+    return out, skipped
+
+
+def skipped_message(skipped: Sequence[tuple[int, int]], max_len: int) -> str:
+    """One line naming the input lines too long for the model (our addition)."""
+    named = ", ".join(f"line {n} ({k:,} tokens)" for n, k in skipped[:10])
+    more = f" and {len(skipped) - 10:,} more" if len(skipped) > 10 else ""
+    return (f"error: skipped {named}{more}: longer than the model's max_len={max_len:,} positions "
+            "(<s> and </s> included); each gave an empty output line")
+
+
 def run_inference_command(command: str, argv: Sequence[str]) -> int:
-    """``translate`` or ``evaluate``: load, decode (beam search, §6.1), print."""
+    """``translate`` or ``evaluate``: load, decode (beam search, §6.1), print; 1 if lines were skipped."""
     args = inference_parser(command).parse_args(argv)
+    refs = None
+    if command == "translate":  # read first: a bad input fails before the model loads
+        if args.sentences:
+            lines = list(args.sentences)
+        elif args.input:
+            lines = read_lines(args.input)
+        else:
+            lines = split_lines(sys.stdin.buffer.read(), "standard input")
     device = resolve_device(args.device)
     model, cfg, src_vocab, tgt_vocab, subwords = load_for_inference(args.checkpoint, args.run_dir,
                                                                     args.average_last, device)
-    if command == "translate":
-        if args.sentences:
-            lines = list(args.sentences)
-        else:
-            lines = read_lines(args.input) if args.input else sys.stdin.read().splitlines()
-        refs = None
-    else:
+    if command == "evaluate":
         lines, refs = evaluation_pairs(args, cfg)
-    hyps_tok = translate(model, encode_sources(lines, cfg.dataset, src_vocab, subwords), tgt_vocab, cfg, device,
-                         beam_size=args.beam, alpha=args.alpha)
-    hyps = detokenize(hyps_tok, cfg.dataset, subwords)
+    hyps, skipped = translate_lines(lines, model, cfg, src_vocab, tgt_vocab, subwords, device, args.beam, args.alpha)
     if refs is None:
         for h in hyps:
             print(h)
-        return 0
-    score, signature = bleu_with_signature(hyps, refs, cfg.dataset)
-    print(f"{score}\n{signature}")
+    else:
+        score, signature = bleu_with_signature(hyps, refs, cfg.dataset)
+        print(f"{score}\n{signature}")
+    if skipped:
+        print(skipped_message(skipped, cfg.max_len), file=sys.stderr)
+        return 1
     return 0
 
 
