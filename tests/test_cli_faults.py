@@ -341,6 +341,15 @@ def other_model(c, monkeypatch):
     c.before = names(c.run)
 
 
+def other_vocabulary(c, monkeypatch):
+    c.main(train(c.run, "--max_steps", "16"))
+    path = tat.checkpoint_paths(c.run)[-1]
+    state = torch.load(path, weights_only=True)
+    state["vocab"]["src"] = [*state["vocab"]["src"][:-1], "11"]  # one symbol renamed
+    torch.save(state, path)
+    c.before = names(c.run)
+
+
 def resumed_from(c, r, path) -> bool:
     return f"resumed from {path}" in r.out
 
@@ -376,6 +385,8 @@ TRAINING = [
          setup=all_unreadable, check=lambda c, r: len(tat.checkpoint_paths(c.run)) == 1),
     Case("a checkpoint of another model size", lambda c: train(c.run, "--max_steps", "32", "--d_model", "32"), 2,
          ("another model config", "d_model"), setup=other_model, check=lambda c, r: names(c.run) == c.before),
+    Case("a checkpoint of another vocabulary", lambda c: train(c.run, "--max_steps", "32"), 2,
+         ("another src vocabulary",), setup=other_vocabulary, check=lambda c, r: names(c.run) == c.before),
 ]
 if os.geteuid() != 0:  # root writes into read-only directories
     TRAINING.append(Case("read-only run directory", lambda c: train(c.run), 2, ("Permission denied",),
