@@ -960,7 +960,8 @@ def _config_rules(c: "Config") -> list:
         ("adam_eps", finite(c.adam_eps) and c.adam_eps > 0, "must be a finite number above 0"),
         ("eps_ls", prob(c.eps_ls), "must be in [0, 1)"), ("accum_steps", c.accum_steps >= 1, "must be at least 1"),
         ("clip_grad", finite(c.clip_grad) and c.clip_grad >= 0, "must be a finite number, 0 or more"),
-        ("epochs", c.epochs >= 1, "must be at least 1"), ("max_steps", c.max_steps >= 0, "must be 0 (no limit) or more"),
+        ("epochs", c.epochs >= 1, "must be at least 1"),
+        ("max_steps", c.max_steps >= 0, "must be 0 (no limit) or more"),
         ("keep_checkpoints", c.keep_checkpoints >= 1, "must be at least 1"),
         ("checkpoint_minutes", finite(c.checkpoint_minutes) and c.checkpoint_minutes >= 0,
          "must be a finite number, 0 (off) or more"),
@@ -1689,7 +1690,7 @@ def lock_run_dir(run_dir: Path):
 
 
 def open_run_dir(run_dir: Path):
-    """Create and lock ``run_dir`` (see :func:`lock_run_dir`) and remove temporary files a killed run left there."""
+    """Create and lock ``run_dir`` (:func:`lock_run_dir`); remove temporary files a killed run left — our addition."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirectoryError(f"run directory {run_dir} is a file, not a directory")
     try:
@@ -1709,7 +1710,7 @@ def open_run_dir(run_dir: Path):
 # %%
 
 def metrics_lines_upto(raw: bytes, step: int) -> tuple[list[str], int, int]:
-    """(whole records of step ≤ ``step``, lines that are not whole records, records after ``step``) — our addition."""
+    """(records of step ≤ ``step``, lines that are not whole records, records after ``step``) — our addition."""
     kept, torn, later = [], 0, 0
     for line in raw.decode("utf-8", errors="replace").split("\n"):
         if not line.strip():
@@ -1729,13 +1730,13 @@ def metrics_lines_upto(raw: bytes, step: int) -> tuple[list[str], int, int]:
 
 
 def first_line(e: BaseException) -> str:
-    """An exception's message, first line only (torch's can run to many lines) — for one-line errors."""
+    """An exception's message, first line only (torch's can run to many lines) — our addition, for one-line errors."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
 
 def free_space(folder: Path) -> str:
-    """How much room the disk of ``folder`` has left, in words (for error messages)."""
+    """How much room the disk of ``folder`` has left, in words — our addition, for error messages."""
     try:
         return f"{shutil.disk_usage(folder).free / 2**20:,.0f} MiB free there"
     except OSError:
@@ -2823,7 +2824,8 @@ def locate_multi30k_test(split: str, cfg: Config, url_base: Optional[str] = None
 
 # %%
 def split_lines(raw: bytes, name: str) -> list[str]:
-    """Lines of UTF-8 bytes: only ``\n`` and ``\r\n`` end one; a leading BOM is dropped; bad bytes name the line."""
+    """Lines of UTF-8 bytes (our addition): only ``\n`` and ``\r\n`` end one, a leading BOM is dropped,
+    bad bytes name the line."""
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
     lines = raw.split(b"\n")
@@ -3223,6 +3225,7 @@ class OneLineParser(argparse.ArgumentParser):
     """An argument parser whose errors are one line on stderr and exit status 2 — our addition."""
 
     def error(self, message: str):
+        """Print ``message`` as one line and exit with status 2 (argparse prints the usage too)."""
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 

@@ -149,8 +149,8 @@ FILES = [
          ("in.txt, line 2", "invalid UTF-8"), setup=lambda c: write(c.tmp / "in.txt", b"1 2\n3 \xff 4\n5\n")),
     Case("stdin not UTF-8", lambda c: translate(c), 2, ("standard input, line 2", "invalid UTF-8"),
          stdin=b"1 2\n3 \xc3\x28 4\n5\n"),
-    Case("binary file on stdin", lambda c: translate(c), 2, ("standard input, line 2", "invalid UTF-8"),  # bytes 0-10 hold one newline
-         stdin=bytes(range(256)) * 3),
+    Case("binary file on stdin", lambda c: translate(c), 2, ("standard input, line 2", "invalid UTF-8"),
+         stdin=bytes(range(256)) * 3),  # line 1: bytes 0-9; line 2 holds the first byte that is not UTF-8
     Case("evaluate missing --src", lambda c: evaluate(c, "nope.txt", "ref.txt"), 2, ("cannot read", "nope.txt"),
          setup=lambda c: write(c.tmp / "ref.txt", "1\n")),
     Case("evaluate --src a directory", lambda c: evaluate(c, ".", "ref.txt"), 2, ("cannot read",),
