@@ -226,6 +226,8 @@ LINES = [
          check=lambda c, r: len(lines_of(r.out)) == 2 and lines_of(r.out)[0] == ""),
     Case("a line within max_len whose n + 50 is not", lambda c: translate(c, FITS, NORMAL[0]), 0,
          check=lambda c, r: len(lines_of(r.out)[0].split()) <= MAX_LEN - 1 and same_as_alone({1: 0})(c, r)),
+    Case("the same line, beam search", lambda c: translate(c, FITS, "--beam", "2"), 0,
+         check=lambda c, r: len(lines_of(r.out)) == 1 and len(r.out.split()) <= MAX_LEN - 1),
     Case("evaluate: BOM in the reference", lambda c: evaluate(c, "s.txt", "r.txt"), 0,
          setup=lambda c: (write(c.tmp / "s.txt", "\n".join(NORMAL) + "\n"),
                           write(c.tmp / "r.txt", "\ufeff" + "\n".join(c.alone[s] for s in NORMAL) + "\n")),
