@@ -944,8 +944,8 @@ def _config_rules(c: "Config") -> list:
         return finite(x) and 0 <= x < 1
 
     return [
-        ("N", c.N >= 1, "must be at least 1"), ("d_model", c.d_model >= 2 and c.d_model % 2 == 0,
-                                                 "must be even and at least 2 (§3.5: sine/cosine pairs)"),
+        ("N", c.N >= 1, "must be at least 1"),
+        ("d_model", c.d_model >= 2 and c.d_model % 2 == 0, "must be even and at least 2 (§3.5: sine/cosine pairs)"),
         ("d_ff", c.d_ff >= 1, "must be at least 1"), ("h", c.h >= 1, "must be at least 1"),
         ("h", c.h >= 1 and c.d_model % c.h == 0, f"must divide d_model={c.d_model} (§3.2.2: d_k = d_model/h)"),
         ("P_drop", prob(c.P_drop), "must be in [0, 1)"), ("ffn_dropout", prob(c.ffn_dropout), "must be in [0, 1)"),
