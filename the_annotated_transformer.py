@@ -946,6 +946,79 @@ if EXAMPLES:
 # practical.
 
 # %% [markdown]
+# ## Checking settings before any work
+#
+# A run that would fail — or silently do something else — because of a setting is stopped
+# when its `Config` is made, with every wrong field named: a beam of 0, a warmup of 0, a
+# dropout of 2, an `h` that does not divide `d_model` (§3.2.2 needs $d_k = d_{model}/h$),
+# a CUDA device on a machine without one. The command line turns the message into one
+# line and exit status 2 before it loads any data. The rules are one table, next to the
+# device check they share with `translate` and `evaluate`.
+
+# %%
+def _config_rules(c: "Config") -> list:
+    """(field, holds, what it must be) for every numeric setting of a run — our addition: checked before any work."""
+    def finite(x):
+        return isinstance(x, (int, float)) and math.isfinite(x)
+
+    def prob(x):  # a dropout or smoothing probability
+        return finite(x) and 0 <= x < 1
+
+    return [
+        ("N", c.N >= 1, "must be at least 1"),
+        ("d_model", c.d_model >= 2 and c.d_model % 2 == 0, "must be even and at least 2 (§3.5: sine/cosine pairs)"),
+        ("d_ff", c.d_ff >= 1, "must be at least 1"), ("h", c.h >= 1, "must be at least 1"),
+        ("h", c.h >= 1 and c.d_model % c.h == 0, f"must divide d_model={c.d_model} (§3.2.2: d_k = d_model/h)"),
+        ("P_drop", prob(c.P_drop), "must be in [0, 1)"), ("ffn_dropout", prob(c.ffn_dropout), "must be in [0, 1)"),
+        ("attn_dropout", prob(c.attn_dropout), "must be in [0, 1)"), ("max_len", c.max_len >= 3, "must be at least 3"),
+        ("attention", c.attention in ("auto", "readable", "fast"), "must be auto, readable or fast"),
+        ("dataset", c.dataset in ("copy", "multi30k", "iwslt14"), "must be copy, multi30k or iwslt14"),
+        ("bpe_size", c.bpe_size >= 8, "must be at least 8"), ("min_freq", c.min_freq >= 1, "must be at least 1"),
+        ("max_tokens", c.max_tokens >= 1, "must be at least 1"),
+        ("batch_tokens", c.batch_tokens >= 1, "must be at least 1"), ("warmup", c.warmup >= 1, "must be at least 1"),
+        ("lr_factor", finite(c.lr_factor) and c.lr_factor > 0, "must be a finite number above 0"),
+        ("betas", len(c.betas) == 2 and all(finite(b) and 0 <= b < 1 for b in c.betas),
+         "must be two numbers in [0, 1), e.g. 0.9,0.98"),
+        ("adam_eps", finite(c.adam_eps) and c.adam_eps > 0, "must be a finite number above 0"),
+        ("eps_ls", prob(c.eps_ls), "must be in [0, 1)"), ("accum_steps", c.accum_steps >= 1, "must be at least 1"),
+        ("clip_grad", finite(c.clip_grad) and c.clip_grad >= 0, "must be a finite number, 0 or more"),
+        ("epochs", c.epochs >= 1, "must be at least 1"),
+        ("max_steps", c.max_steps >= 0, "must be 0 (no limit) or more"),
+        ("keep_checkpoints", c.keep_checkpoints >= 1, "must be at least 1"),
+        ("checkpoint_minutes", finite(c.checkpoint_minutes) and c.checkpoint_minutes >= 0,
+         "must be a finite number, 0 (off) or more"),
+        ("average_last", c.average_last >= 0, "must be 0 or more"),
+        ("max_decode_extra", c.max_decode_extra >= 0, "must be 0 or more"),
+        ("beam_size", c.beam_size >= 1, "must be at least 1 (1 = greedy)"),
+        ("length_penalty_alpha", finite(c.length_penalty_alpha) and c.length_penalty_alpha >= 0,
+         "must be a finite number, 0 or more"),
+        ("eval_batch_size", c.eval_batch_size >= 1, "must be at least 1"),
+        ("max_eval_sentences", c.max_eval_sentences >= 0, "must be 0 (all) or more"),
+        ("examples_to_show", c.examples_to_show >= 0, "must be 0 or more"),
+    ]
+
+
+def device_problem(name: str) -> Optional[str]:
+    """Why ``name`` cannot be used as a device here (None if it can) — our addition, checked before any work."""
+    if name == "auto":
+        return None
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        return f"device {name!r} is not a device name (auto, cpu, cuda, cuda:1, ...)"
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return f"device {name!r}: this machine (or this torch build) has no CUDA device; use --device cpu"
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            return f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) here"
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        return f"device {name!r}: MPS is not available here; use --device cpu"
+    elif device.type not in ("cpu", "cuda", "mps"):
+        return f"device {name!r}: only cpu, cuda and mps are supported"
+    return None
+
+
+# %% [markdown]
 # ## Training settings
 #
 # A training run needs more than the model's sizes: which data and vocabulary, the batch
@@ -1006,6 +1079,13 @@ class Config(ModelConfig):
         object.__setattr__(self, "bf16", value)
         if self.vocab not in ("bpe", "words"):
             raise ValueError(f"vocab must be bpe or words, not {self.vocab!r}")
+        problems = [f"{name} {words}, not {getattr(self, name)!r}" for name, ok, words in _config_rules(self) if not ok]
+        if problems:
+            raise ValueError("; ".join(problems))
+        problem = device_problem(self.device)
+        if problem:
+            raise ValueError(problem)
+
 
 
 # %% [markdown]
@@ -1553,6 +1633,14 @@ def update(run: Run, micro: Sequence[Batch]) -> tuple[float, int, float]:
 # writes. `Position` is where training stands — updates taken (the paper's $step\_num$),
 # the epoch, and the next update within it — and is what a checkpoint records so that
 # `resume` can continue in the middle of an epoch with the same batches.
+#
+# Faults are expected, not exceptional (our addition; the paper says nothing of them). The
+# run directory is locked (an operating-system lock, gone when the process dies) so that a
+# second run there stops at once instead of writing every record twice. Metrics records
+# are flushed to the disk as they are written. On resuming, a torn last record (a full disk,
+# a killed process) is dropped with a warning, and an unreadable newest checkpoint (a power
+# loss) is set aside with a warning in favour of the newest readable one; the metrics log is
+# then cut back to that checkpoint, so no step is logged twice.
 
 # %%
 @dataclass
@@ -1571,26 +1659,167 @@ class RunFiles:
         self.dir, self.keep, self.write = Path(run_dir), keep, write
         self.metrics = self.dir / "metrics.jsonl"
         self.saved_at = time.time()  # when a checkpoint was last written (for checkpoint_minutes)
-        if write:
-            self.dir.mkdir(parents=True, exist_ok=True)
+        self.lock = open_run_dir(self.dir) if write else None  # open while this process holds the directory
 
     def log(self, record: dict) -> None:
-        """Append one record to the metrics log."""
+        """Append one record to the metrics log, on the disk before it returns."""
         if self.write:
             with open(self.metrics, "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
 
     def save(self, run: Run, pos: Position) -> Optional[Path]:
-        """Write a checkpoint of ``run`` at ``pos`` and drop the oldest beyond ``keep``."""
+        """Write a checkpoint of ``run`` at ``pos``; once it is on the disk, delete the oldest beyond ``keep``."""
         self.saved_at = time.time()
         if not self.write:
             return None
-        path = save_checkpoint(self.dir / f"checkpoint-{pos.step:08d}.pt", run.model, run.optimizer, run.scheduler,
-                               run.cfg, run.data.src_vocab, run.data.tgt_vocab, pos.step, pos.epoch,
-                               pos.batch_in_epoch, run.data.subwords)
+        path = self.dir / f"checkpoint-{pos.step:08d}.pt"
+        try:
+            save_checkpoint(path, run.model, run.optimizer, run.scheduler, run.cfg, run.data.src_vocab,
+                            run.data.tgt_vocab, pos.step, pos.epoch, pos.batch_in_epoch, run.data.subwords)
+        except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
+            raise CheckpointError(f"cannot write checkpoint {path} ({first_line(e)}; {free_space(self.dir)}); "
+                                  "the checkpoints already in the run directory are intact") from e
         for old in checkpoint_paths(self.dir)[: -self.keep]:
             old.unlink()
         return path
+
+    def repair_metrics(self, step: int) -> None:
+        """Make the metrics log agree with a run resumed at ``step`` — our addition: lines that are not whole
+        records (torn by a crash or a full disk) are dropped with a warning, and records after ``step``."""
+        if not (self.write and self.metrics.is_file()):
+            return
+        raw = self.metrics.read_bytes()
+        kept, torn, later = metrics_lines_upto(raw, step)
+        if torn:
+            print(f"warning: {self.metrics}: dropped {torn} unreadable line(s), cut short by a crash or a full "
+                  "disk", file=sys.stderr)
+        if torn or later or not raw.endswith(b"\n"):
+            write_atomic(self.metrics, kept)
+
+
+# %% [markdown]
+# The lock `RunFiles` takes on its directory: `flock`, which the operating system releases
+# when the process ends, however it ends — so a killed run never leaves a stale lock behind.
+
+# %%
+def lock_run_dir(run_dir: Path):
+    """Hold an exclusive lock on ``run_dir/run.lock`` — our addition: one run per run directory.
+
+    Returns the open lock file (the lock lasts while it is open; the operating system drops it
+    when the process ends, however it ends), or None where there is no ``flock`` or when this
+    same process already holds it. Raises :class:`RunDirectoryError` naming the process that holds it.
+    """
+    try:
+        import fcntl
+    except ImportError:  # no flock on this system: runs are not locked
+        return None
+    f = open(Path(run_dir) / "run.lock", "a+", encoding="utf-8")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid, _, command = f.read().strip().partition(" ")
+        f.close()
+        if pid == str(os.getpid()):
+            return None  # an earlier run of this process, not yet collected
+        raise RunDirectoryError(f"run directory {run_dir} is in use by process {pid or '(unknown)'}"
+                                + (f" ({command})" if command else "")
+                                + "; two runs in one directory would mix their checkpoints and metrics. "
+                                "Wait for it to end, or give another --run_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()} {' '.join(sys.argv)[:300]}\n")
+    f.flush()
+    return f
+
+
+def open_run_dir(run_dir: Path):
+    """Create and lock ``run_dir`` (:func:`lock_run_dir`); remove temporary files a killed run left — our addition."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirectoryError(f"run directory {run_dir} is a file, not a directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = lock_run_dir(run_dir)
+    except OSError as e:
+        raise RunDirectoryError(f"cannot write in run directory {run_dir}: {e.strerror or e}") from None
+    for tmp in [*run_dir.glob(".checkpoint-*.part"), *run_dir.glob(".metrics.jsonl.*.part")]:
+        tmp.unlink(missing_ok=True)  # the lock says that no running process is writing them
+    return lock
+
+
+# %% [markdown]
+# Reading back a metrics log that a crash may have torn, and the short forms of an error
+# and of the free disk space that the messages quote.
+
+# %%
+
+def metrics_lines_upto(raw: bytes, step: int) -> tuple[list[str], int, int]:
+    """(records of step ≤ ``step``, lines that are not whole records, records after ``step``) — our addition."""
+    kept, torn, later = [], 0, 0
+    for line in raw.decode("utf-8", errors="replace").split("\n"):
+        if not line.strip():
+            continue
+        try:
+            record_step = json.loads(line)["step"]
+            if not isinstance(record_step, int):
+                raise TypeError(record_step)
+        except (ValueError, KeyError, TypeError):
+            torn += 1
+            continue
+        if record_step > step:
+            later += 1
+        else:
+            kept.append(line)
+    return kept, torn, later
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message, first line only (torch's can run to many lines) — our addition, for one-line errors."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def free_space(folder: Path) -> str:
+    """How much room the disk of ``folder`` has left, in words — our addition, for error messages."""
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**20:,.0f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
+# %% [markdown]
+# Resuming: the newest checkpoint that can be read, with everything it recorded.
+
+# %%
+def newest_readable_checkpoint(run_dir: Path, cfg: Config, src_vocab: Vocab, tgt_vocab: Vocab,
+                               subwords: Optional[Subwords], tidy: bool) -> Optional[tuple[Path, dict]]:
+    """(path, state) of the newest checkpoint of ``run_dir`` that can be read; None if there is none — our addition.
+
+    Newer ones that cannot be read (truncated by a power loss) are skipped with a warning and,
+    if ``tidy`` (the process that writes), renamed to ``*.unreadable`` so that the rotation
+    never keeps them in place of good ones. A checkpoint that reads but does not fit ``cfg``
+    or the vocabularies is an error, as is a directory where none can be read.
+    """
+    paths = checkpoint_paths(run_dir)
+    bad = []
+    for path in reversed(paths):
+        try:
+            state = load_checkpoint(path, cfg, src_vocab, tgt_vocab, subwords)
+        except UnreadableCheckpoint as e:
+            bad.append(path)
+            if tidy:
+                print(f"warning: {e}; falling back to the checkpoint before it", file=sys.stderr)
+            continue
+        if tidy:
+            for b in bad:
+                os.replace(b, b.with_name(b.name + ".unreadable"))
+        return path, state
+    if bad:
+        raise CheckpointError(f"none of the {len(bad)} checkpoint(s) in {run_dir} can be read; move them "
+                              "away to start the run over")
+    return None
 
 
 def resume(run: Run) -> Position:
@@ -1598,10 +1827,12 @@ def resume(run: Run) -> Position:
 
     Metrics logged after that checkpoint are dropped, so the resumed run logs no step twice.
     """
-    existing = checkpoint_paths(run.files.dir)
-    if not existing:
+    found = newest_readable_checkpoint(run.files.dir, run.cfg, run.data.src_vocab, run.data.tgt_vocab,
+                                       run.data.subwords, tidy=run.files.write)
+    if found is None:
+        run.files.repair_metrics(0)
         return Position()
-    state = load_checkpoint(existing[-1], run.cfg, run.data.src_vocab, run.data.tgt_vocab, run.data.subwords)
+    path, state = found
     run.model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
@@ -1610,10 +1841,8 @@ def resume(run: Run) -> Position:
     if state["rng"]["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     pos = Position(state["step"], state["epoch"], state["batch_in_epoch"])
-    run.log(f"resumed from {existing[-1]} at step {pos.step} (epoch {pos.epoch + 1}, batch {pos.batch_in_epoch})")
-    if run.files.write and run.files.metrics.is_file():
-        lines = [line for line in run.files.metrics.read_text(encoding="utf-8").splitlines() if line.strip()]
-        write_atomic(run.files.metrics, [line for line in lines if json.loads(line)["step"] <= pos.step])
+    run.log(f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, batch {pos.batch_in_epoch})")
+    run.files.repair_metrics(pos.step)
     return pos
 
 
@@ -2128,7 +2357,11 @@ if EXAMPLES:
 # one of them. So a translation that stops by itself has at most $n + 49$ tokens and
 # `</s>`, and one cut by the limit has exactly $n + 50$ tokens, without `</s>`. The same
 # rule holds for greedy, cached greedy and beam search, and tests check it exactly for all
-# three.
+# three. The paper's models never meet the other limit, ours: the positional encoding covers
+# `max_len` positions, so the limit is min($n + 50$, `max_len` − 1), and the target `<s>`
+# $y_1 \dots y_L$ always fits. A source of more than `max_len` tokens (with `<s>` and
+# `</s>`) cannot be encoded at all; `translate` refuses it before decoding anything, naming
+# it, and the command line skips such lines and translates the rest (Appendix).
 #
 # **Special tokens.** No decoder ever emits `<s>` or `<blank>` (their scores are set to
 # $-\infty$). `<unk>` is an ordinary token to the decoder: the model may produce it, and
@@ -2282,8 +2515,10 @@ def translate(model: EncoderDecoder, sources: Sequence[list[int]], tgt_vocab: Vo
 
     ``beam_size=1`` is greedy decoding, otherwise :func:`beam_search` with length penalty
     ``alpha``. ``cached`` (default: when the model is an :class:`EncoderDecoder`) uses the
-    key/value cache. At most n + ``cfg.max_decode_extra`` tokens follow <s> (see above).
-    """
+    key/value cache. At most min(n + ``cfg.max_decode_extra``, ``cfg.max_len`` − 1) tokens follow <s>
+    (see above); sources longer than ``cfg.max_len`` raise ``ValueError``."""
+    if too_long := [i for i, s in enumerate(sources) if len(s) > cfg.max_len]:
+        raise ValueError(f"sources {too_long[:10]} are longer than max_len={cfg.max_len} positions")
     model = unwrap(model)
     model.eval()
     if cached is None:
@@ -2295,7 +2530,7 @@ def translate(model: EncoderDecoder, sources: Sequence[list[int]], tgt_vocab: Vo
         idx = order[s: s + cfg.eval_batch_size]
         src = pad_sequences([sources[i] for i in idx]).to(device)
         src_mask = padding_mask(src, PAD)  # (batch, 1, src_len)
-        limits = max_output_tokens(src, cfg.max_decode_extra)  # (batch,)
+        limits = max_output_tokens(src, cfg.max_decode_extra).clamp(max=cfg.max_len - 1)  # (batch,)
         if beam_size == 1:
             decode = greedy_decode_cached if cached else greedy_decode
             ys = decode(model, src, src_mask, max_len=1 + int(limits.max()), start_symbol=BOS,
@@ -2390,7 +2625,11 @@ def default_data_dir() -> Path:
 # Every file this program writes — downloads, prepared data, vocabulary and BPE caches,
 # checkpoints, logs — goes through one helper that writes to a temporary file beside the
 # target and renames it only when the writing finished, so an interrupted run never leaves
-# a file that looks complete. `download` uses it and checks the checksum before the rename.
+# a file that looks complete. Before the rename the file's bytes are forced to the disk
+# (`fsync`), and after it the directory's entry too, so that after a power loss the name
+# holds either the old file or the whole new one — and a caller that then deletes older
+# files (the checkpoint rotation) never deletes them before their successor is safe.
+# `download` uses it and checks the checksum before the rename.
 
 # %%
 @contextmanager
@@ -2406,10 +2645,25 @@ def atomic_file(path: Path, mode: str = "wb"):
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
             yield f
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    sync_directory(path.parent)
+
+
+def sync_directory(folder: Path) -> None:
+    """Force ``folder``'s entries (a rename, a new file) to the disk — our addition; a no-op where unsupported."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)  # Windows cannot open a directory: OSError, nothing to do
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def write_atomic(path: Path, data) -> None:
@@ -2423,6 +2677,10 @@ def write_atomic(path: Path, data) -> None:
                 f.write(line + "\n")
 
 
+# %% [markdown]
+# `download` writes through it, and checks the checksum before the rename.
+
+# %%
 def download(url: str, dest: Path, sha256: Optional[str] = None, desc: Optional[str] = None) -> Path:
     """Fetch ``url`` to ``dest`` atomically, checking ``sha256`` when given.
 
@@ -2673,26 +2931,40 @@ def locate_multi30k_test(split: str, cfg: Config, url_base: Optional[str] = None
 #
 # Bad data fails loudly and precisely: files of different lengths name both files and both
 # line counts; invalid UTF-8 names the file and line; empty lines are skipped and counted.
+# Only `\n` and `\r\n` end a line — not the form feed, a lone carriage return, U+0085 or
+# U+2028 that Python's `str.splitlines` also splits at — so line $i$ of a file is line $i$
+# of its translation; a leading byte-order mark is dropped. Standard input is read the same way.
 # Over-long pairs are filtered out of the *training* data with a count (never truncated);
 # the test set is always scored in full.
 
 # %%
-def read_lines(path: Path) -> list[str]:
-    """Lines of a UTF-8 text file (``.gz`` allowed), without newlines; bad bytes name file and line."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        raw = f.read()
+def split_lines(raw: bytes, name: str) -> list[str]:
+    """Lines of UTF-8 bytes (our addition): only ``\n`` and ``\r\n`` end one, a leading BOM is dropped,
+    bad bytes name the line."""
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raw = raw[3:]
     lines = raw.split(b"\n")
     if lines and lines[-1] == b"":
         lines.pop()
     out = []
     for i, line in enumerate(lines, start=1):
         try:
-            out.append(line.decode("utf-8").rstrip("\r"))
+            out.append(line.decode("utf-8").removesuffix("\r"))
         except UnicodeDecodeError as e:
-            raise DataError(f"{path}, line {i}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+            raise DataError(f"{name}, line {i}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
     return out
+
+
+def read_lines(path: Path) -> list[str]:
+    """Lines of a UTF-8 text file (``.gz`` allowed), as :func:`split_lines` reads them; names what is wrong."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
+    return split_lines(raw, str(path))
 
 
 def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[tuple[str, str]], int]:
@@ -2824,6 +3096,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be used: unreadable, truncated, or from another config or vocabulary."""
 
 
+class UnreadableCheckpoint(CheckpointError):
+    """A checkpoint file is missing, truncated or not one this program wrote (resuming falls back past it)."""
+
+
+class RunDirectoryError(RuntimeError):
+    """The run directory cannot be used: not writable, or in use by another run (our addition)."""
+
+
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the last good checkpoint is kept."""
 
@@ -2865,12 +3145,19 @@ def save_checkpoint(path: Path, model: nn.Module, optimizer, scheduler, cfg: Con
 def load_checkpoint(path: Path, cfg: Optional[Config] = None, src_vocab: Optional[Vocab] = None,
                     tgt_vocab: Optional[Vocab] = None, subwords: Optional[Subwords] = None) -> dict:
     """Read a checkpoint safely (``weights_only=True``) and check it fits ``cfg``, the vocabularies and BPE model."""
+    if not Path(path).is_file():
+        where = "is a directory (give a run directory as --run_dir)" if Path(path).is_dir() else "does not exist"
+        raise UnreadableCheckpoint(f"checkpoint {path} {where}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated or foreign files
-        raise CheckpointError(f"cannot read checkpoint {path}: it is truncated or not a checkpoint ({e})") from e
+        raise UnreadableCheckpoint(f"cannot read checkpoint {path}: it is truncated or not a checkpoint "
+                                   f"({first_line(e)})") from e
     if not isinstance(state, dict) or state.get("format") != 1:
-        raise CheckpointError(f"{path} is not a checkpoint written by this program")
+        raise UnreadableCheckpoint(f"{path} is not a checkpoint written by this program")
+    missing = [k for k in ("model", "config", "vocab") if not isinstance(state.get(k), dict)]
+    if missing:
+        raise UnreadableCheckpoint(f"{path} is damaged or hand-made: it lacks {', '.join(missing)}")
     if cfg is not None:
         diff = [f"{k}: checkpoint {state['config'].get(k)!r} vs now {getattr(cfg, k)!r}"
                 for k in weight_fields() if state["config"].get(k) != getattr(cfg, k)]
@@ -2898,22 +3185,32 @@ def checkpoint_subwords(state: dict) -> Optional[Subwords]:
 
 # %%
 def checkpoint_paths(run_dir: Path) -> list[Path]:
-    """Checkpoints in ``run_dir``, oldest first."""
-    return sorted(Path(run_dir).glob("checkpoint-*.pt"))
+    """The checkpoints this program wrote in ``run_dir`` (``checkpoint-<step>.pt``), oldest first.
+
+    Other files that merely look similar (a hand-made ``checkpoint-best.pt``) are not counted,
+    so they are never resumed from, averaged or deleted by the rotation.
+    """
+    found = [(int(m.group(1)), p) for p in Path(run_dir).glob("checkpoint-*.pt")
+             if (m := re.fullmatch(r"checkpoint-(\d{8,})\.pt", p.name))]
+    return [p for _, p in sorted(found)]
 
 
 def average_checkpoints(paths: Sequence[Path]) -> dict:
     """Element-wise mean of the models in ``paths`` (§6.1 averages the last 5)."""
     if not paths:
         raise CheckpointError("no checkpoints to average")
-    avg = None
+    avg, vocab = None, None
     for p in paths:
-        model_state = load_checkpoint(p)["model"]
+        state = load_checkpoint(p)
+        model_state = state["model"]
         if avg is None:
             avg = {k: v.double().clone() if v.is_floating_point() else v.clone() for k, v in model_state.items()}
+            vocab = state["vocab"]
         else:
-            if model_state.keys() != avg.keys():
-                raise CheckpointError(f"{p} holds a different model than {paths[0]}")
+            if (model_state.keys() != avg.keys() or any(v.shape != avg[k].shape for k, v in model_state.items())
+                    or state["vocab"] != vocab):
+                raise CheckpointError(f"{p} holds a different model or vocabulary than {paths[0]}, so the two "
+                                      "cannot be averaged; use one checkpoint (--checkpoint, or --average_last 1)")
             for k, v in model_state.items():
                 if v.is_floating_point():
                     avg[k] += v.double()
@@ -3032,8 +3329,21 @@ class StopRequest:
 # `--data_mirror ../shared/data`, …). Under `torchrun --nproc_per_node=K` the same command
 # trains on K processes. `make train CONFIG=NAME` runs it. Two more commands use a trained
 # model, below: `translate` and `evaluate`.
+#
+# Every mistake on the command line is one line on standard error and a non-zero exit
+# status, never a traceback (`--debug` shows one): a wrong option stops with status 2 before
+# any work starts, and so do a missing file, an unwritable run directory, a run directory
+# another run is using, a checkpoint that does not fit, and a full disk.
 
 # %%
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit status 2 — our addition."""
+
+    def error(self, message: str):
+        """Print ``message`` as one line and exit with status 2 (argparse prints the usage too)."""
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
 def _parse_value(text: str, like, name: str = ""):
     """Turn a command-line string into the type of the config field ``name`` whose default is ``like``."""
     if isinstance(like, bool) or name == "bf16":  # switches; bf16 also takes "auto"
@@ -3044,15 +3354,19 @@ def _parse_value(text: str, like, name: str = ""):
         if text.lower() == "auto" and name == "bf16":
             return "auto"
         raise argparse.ArgumentTypeError(f"expected {'auto/' if name == 'bf16' else ''}true/false, got {text!r}")
-    if isinstance(like, tuple):
-        return tuple(float(x) for x in text.split(","))
-    return type(like)(text)
+    try:
+        if isinstance(like, tuple):
+            return tuple(float(x) for x in text.split(","))
+        return type(like)(text)
+    except ValueError:
+        kind = {int: "a whole number", float: "a number", tuple: "numbers separated by commas"}.get(type(like))
+        raise argparse.ArgumentTypeError(f"expected {kind or 'text'}, got {text!r}") from None
 
 
 def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
     """(command, Config) from ``train --config NAME --field value ...``."""
-    parser = argparse.ArgumentParser(prog="the_annotated_transformer.py",
-                                     description="Train and evaluate the Transformer of Vaswani et al. (2017).")
+    parser = OneLineParser(prog="the_annotated_transformer.py",
+                           description="Train and evaluate the Transformer of Vaswani et al. (2017).")
     parser.add_argument("command", choices=["train"])  # translate and evaluate: run_inference_command
     parser.add_argument("--config", default=None, choices=list(PRESETS),
                         help="a preset (default: iwslt14-small where CUDA is available, else iwslt14-sample)")
@@ -3065,22 +3379,30 @@ def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
     args = parser.parse_args(argv)
     overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name) is not None}
     preset = args.config or default_preset()
-    cfg = get_config(preset, **overrides)
+    try:  # the preset with the overrides: Config.__post_init__ checks every field
+        cfg = get_config(preset, **overrides)
+    except ValueError as e:
+        parser.error(str(e))
     if not cfg.run_dir:
         cfg = dataclasses.replace(cfg, run_dir=str(run_dir_for(cfg, preset)))
     return args.command, cfg
 
 
+# %% [markdown]
+# `main` runs a command and turns every failure into one line: the program's own errors
+# (bad data, a checkpoint that does not fit, a run directory in use) and the operating
+# system's (a missing file, a full disk) with status 2, an interruption with 130, anything
+# unforeseen with 1 — and `--debug` anywhere on the line shows the traceback instead.
+
+# %%
 def main(argv: Sequence[str]) -> int:
-    """Entry point of the command line: ``train``, ``translate`` or ``evaluate``."""
-    if argv and argv[0] in ("translate", "evaluate"):
-        try:
-            return run_inference_command(argv[0], argv[1:])
-        except (DataError, CheckpointError) as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    command, cfg = config_from_args(argv)
+    """Entry point of the command line: ``train``, ``translate`` or ``evaluate``; returns the exit status."""
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     try:
+        if argv and argv[0] in ("translate", "evaluate"):
+            return run_inference_command(argv[0], argv[1:])
+        command, cfg = config_from_args(argv)
         if command == "train":
             summary = train(cfg)
             if summary.get("bleu") is not None:
@@ -3089,9 +3411,22 @@ def main(argv: Sequence[str]) -> int:
     except TrainingInterrupted as e:
         print(f"interrupted: {e}", file=sys.stderr)
         return 130
-    except (DataError, CheckpointError, TrainingDiverged) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (DataError, CheckpointError, TrainingDiverged, RunDirectoryError, OSError) as e:
+        if debug:
+            raise
+        print(f"error: {e.strerror}: {e.filename}" if isinstance(e, OSError) and e.filename and e.strerror
+              else f"error: {first_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # unforeseen: still one line, with the way to see more
+        if debug:
+            raise
+        print(f"error: {type(e).__name__}: {first_line(e)} (run again with --debug to see where)", file=sys.stderr)
+        return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -3112,7 +3447,7 @@ def main(argv: Sequence[str]) -> int:
 # %%
 def config_from_dict(values: dict) -> Config:
     """A :class:`Config` from a checkpoint's saved fields (unknown to it: defaults) — for §6.1 inference."""
-    names = {f.name for f in dataclasses.fields(Config)}
+    names = {f.name for f in dataclasses.fields(Config)} - {"device"}  # trained elsewhere: decode anywhere
     kept = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if k in names}
     return Config(**kept)
 
@@ -3126,12 +3461,18 @@ def load_for_inference(checkpoint: Optional[Path] = None, run_dir: Optional[Path
     else:
         paths = checkpoint_paths(Path(run_dir))[-max(average_last, 1):]
         if not paths:
-            raise CheckpointError(f"no checkpoint-*.pt in {run_dir}")
+            raise CheckpointError(f"no checkpoint-*.pt in {run_dir}"
+                                  + ("" if Path(run_dir).is_dir() else " (it is not a directory)"))
     state = load_checkpoint(paths[-1])
-    cfg = config_from_dict(state["config"])
-    src_vocab, tgt_vocab = Vocab(state["vocab"]["src"]), Vocab(state["vocab"]["tgt"])
-    model = make_model(len(src_vocab), len(tgt_vocab), cfg)
-    model.load_state_dict(average_checkpoints(paths) if len(paths) > 1 else state["model"])
+    try:
+        cfg = config_from_dict(state["config"])
+        src_vocab, tgt_vocab = Vocab(state["vocab"]["src"]), Vocab(state["vocab"]["tgt"])
+        model = make_model(len(src_vocab), len(tgt_vocab), cfg)
+        model.load_state_dict(average_checkpoints(paths) if len(paths) > 1 else state["model"])
+    except (ValueError, KeyError, TypeError, RuntimeError) as e:
+        if isinstance(e, CheckpointError):
+            raise
+        raise CheckpointError(f"{paths[-1]} does not hold a model this program can build ({first_line(e)})") from e
     return model.to(device).eval(), cfg, src_vocab, tgt_vocab, checkpoint_subwords(state)
 
 
@@ -3163,6 +3504,8 @@ def evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
         src, ref = read_lines(args.src), read_lines(args.ref)
         if len(src) != len(ref):
             raise DataError(f"misaligned files: {args.src} has {len(src)} lines, {args.ref} has {len(ref)}")
+        if not src:
+            raise DataError(f"nothing to score: {args.src} and {args.ref} hold no lines")
         return src, ref
     if cfg.dataset == "copy":
         if args.split != "test":
@@ -3186,20 +3529,54 @@ def evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
 # (`--input`), or from standard input, and prints one translation per line; `evaluate`
 # scores a pair of parallel files (`--src`, `--ref`; by default the data set's test split)
 # and prints sacreBLEU's score and signature line. Both decode with beam size 4 and
-# $\alpha = 0.6$ (§6.1) unless told otherwise (`--beam 1` is greedy).
+# $\alpha = 0.6$ (§6.1) unless told otherwise (`--beam 1` is greedy). Their options are
+# checked as they are parsed: a beam of at least 1, a finite $\alpha \ge 0$ (beam search's
+# early stop needs it), at least one checkpoint to average, a device this machine has.
 
 # %%
+def _whole_number(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``low`` (our addition)."""
+    def check(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        return value
+    return check
+
+
+def _alpha(text: str) -> float:
+    """An argparse type: the length penalty α of §6.1, a finite number ≥ 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text!r}")
+    return value
+
+
+def _device(text: str) -> str:
+    """An argparse type: a device this machine has (see :func:`device_problem`)."""
+    problem = device_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
+    return text
+
+
 def inference_parser(command: str) -> argparse.ArgumentParser:
     """Options of the ``translate`` and ``evaluate`` commands (§6.1 decoding)."""
-    parser = argparse.ArgumentParser(prog=f"the_annotated_transformer.py {command}")
+    parser = OneLineParser(prog=f"the_annotated_transformer.py {command}")
     where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--run_dir", "--run-dir", type=Path, help="a run directory: average its last checkpoints")
     where.add_argument("--checkpoint", type=Path, help="one checkpoint file")
-    parser.add_argument("--average_last", "--average-last", type=int, default=5,
+    parser.add_argument("--average_last", "--average-last", type=_whole_number(1), default=5,
                         help="checkpoints of --run_dir to average (default 5, fewer if fewer exist)")
-    parser.add_argument("--beam", type=int, default=4, help="beam size (1 = greedy; default 4, §6.1)")
-    parser.add_argument("--alpha", type=float, default=0.6, help="length penalty α (default 0.6, §6.1)")
-    parser.add_argument("--device", default="auto")
+    parser.add_argument("--beam", type=_whole_number(1), default=4, help="beam size (1 = greedy; default 4, §6.1)")
+    parser.add_argument("--alpha", type=_alpha, default=0.6, help="length penalty α (default 0.6, §6.1)")
+    parser.add_argument("--device", type=_device, default="auto")
     if command == "translate":
         parser.add_argument("sentences", nargs="*", help="sentences to translate (else --input or stdin)")
         parser.add_argument("--input", type=Path, help="a file with one sentence per line")
@@ -3212,29 +3589,67 @@ def inference_parser(command: str) -> argparse.ArgumentParser:
     return parser
 
 
+# %% [markdown]
+# Output line $i$ is the translation of input line $i$, whatever the input holds. A blank
+# line gives a blank line without decoding (the model would otherwise invent a sentence for
+# `<s> </s>`). A line longer than the model's positional encoding covers (`max_len`
+# positions, `<s>` and `</s>` included) cannot be encoded; rather than failing every other
+# line with it, the commands translate the rest, print an empty line in its place, name it on
+# standard error and exit with status 1.
+
+# %%
+def translate_lines(lines: Sequence[str], model: EncoderDecoder, cfg: Config, src_vocab: Vocab, tgt_vocab: Vocab,
+                    subwords: Optional[Subwords], device, beam_size: int, alpha: float) -> tuple[list[str], list]:
+    """One translation per line (§6.1 decoding); blank and over-long lines give ""; returns (outputs, skipped).
+
+    ``skipped`` lists (line number from 1, tokens) of the lines longer than ``cfg.max_len`` positions.
+    """
+    wanted = [i for i, line in enumerate(lines) if line.strip()]
+    sources = encode_sources([lines[i] for i in wanted], cfg.dataset, src_vocab, subwords)
+    skipped = [(i + 1, len(ids) - 2) for i, ids in zip(wanted, sources) if len(ids) > cfg.max_len]
+    todo = [(i, ids) for i, ids in zip(wanted, sources) if len(ids) <= cfg.max_len]
+    out = [""] * len(lines)
+    if todo:
+        tokens = translate(model, [ids for _, ids in todo], tgt_vocab, cfg, device, beam_size=beam_size, alpha=alpha)
+        for (i, _), text in zip(todo, detokenize(tokens, cfg.dataset, subwords)):
+            out[i] = " ".join(text.splitlines())  # one output line per input line, always
+    return out, skipped
+
+
+def skipped_message(skipped: Sequence[tuple[int, int]], max_len: int) -> str:
+    """One line naming the input lines too long for the model (our addition)."""
+    named = ", ".join(f"line {n} ({k:,} tokens)" for n, k in skipped[:10])
+    more = f" and {len(skipped) - 10:,} more" if len(skipped) > 10 else ""
+    return (f"error: skipped {named}{more}: longer than the model's max_len={max_len:,} positions "
+            "(<s> and </s> included); each gave an empty output line")
+
+
 def run_inference_command(command: str, argv: Sequence[str]) -> int:
-    """``translate`` or ``evaluate``: load, decode (beam search, §6.1), print."""
+    """``translate`` or ``evaluate``: load, decode (beam search, §6.1), print; 1 if lines were skipped."""
     args = inference_parser(command).parse_args(argv)
+    refs = None
+    if command == "translate":  # read first: a bad input fails before the model loads
+        if args.sentences:
+            lines = list(args.sentences)
+        elif args.input:
+            lines = read_lines(args.input)
+        else:
+            lines = split_lines(sys.stdin.buffer.read(), "standard input")
     device = resolve_device(args.device)
     model, cfg, src_vocab, tgt_vocab, subwords = load_for_inference(args.checkpoint, args.run_dir,
                                                                     args.average_last, device)
-    if command == "translate":
-        if args.sentences:
-            lines = list(args.sentences)
-        else:
-            lines = read_lines(args.input) if args.input else sys.stdin.read().splitlines()
-        refs = None
-    else:
+    if command == "evaluate":
         lines, refs = evaluation_pairs(args, cfg)
-    hyps_tok = translate(model, encode_sources(lines, cfg.dataset, src_vocab, subwords), tgt_vocab, cfg, device,
-                         beam_size=args.beam, alpha=args.alpha)
-    hyps = detokenize(hyps_tok, cfg.dataset, subwords)
+    hyps, skipped = translate_lines(lines, model, cfg, src_vocab, tgt_vocab, subwords, device, args.beam, args.alpha)
     if refs is None:
         for h in hyps:
             print(h)
-        return 0
-    score, signature = bleu_with_signature(hyps, refs, cfg.dataset)
-    print(f"{score}\n{signature}")
+    else:
+        score, signature = bleu_with_signature(hyps, refs, cfg.dataset)
+        print(f"{score}\n{signature}")
+    if skipped:
+        print(skipped_message(skipped, cfg.max_len), file=sys.stderr)
+        return 1
     return 0
 
 
