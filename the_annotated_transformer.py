@@ -81,6 +81,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import warnings
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -1528,7 +1529,9 @@ def update(run: Run, micro: Sequence[Batch]) -> tuple[float, int, float]:
     lr = run.optimizer.param_groups[0]["lr"]  # set by the scheduler for this update
     run.scaler.step(run.optimizer)  # fp16: skipped when a gradient overflowed (the scale then shrinks)
     run.scaler.update()
-    run.scheduler.step()
+    with warnings.catch_warnings():  # after a skipped fp16 step torch warns of a schedule stepped first; by design
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+        run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     return total, round(tokens), lr
 
