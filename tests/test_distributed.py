@@ -114,6 +114,7 @@ run_dir, out, settings, own_dirs = sys.argv[1], sys.argv[2], json.loads(sys.argv
 rank = int(os.environ["RANK"])
 if own_dirs and rank:  # machines without a shared disk: only the first holds the run directory
     run_dir = f"{run_dir}-rank{rank}"
+nan_in_rank = settings.pop("nan_in_rank", None)
 cfg = tat.get_config("copy", run_dir=run_dir, **settings)
 data = tat.make_copy_data(cfg, sizes=(200, 40, 20))
 record = {"collective_devices": [], "train_batches": [], "rng_at_first_update": None}
@@ -156,9 +157,18 @@ def update(run, micro):
         record["rng_at_first_update"] = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
     return real_update(run, micro)
 
-tat.make_batch, tat.setup, tat.update = make_batch, setup, update
-summary = tat.train(cfg, log=lambda *a, **k: None, progress=False, evaluate=False)
-record["steps"], record["world_size"] = summary["steps"], summary["world_size"]
+real_loss_sum = tat.loss_sum
+
+def loss_sum(log_probs, target, eps_ls, pad=tat.PAD):  # with nan_in_rank: that process's loss turns NaN
+    loss = real_loss_sum(log_probs, target, eps_ls, pad)
+    return loss * float("nan") if rank == nan_in_rank else loss
+
+tat.make_batch, tat.setup, tat.update, tat.loss_sum = make_batch, setup, update, loss_sum
+try:
+    summary = tat.train(cfg, log=lambda *a, **k: None, progress=False, evaluate=False)
+    record["steps"], record["world_size"] = summary["steps"], summary["world_size"]
+except tat.TrainingDiverged as e:
+    record["diverged"] = str(e)
 record["params"] = [float(p.detach().double().sum()) for p in runs[0].model.parameters()]
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump(record, f)
@@ -214,6 +224,11 @@ def test_two_process_training_equals_one_process_accumulating(tmp_path):
     tat.train(plain_cfg, data=data_for(cfg), log=quiet, progress=False, evaluate=False)
     plain = last_state(tmp_path / "plain")
     assert max(float((plain["model"][k] - ddp["model"][k]).abs().max()) for k in plain["model"]) > 1e-4
+
+
+def test_a_loss_that_diverges_in_one_process_stops_every_process(tmp_path):
+    records = torchrun(tmp_path, tmp_path / "run", dict(SETTINGS, max_steps=3, nan_in_rank=1))
+    assert all("loss is nan at step 1" in r.get("diverged", "") for r in records), records
 
 
 def batches_of_a_run(monkeypatch, cfg) -> tuple[list, list]:
