@@ -117,6 +117,62 @@ if EXAMPLES:
     torch.manual_seed(0)
 
 # %% [markdown]
+# ### In a hosted notebook
+#
+# Opened in Colab or Kaggle straight from the repository, the notebook arrives alone: with
+# the host's own packages (torch among them, built for its GPU) but not all of ours, and
+# without the figures it shows. The next cell fills in what is missing — and does nothing
+# anywhere else. It installs only the packages that cannot be imported, at the versions of
+# `requirements.txt`, with the host's torch pinned as it is so that nothing replaces it, and
+# fetches the figures from the repository (`ANNOTATED_TRANSFORMER_SOURCE`, the raw-file
+# address of the repository, says from where). The data sets need nothing here: Part 4
+# downloads them when it first needs them. `hosted_setup_plan` only decides; the tests check
+# its decisions with the environment faked.
+
+# %%
+HOSTED_PACKAGES = MappingProxyType({  # import name → the requirement, as pinned in requirements.txt
+    "sentencepiece": "sentencepiece==0.2.3", "sacrebleu": "sacrebleu==2.6.0", "sacremoses": "sacremoses==0.2.0",
+    "spacy": "spacy==3.8.18", "seaborn": "seaborn==0.13.2", "matplotlib": "matplotlib==3.11.2",
+    "tqdm": "tqdm==4.70.1"})
+HOSTED_FILES = ("figures/figure1_transformer.png", "figures/figure2_attention.png")
+
+
+def hosted_setup_plan(environ, modules, have_module: Callable[[str], bool], here: Path, source: str) -> dict:
+    """What a hosted notebook lacks (our addition): ``{"hosted", "install": [requirements], "fetch": [(url, path)]}``.
+
+    ``environ`` and ``modules`` are the environment and ``sys.modules``; ``have_module(name)``
+    says whether a package imports; ``here`` is the notebook's folder. Outside a hosted
+    notebook both lists are empty; torch is never installed.
+    """
+    hosted = "google.colab" in modules or "COLAB_RELEASE_TAG" in environ or "KAGGLE_KERNEL_RUN_TYPE" in environ
+    if not hosted:
+        return {"hosted": False, "install": [], "fetch": []}
+    install = [req for name, req in HOSTED_PACKAGES.items() if not have_module(name)]
+    fetch = [(f"{source.rstrip('/')}/{f}", Path(here) / f) for f in HOSTED_FILES if not (Path(here) / f).is_file()]
+    return {"hosted": True, "install": install, "fetch": fetch if source else []}
+
+
+def hosted_setup(plan: dict, log: Callable = print) -> None:
+    """Carry out a :func:`hosted_setup_plan`: pip with the installed torch as a constraint, then the downloads."""
+    import subprocess
+    if plan["install"]:
+        pins = Path(tempfile.mkdtemp()) / "keep-torch.txt"
+        pins.write_text(f"torch=={torch.__version__}\n")
+        log(f"installing {', '.join(plan['install'])} (torch {torch.__version__} kept)")
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "-c", str(pins), *plan["install"]],
+                       check=True)
+    for url, path in plan["fetch"]:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        urllib.request.urlretrieve(url, path)
+        log(f"fetched {path}")
+
+
+if EXAMPLES:
+    import importlib.util
+    hosted_setup(hosted_setup_plan(os.environ, sys.modules, lambda name: importlib.util.find_spec(name) is not None,
+                                   Path.cwd(), os.environ.get("ANNOTATED_TRANSFORMER_SOURCE", "")))
+
+# %% [markdown]
 # # Part 1 — The model
 #
 # ## §3 Model Architecture
@@ -983,9 +1039,7 @@ class Config(ModelConfig):
     max_eval_sentences: int = 0  # decode only the first N test sentences; 0 = all
     examples_to_show: int = 5
 
-    def __post_init__(self):
-        # bf16 is the former three-way switch (older checkpoints and command lines): it sets precision and is
-        # then cleared, so one run has one spelling. True/False mean "true"/"false".
+    def __post_init__(self):  # bf16, the former switch, sets precision and is cleared: one spelling per run
         value = {True: "true", False: "false"}.get(self.bf16, str(self.bf16).lower())
         if value not in ("", "auto", "true", "false"):
             raise ValueError(f"bf16 must be auto, true or false, not {self.bf16!r} (the setting is now --precision)")
@@ -1576,6 +1630,32 @@ def epoch_updates(batches: Sequence, start: int, rank: int, world: int, accum: i
     return updates, consumed, start + usable
 
 
+def resume_position(state: dict, cfg: Config, path) -> tuple[Position, dict]:
+    """A checkpoint's position in global batches, and the layout (processes, batch settings) it was computed with.
+
+    Refuses, in one line, a position inside an epoch whose batches were cut for another
+    ``batch_tokens`` (the batches not yet seen are not defined then); at an epoch boundary any
+    setting may change.
+    """
+    pos = Position(state["step"], state["epoch"], state["batch_in_epoch"])
+    layout = state.get("layout")
+    if layout is None:  # older checkpoints counted one process's updates and did not record the layout
+        saved = state["config"]
+        layout = {"world_size": 1, "accum_steps": saved.get("accum_steps", 1), "batch_tokens": saved.get("batch_tokens")}
+        pos.batch_in_epoch *= layout["accum_steps"]
+    if pos.batch_in_epoch and layout["batch_tokens"] != cfg.batch_tokens:
+        raise CheckpointError(f"{path} stopped inside epoch {pos.epoch + 1}, whose batches were cut for "
+                              f"batch_tokens={layout['batch_tokens']}; resume with --batch_tokens "
+                              f"{layout['batch_tokens']} (it may change once an epoch is complete)")
+    return pos, layout
+
+
+# %% [markdown]
+# The run directory. A checkpoint is written by the first process alone, but every process
+# takes part in `save`: each hands over its random-number state, so that a resume on as many
+# processes restores each process's own streams.
+
+# %%
 class RunFiles:
     """A run directory's checkpoints (the last ``keep`` kept) and JSONL metrics log; writes only if ``write``."""
 
@@ -1614,26 +1694,15 @@ class RunFiles:
         return path
 
 
-def resume_position(state: dict, cfg: Config, path) -> tuple[Position, dict]:
-    """A checkpoint's position in global batches, and the layout (processes, batch settings) it was computed with.
+# %% [markdown]
+# Resuming: the first process reads the checkpoint and hands it to the others (a
+# broadcast), so that processes on machines without a shared disk start where it does —
+# after DDP's own first broadcast of the weights, which saw only the fresh model. The
+# position is checked against the settings now in force (`resume_position`, above):
+# another number of processes or `accum_steps` continues the same global order of batches;
+# another `batch_tokens` inside an epoch cannot, and is refused in one line.
 
-    Refuses, in one line, a position inside an epoch whose batches were cut for another
-    ``batch_tokens`` (the batches not yet seen are not defined then); at an epoch boundary any
-    setting may change.
-    """
-    pos = Position(state["step"], state["epoch"], state["batch_in_epoch"])
-    layout = state.get("layout")
-    if layout is None:  # older checkpoints counted one process's updates and did not record the layout
-        saved = state["config"]
-        layout = {"world_size": 1, "accum_steps": saved.get("accum_steps", 1), "batch_tokens": saved.get("batch_tokens")}
-        pos.batch_in_epoch *= layout["accum_steps"]
-    if pos.batch_in_epoch and layout["batch_tokens"] != cfg.batch_tokens:
-        raise CheckpointError(f"{path} stopped inside epoch {pos.epoch + 1}, whose batches were cut for "
-                              f"batch_tokens={layout['batch_tokens']}; resume with --batch_tokens "
-                              f"{layout['batch_tokens']} (it may change once an epoch is complete)")
-    return pos, layout
-
-
+# %%
 def resume(run: Run) -> Position:
     """Restore the newest checkpoint of the run directory (model, optimizer, schedule, scaler, RNGs), if any.
 
@@ -2287,6 +2356,9 @@ def beam_search(model, src, src_mask, max_new_tokens, start_symbol: int, end_sym
 # the text stays tokenized and lowercased and is scored against the prepared references with
 # `tokenize="none"`, the way published IWSLT14 numbers are computed (sacreBLEU's warning that
 # the text looks tokenized is switched off there, since it is meant to be).
+#
+# Decoding runs on the device it is asked for, whatever device the model was built on
+# (a model read from a checkpoint is on the CPU): `on_device` moves the model there.
 
 # %%
 def on_device(model: nn.Module, device) -> nn.Module:
@@ -2299,6 +2371,10 @@ def on_device(model: nn.Module, device) -> nn.Module:
     return model
 
 
+# %% [markdown]
+# `translate` itself: batches of similar length, each decoded greedily or by beam search.
+
+# %%
 @torch.no_grad()
 def translate(model: EncoderDecoder, sources: Sequence[list[int]], tgt_vocab: Vocab, cfg: Config,
               device, progress: bool = False, beam_size: int = 1, alpha: float = 0.0,
@@ -3179,6 +3255,11 @@ def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
     return args.command, cfg
 
 
+# %% [markdown]
+# `main` runs a command and turns the errors a user can fix into one line and an exit status
+# (in a run of several processes, the first one speaks for all of an interruption).
+
+# %%
 def main(argv: Sequence[str]) -> int:
     """Entry point of the command line: ``train``, ``translate`` or ``evaluate``."""
     if argv and argv[0] in ("translate", "evaluate"):
