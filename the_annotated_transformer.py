@@ -1492,23 +1492,31 @@ if EXAMPLES:
 # (over all accumulated batches, and over all processes in a distributed run), so an update
 # computes the same gradient however it is split. The schedule advances once per update.
 #
-# Around that core: optional gradient clipping, bf16 autocast, `torch.compile` (an option;
+# Around that core: optional gradient clipping, bf16 or fp16 autocast, `torch.compile` (an option;
 # compiling is slow on a CPU, so the tests leave it out), several processes through `torchrun` with
 # `DistributedDataParallel` (NCCL on GPUs, Gloo on CPUs), `tqdm` progress bars with loss,
 # learning rate and tokens per second, a validation loss every epoch, a JSONL metrics log, a
 # training-curve figure, and checkpoints.
 #
-# **bf16 only where it is fast.** bf16 autocast roughly doubles the matrix throughput of a
-# CPU with native bf16 instructions (AVX-512 BF16 or AMX) and of recent GPUs; a CPU without
-# them (most AVX2 machines) *emulates* bf16 and runs tens of times slower than in float32.
-# So `bf16="auto"` (the default) asks the hardware — `torch.cuda.is_bf16_supported()` on a
-# GPU; on a CPU, whether it has AVX-512 BF16 or AMX *and* torch runs its AVX-512 kernels —
-# and the run log says what it decided and why. `"true"` and `"false"` override it.
+# **A precision the hardware computes fast.** bf16 autocast roughly doubles the matrix
+# throughput of a CPU with native bf16 instructions (AVX-512 BF16 or AMX) and of GPUs from
+# compute capability 8.0 (A100, H100, RTX 30xx and later); where bf16 is only *emulated* —
+# most AVX2 CPUs, and the T4 and V100 — it runs many times slower than float32. Those GPUs
+# have fast fp16 instead, whose narrow range needs a **gradient scaler**: the loss is
+# multiplied by a large factor before the backward pass so that small gradients do not
+# round to zero, the gradients are divided by it before the step, and an update whose
+# gradients overflowed is skipped while the factor shrinks. So `precision="auto"` (the
+# default) picks bf16 where it is native, fp16 with the scaler on older GPUs with fast fp16,
+# float32 elsewhere, and the run log says which and why; `fp32`, `bf16` and `fp16` override
+# it (the former `bf16` switch still works and maps onto them). The loss is summed in
+# float32 under either autocast, and masked attention scores are $-\infty$, which fp16
+# represents, so masks stay exact.
 #
 # ### Checkpoints
 #
-# A checkpoint holds the model, optimizer and scheduler states, the step and the position in
-# the epoch, every random-number state, the config and the vocabulary. It is written to a
+# A checkpoint holds the model, optimizer, scheduler and gradient-scaler states, the step and
+# the position in the epoch, every process's random-number states, the config and the
+# vocabulary. It is written to a
 # temporary file and renamed, so a crash never leaves a half-written checkpoint; the last
 # `keep_checkpoints` are kept, for averaging (§6.1 averages the last 5). Loading uses
 # `torch.load(weights_only=True)`, which never runs code from the file. Resuming restores
@@ -1531,7 +1539,10 @@ if EXAMPLES:
 # `all_reduce`) — and multiplied by the number of processes, because DDP *averages*
 # gradients over processes. So the gradient is the one of the mean loss per target token of
 # the whole update, however it is split (a test checks it). The learning rate it reports is
-# the one the step applied (Eq. 3 at this update's number).
+# the one the step applied (Eq. 3 at this update's number). Loss and token counts stay on the
+# device until one transfer at the end of the update — on a GPU every `float(tensor)` waits
+# for all queued work — and in a distributed run the loss is summed over the processes
+# first, so a NaN in any of them stops all of them together, before the step.
 
 # %%
 class Run(NamedTuple):

@@ -322,3 +322,22 @@ def test_each_process_seeds_its_own_stream():
     assert len(set(digests)) == 3
     tat.seed_process(7, 0)
     assert torch.equal(torch.get_rng_state(), torch.manual_seed(7).get_state()), "process 0 keeps the plain seed"
+
+
+# --------------------------------------------------------------------------------------------
+# 5. The IWSLT preset is fairseq's transformer_iwslt_de_en recipe (departures: REPRODUCTION_NOTES.md)
+# --------------------------------------------------------------------------------------------
+
+def test_the_iwslt_preset_is_fairseqs_recipe():
+    cfg = tat.get_config("iwslt14-small")
+    assert (cfg.N, cfg.d_model, cfg.d_ff, cfg.h, cfg.P_drop, cfg.eps_ls) == (6, 512, 1024, 4, 0.3, 0.1)
+    assert (cfg.batch_tokens, cfg.warmup, cfg.clip_grad, cfg.norm_first) == (4096, 4000, 0.0, False)
+    peak = max(tat.rate(s, cfg.d_model, cfg.lr_factor, cfg.warmup) for s in range(1, 3 * cfg.warmup))
+    assert peak == pytest.approx(5e-4, rel=1e-6)
+    assert tat.rate(cfg.warmup, cfg.d_model, cfg.lr_factor, cfg.warmup) == peak  # the peak is at the warm-up's end
+    assert tat.rate(4 * cfg.warmup, cfg.d_model, cfg.lr_factor, cfg.warmup) == pytest.approx(peak / 2)
+    optimizer, _ = tat.make_optimizer(torch.nn.Linear(3, 3), cfg)
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["weight_decay"] == 1e-4
+    assert cfg.average_last == 5
+    plain, _ = tat.make_optimizer(torch.nn.Linear(3, 3), tat.get_config("base"))
+    assert type(plain) is torch.optim.Adam, "the paper's presets keep plain Adam"
