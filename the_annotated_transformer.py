@@ -1571,7 +1571,7 @@ def update(run: Run, micro: Sequence[Batch]) -> tuple[float, int, float]:
     :class:`TrainingDiverged` in every process, before the step. The loss and token count stay
     on the device until one transfer at the end: one host synchronisation per update.
     """
-    ntokens = torch.tensor(float(sum(b.ntokens for b in micro)), device=run.device)
+    ntokens = torch.stack([(b.tgt_y != PAD).sum() for b in micro]).sum().float()  # counted where the batches are
     if run.world > 1:
         dist.all_reduce(ntokens)
     total = torch.zeros((), device=run.device)
