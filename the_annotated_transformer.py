@@ -153,7 +153,7 @@ def hosted_setup_plan(environ, modules, have_module: Callable[[str], bool], here
 
 
 def hosted_setup(plan: dict, log: Callable = print) -> None:
-    """Carry out a :func:`hosted_setup_plan`: pip with the installed torch as a constraint, then the downloads."""
+    """Carry out a :func:`hosted_setup_plan` (our addition): pip, the installed torch as a constraint; downloads."""
     import subprocess
     if plan["install"]:
         pins = Path(tempfile.mkdtemp()) / "keep-torch.txt"
@@ -1642,7 +1642,7 @@ def epoch_updates(batches: Sequence, start: int, rank: int, world: int, accum: i
 
 
 def resume_position(state: dict, cfg: Config, path) -> tuple[Position, dict]:
-    """A checkpoint's position in global batches, and the layout (processes, batch settings) it was computed with.
+    """A checkpoint's position in global batches and the layout it was computed with (our addition).
 
     Refuses, in one line, a position inside an epoch whose batches were cut for another
     ``batch_tokens`` (the batches not yet seen are not defined then); at an epoch boundary any
@@ -1652,7 +1652,8 @@ def resume_position(state: dict, cfg: Config, path) -> tuple[Position, dict]:
     layout = state.get("layout")
     if layout is None:  # older checkpoints counted one process's updates and did not record the layout
         saved = state["config"]
-        layout = {"world_size": 1, "accum_steps": saved.get("accum_steps", 1), "batch_tokens": saved.get("batch_tokens")}
+        layout = {"world_size": 1, "accum_steps": saved.get("accum_steps", 1),
+                  "batch_tokens": saved.get("batch_tokens")}
         pos.batch_in_epoch *= layout["accum_steps"]
     if pos.batch_in_epoch and layout["batch_tokens"] != cfg.batch_tokens:
         raise CheckpointError(f"{path} stopped inside epoch {pos.epoch + 1}, whose batches were cut for "
@@ -3086,7 +3087,7 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
 
 
 def fast_fp16(device: torch.device) -> tuple[bool, str]:
-    """Whether ``device`` is a GPU on which fp16 autocast pays (our addition): tensor cores (capability ≥ 7.0), or a P100 (6.0)."""
+    """Whether ``device`` is a GPU where fp16 autocast pays (our addition): tensor cores (capability ≥ 7.0), or 6.0."""
     if device.type != "cuda":
         return False, f"fp16 autocast is not chosen on {device.type}"
     major, minor = torch.cuda.get_device_capability(device)
@@ -3096,7 +3097,7 @@ def fast_fp16(device: torch.device) -> tuple[bool, str]:
 
 
 def resolve_precision(setting: str, device: torch.device) -> tuple[str, str]:
-    """Decide ``Config.precision`` for ``device``: ("fp32" | "bf16" | "fp16", a line for the log).
+    """Decide ``Config.precision`` for ``device`` (our addition): ("fp32" | "bf16" | "fp16", a line for the log).
 
     ``auto``: bf16 where the device computes it natively, else fp16 (with a gradient scaler)
     on GPUs where fp16 is fast, else fp32. Anything else is obeyed, with a note when slow.
@@ -3127,7 +3128,7 @@ def resolve_precision(setting: str, device: torch.device) -> tuple[str, str]:
 
 # %%
 def process_group_backend(device: torch.device) -> str:
-    """The ``torch.distributed`` backend for a run on ``device``: NCCL for CUDA, Gloo for anything else."""
+    """The ``torch.distributed`` backend for a run on ``device`` (our addition): NCCL for CUDA, Gloo otherwise."""
     return "nccl" if device.type == "cuda" else "gloo"
 
 
@@ -3142,12 +3143,12 @@ def _distributed(device: torch.device = torch.device("cpu")) -> tuple[int, int]:
 
 
 def _barrier(device: torch.device) -> None:
-    """Wait for every process (NCCL is told which GPU this process uses)."""
+    """Wait for every process (our addition; NCCL is told which GPU this process uses)."""
     dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
 
 
 def any_process(flags: Sequence[bool], world: int, device: torch.device) -> list[bool]:
-    """Each flag, true if it is true in any process (one collective, on the training device)."""
+    """Each flag, true if it is true in any process (our addition: one collective, on the training device)."""
     if world == 1:
         return [bool(f) for f in flags]
     t = torch.tensor([float(f) for f in flags], device=device)
@@ -3156,20 +3157,20 @@ def any_process(flags: Sequence[bool], world: int, device: torch.device) -> list
 
 
 def seed_process(seed: int, rank: int, step: int = 0) -> None:
-    """Seed this process's torch and Python streams: ``seed`` itself for process 0 at step 0, distinct otherwise."""
+    """Seed this process's torch and Python streams (our addition): ``seed`` for process 0 at step 0, else distinct."""
     value = seed + 1_000_003 * rank + 7_919 * step
     torch.manual_seed(value)
     random.seed(value)
 
 
 def rng_state(device: torch.device) -> dict:
-    """This process's random-number state: torch's CPU stream, Python's, and that of its own GPU (if it uses one)."""
+    """This process's random-number state (our addition): torch's CPU stream, Python's, its own GPU's (if any)."""
     return {"torch": torch.get_rng_state(), "python": random.getstate(),
             "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
 def restore_rng(state: dict, device: torch.device) -> None:
-    """Put back a state of :func:`rng_state`; older checkpoints hold a list of every visible GPU's, taken by index."""
+    """Put back a state of :func:`rng_state` (our addition); older checkpoints list every visible GPU's: by index."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     cuda = state.get("cuda")

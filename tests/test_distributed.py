@@ -8,6 +8,7 @@ The multi-process runs are small (a one-layer copy model, a few updates) and eac
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -181,6 +182,7 @@ def torchrun(tmp_path, run_dir, settings: dict, own_dirs: bool = False) -> list[
     script = tmp_path / "train_two.py"
     script.write_text(textwrap.dedent(SCRIPT))
     out = Path(str(run_dir) + "-records")
+    shutil.rmtree(out, ignore_errors=True)  # a second run of the same directory records afresh
     out.mkdir(parents=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "OMP_NUM_THREADS": "1"}
@@ -224,6 +226,20 @@ def test_two_process_training_equals_one_process_accumulating(tmp_path):
     tat.train(plain_cfg, data=data_for(cfg), log=quiet, progress=False, evaluate=False)
     plain = last_state(tmp_path / "plain")
     assert max(float((plain["model"][k] - ddp["model"][k]).abs().max()) for k in plain["model"]) > 1e-4
+
+
+def test_two_processes_stopped_and_resumed_give_exactly_the_uninterrupted_run(tmp_path):
+    # with dropout on: each process must get its own random stream back, not the first one's
+    settings = dict(SETTINGS, P_drop=0.1)
+    torchrun(tmp_path, tmp_path / "a", dict(settings, max_steps=4))
+    torchrun(tmp_path, tmp_path / "a", dict(settings, max_steps=7))  # the same command, resumed
+    torchrun(tmp_path, tmp_path / "b", dict(settings, max_steps=7))  # never stopped
+    a, b = last_state(tmp_path / "a"), last_state(tmp_path / "b")
+    assert a["step"] == b["step"] == 7
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    for r in range(2):
+        assert torch.equal(a["rng"]["ranks"][r]["torch"], b["rng"]["ranks"][r]["torch"])
 
 
 def test_a_loss_that_diverges_in_one_process_stops_every_process(tmp_path):
