@@ -81,6 +81,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+import warnings
 from collections import Counter
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -114,6 +115,62 @@ if EXAMPLES:
     import matplotlib.pyplot as plt
 
     torch.manual_seed(0)
+
+# %% [markdown]
+# ### In a hosted notebook
+#
+# Opened in Colab or Kaggle straight from the repository, the notebook arrives alone: with
+# the host's own packages (torch among them, built for its GPU) but not all of ours, and
+# without the figures it shows. The next cell fills in what is missing — and does nothing
+# anywhere else. It installs only the packages that cannot be imported, at the versions of
+# `requirements.txt`, with the host's torch pinned as it is so that nothing replaces it, and
+# fetches the figures from the repository (`ANNOTATED_TRANSFORMER_SOURCE`, the raw-file
+# address of the repository, says from where). The data sets need nothing here: Part 4
+# downloads them when it first needs them. `hosted_setup_plan` only decides; the tests check
+# its decisions with the environment faked.
+
+# %%
+HOSTED_PACKAGES = MappingProxyType({  # import name → the requirement, as pinned in requirements.txt
+    "sentencepiece": "sentencepiece==0.2.3", "sacrebleu": "sacrebleu==2.6.0", "sacremoses": "sacremoses==0.2.0",
+    "spacy": "spacy==3.8.18", "seaborn": "seaborn==0.13.2", "matplotlib": "matplotlib==3.11.2",
+    "tqdm": "tqdm==4.70.1"})
+HOSTED_FILES = ("figures/figure1_transformer.png", "figures/figure2_attention.png")
+
+
+def hosted_setup_plan(environ, modules, have_module: Callable[[str], bool], here: Path, source: str) -> dict:
+    """What a hosted notebook lacks (our addition): ``{"hosted", "install": [requirements], "fetch": [(url, path)]}``.
+
+    ``environ`` and ``modules`` are the environment and ``sys.modules``; ``have_module(name)``
+    says whether a package imports; ``here`` is the notebook's folder. Outside a hosted
+    notebook both lists are empty; torch is never installed.
+    """
+    hosted = "google.colab" in modules or "COLAB_RELEASE_TAG" in environ or "KAGGLE_KERNEL_RUN_TYPE" in environ
+    if not hosted:
+        return {"hosted": False, "install": [], "fetch": []}
+    install = [req for name, req in HOSTED_PACKAGES.items() if not have_module(name)]
+    fetch = [(f"{source.rstrip('/')}/{f}", Path(here) / f) for f in HOSTED_FILES if not (Path(here) / f).is_file()]
+    return {"hosted": True, "install": install, "fetch": fetch if source else []}
+
+
+def hosted_setup(plan: dict, log: Callable = print) -> None:
+    """Carry out a :func:`hosted_setup_plan` (our addition): pip, the installed torch as a constraint; downloads."""
+    import subprocess
+    if plan["install"]:
+        pins = Path(tempfile.mkdtemp()) / "keep-torch.txt"
+        pins.write_text(f"torch=={torch.__version__}\n")
+        log(f"installing {', '.join(plan['install'])} (torch {torch.__version__} kept)")
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "-c", str(pins), *plan["install"]],
+                       check=True)
+    for url, path in plan["fetch"]:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        urllib.request.urlretrieve(url, path)
+        log(f"fetched {path}")
+
+
+if EXAMPLES:
+    import importlib.util
+    hosted_setup(hosted_setup_plan(os.environ, sys.modules, lambda name: importlib.util.find_spec(name) is not None,
+                                   Path.cwd(), os.environ.get("ANNOTATED_TRANSFORMER_SOURCE", "")))
 
 # %% [markdown]
 # # Part 1 — The model
@@ -980,6 +1037,7 @@ def _config_rules(c: "Config") -> list:
         ("betas", len(c.betas) == 2 and all(finite(b) and 0 <= b < 1 for b in c.betas),
          "must be two numbers in [0, 1), e.g. 0.9,0.98"),
         ("adam_eps", finite(c.adam_eps) and c.adam_eps > 0, "must be a finite number above 0"),
+        ("weight_decay", finite(c.weight_decay) and c.weight_decay >= 0, "must be a finite number, 0 or more"),
         ("eps_ls", prob(c.eps_ls), "must be in [0, 1)"), ("accum_steps", c.accum_steps >= 1, "must be at least 1"),
         ("clip_grad", finite(c.clip_grad) and c.clip_grad >= 0, "must be a finite number, 0 or more"),
         ("epochs", c.epochs >= 1, "must be at least 1"),
@@ -1030,6 +1088,9 @@ def device_problem(name: str) -> Optional[str]:
 # `--field value` changes any field.
 
 # %%
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
 @dataclass(frozen=True)
 class Config(ModelConfig):
     """A training run: the model (:class:`ModelConfig`) plus data, optimisation and machinery settings."""
@@ -1046,6 +1107,7 @@ class Config(ModelConfig):
     lr_factor: float = 1.0  # multiplies Eq. 3
     betas: tuple = (0.9, 0.98)
     adam_eps: float = 1e-9
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW) when > 0; the paper uses none
     eps_ls: float = 0.1  # label smoothing
     accum_steps: int = 1  # batches per optimizer update
     clip_grad: float = 0.0  # max grad norm; 0 = off
@@ -1054,7 +1116,8 @@ class Config(ModelConfig):
     seed: int = 1
     # --- machinery (Appendix) ---
     device: str = "auto"  # "auto", "cpu", "cuda", "cuda:1", ...
-    bf16: str = "auto"  # bf16 autocast: "auto" (only where the hardware computes bf16 natively), "true", "false"
+    precision: str = "auto"  # "auto", "fp32", "bf16" or "fp16" (autocast + gradient scaler); see resolve_precision
+    bf16: str = ""  # the former switch: "true" → precision bf16, "false" → fp32, "auto" → auto; "" = not given
     compile: bool = False  # torch.compile the model
     keep_checkpoints: int = 5  # last K kept (for averaging)
     checkpoint_minutes: float = 10.0  # also save every this many minutes (§6.1: every 10 minutes); 0 = off
@@ -1071,12 +1134,18 @@ class Config(ModelConfig):
     max_eval_sentences: int = 0  # decode only the first N test sentences; 0 = all
     examples_to_show: int = 5
 
-    def __post_init__(self):
-        # bf16 is a three-way switch; True/False (older checkpoints, Python callers) mean "true"/"false".
+    def __post_init__(self):  # bf16, the former switch, sets precision and is cleared: one spelling per run
         value = {True: "true", False: "false"}.get(self.bf16, str(self.bf16).lower())
-        if value not in ("auto", "true", "false"):
-            raise ValueError(f"bf16 must be auto, true or false, not {self.bf16!r}")
-        object.__setattr__(self, "bf16", value)
+        if value not in ("", "auto", "true", "false"):
+            raise ValueError(f"bf16 must be auto, true or false, not {self.bf16!r} (the setting is now --precision)")
+        if value:
+            meant = {"auto": "auto", "true": "bf16", "false": "fp32"}[value]
+            if self.precision not in ("auto", meant):
+                raise ValueError(f"bf16={value} contradicts precision={self.precision}; use --precision alone")
+            object.__setattr__(self, "precision", meant)
+            object.__setattr__(self, "bf16", "")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {self.precision!r}")
         if self.vocab not in ("bpe", "words"):
             raise ValueError(f"vocab must be bpe or words, not {self.vocab!r}")
         problems = [f"{name} {words}, not {getattr(self, name)!r}" for name, ok, words in _config_rules(self) if not ok]
@@ -1108,9 +1177,11 @@ PRESETS = MappingProxyType({
     "multi30k-small": Config(N=3, d_model=256, d_ff=1024, h=8, dataset="multi30k", bpe_size=8000,
                              batch_tokens=2500, warmup=1000, lr_factor=0.7, epochs=15, clip_grad=1.0,
                              average_last=5),
+    # fairseq's transformer_iwslt_de_en recipe: peak lr 5e-4 at update 4,000 (Eq. 3 times this factor peaks
+    # there), AdamW weight decay 1e-4, 4,096 tokens, dropout 0.3, ε_ls 0.1, no clipping; average the last 5.
     "iwslt14-small": Config(N=6, d_model=512, d_ff=1024, h=4, P_drop=0.3, dataset="iwslt14", bpe_size=10000,
-                            batch_tokens=4096, warmup=4000, lr_factor=1.0, epochs=50,
-                            min_freq=3, clip_grad=0.0),
+                            batch_tokens=4096, warmup=4000, lr_factor=5e-4 * (512 * 4000) ** 0.5,
+                            weight_decay=1e-4, epochs=50, min_freq=3, clip_grad=0.0, average_last=5),
     "iwslt14-sample": Config(N=3, d_model=256, d_ff=1024, h=4, P_drop=0.3, attn_dropout=0.1, ffn_dropout=0.1,
                              dataset="iwslt14", bpe_size=4000, batch_tokens=2048, warmup=1000, lr_factor=0.7,
                              epochs=25, clip_grad=1.0, average_last=5),
@@ -1344,10 +1415,13 @@ class Batch:
         return padding_mask(tgt, pad) & subsequent_mask(tgt.size(-1), device=tgt.device)  # (batch, len, len)
 
     def to(self, device) -> "Batch":
-        """The same batch on ``device``."""
+        """The same batch on ``device``; to a GPU through pinned memory, so the copy overlaps computation."""
+        device = torch.device(device)
+        pin = device.type == "cuda"  # non_blocking copies from ordinary (pageable) memory are synchronous
         for name in ("src", "src_mask", "tgt", "tgt_y", "tgt_mask"):
             if hasattr(self, name):
-                setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+                t = getattr(self, name)
+                setattr(self, name, (t.pin_memory() if pin else t).to(device, non_blocking=pin))
         return self
 
 
@@ -1419,11 +1493,17 @@ def make_optimizer(model: nn.Module, cfg: Config) -> tuple[torch.optim.Optimizer
     """Adam with §5.3's β1, β2, ε and the Eq. 3 schedule: update k (counting from 1) uses ``rate(k)``.
 
     Adam's fused kernel (one pass over all parameters per step; the same arithmetic as the
-    per-tensor loop, a test checks it) where the parameters' device has one.
+    per-tensor loop, a test checks it) where the parameters' device has one. With
+    ``cfg.weight_decay`` > 0 (our addition, for the IWSLT recipe) it is AdamW: the decay is
+    decoupled from the gradient, as fairseq's Adam applies it.
     """
     params = list(model.parameters())
     fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
-    optimizer = torch.optim.Adam(params, lr=1.0, betas=tuple(cfg.betas), eps=cfg.adam_eps, fused=fused)
+    if cfg.weight_decay:
+        optimizer = torch.optim.AdamW(params, lr=1.0, betas=tuple(cfg.betas), eps=cfg.adam_eps,
+                                      weight_decay=cfg.weight_decay, fused=fused)
+    else:
+        optimizer = torch.optim.Adam(params, lr=1.0, betas=tuple(cfg.betas), eps=cfg.adam_eps, fused=fused)
     scheduler = LambdaLR(optimizer, lambda taken: rate(taken + 1, cfg.d_model, cfg.lr_factor, cfg.warmup))
     return optimizer, scheduler
 
@@ -1484,13 +1564,13 @@ class LabelSmoothing(nn.Module):
 
     def true_dist(self, target: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The smoothed target distribution q, (n, K); rows of padding positions are zero."""
-        q = torch.full((target.size(0), self.size), self.smoothing / self.size, dtype=dtype)
+        q = torch.full((target.size(0), self.size), self.smoothing / self.size, dtype=dtype, device=target.device)
         q.scatter_(1, target.unsqueeze(1), 1.0 - self.smoothing + self.smoothing / self.size)
         q[target == self.padding_idx] = 0.0
         return q
 
     def forward(self, log_probs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        q = self.true_dist(target, log_probs.dtype).to(log_probs.device)
+        q = self.true_dist(target, log_probs.dtype)
         return F.kl_div(log_probs, q, reduction="sum")
 
 
@@ -1536,23 +1616,31 @@ if EXAMPLES:
 # (over all accumulated batches, and over all processes in a distributed run), so an update
 # computes the same gradient however it is split. The schedule advances once per update.
 #
-# Around that core: optional gradient clipping, bf16 autocast, `torch.compile` (an option;
+# Around that core: optional gradient clipping, bf16 or fp16 autocast, `torch.compile` (an option;
 # compiling is slow on a CPU, so the tests leave it out), several processes through `torchrun` with
 # `DistributedDataParallel` (NCCL on GPUs, Gloo on CPUs), `tqdm` progress bars with loss,
 # learning rate and tokens per second, a validation loss every epoch, a JSONL metrics log, a
 # training-curve figure, and checkpoints.
 #
-# **bf16 only where it is fast.** bf16 autocast roughly doubles the matrix throughput of a
-# CPU with native bf16 instructions (AVX-512 BF16 or AMX) and of recent GPUs; a CPU without
-# them (most AVX2 machines) *emulates* bf16 and runs tens of times slower than in float32.
-# So `bf16="auto"` (the default) asks the hardware — `torch.cuda.is_bf16_supported()` on a
-# GPU; on a CPU, whether it has AVX-512 BF16 or AMX *and* torch runs its AVX-512 kernels —
-# and the run log says what it decided and why. `"true"` and `"false"` override it.
+# **A precision the hardware computes fast.** bf16 autocast roughly doubles the matrix
+# throughput of a CPU with native bf16 instructions (AVX-512 BF16 or AMX) and of GPUs from
+# compute capability 8.0 (A100, H100, RTX 30xx and later); where bf16 is only *emulated* —
+# most AVX2 CPUs, and the T4 and V100 — it runs many times slower than float32. Those GPUs
+# have fast fp16 instead, whose narrow range needs a **gradient scaler**: the loss is
+# multiplied by a large factor before the backward pass so that small gradients do not
+# round to zero, the gradients are divided by it before the step, and an update whose
+# gradients overflowed is skipped while the factor shrinks. So `precision="auto"` (the
+# default) picks bf16 where it is native, fp16 with the scaler on older GPUs with fast fp16,
+# float32 elsewhere, and the run log says which and why; `fp32`, `bf16` and `fp16` override
+# it (the former `bf16` switch still works and maps onto them). The loss is summed in
+# float32 under either autocast, and masked attention scores are $-\infty$, which fp16
+# represents, so masks stay exact.
 #
 # ### Checkpoints
 #
-# A checkpoint holds the model, optimizer and scheduler states, the step and the position in
-# the epoch, every random-number state, the config and the vocabulary. It is written to a
+# A checkpoint holds the model, optimizer, scheduler and gradient-scaler states, the step and
+# the position in the epoch, every process's random-number states, the config and the
+# vocabulary. It is written to a
 # temporary file and renamed, so a crash never leaves a half-written checkpoint; the last
 # `keep_checkpoints` are kept, for averaging (§6.1 averages the last 5). Loading uses
 # `torch.load(weights_only=True)`, which never runs code from the file. Resuming restores
@@ -1575,7 +1663,10 @@ if EXAMPLES:
 # `all_reduce`) — and multiplied by the number of processes, because DDP *averages*
 # gradients over processes. So the gradient is the one of the mean loss per target token of
 # the whole update, however it is split (a test checks it). The learning rate it reports is
-# the one the step applied (Eq. 3 at this update's number).
+# the one the step applied (Eq. 3 at this update's number). Loss and token counts stay on the
+# device until one transfer at the end of the update — on a GPU every `float(tensor)` waits
+# for all queued work — and in a distributed run the loss is summed over the processes
+# first, so a NaN in any of them stops all of them together, before the step.
 
 # %%
 class Run(NamedTuple):
@@ -1588,41 +1679,50 @@ class Run(NamedTuple):
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
     device: torch.device
-    autocast: Callable  # a context manager factory: bf16 autocast or nothing
+    autocast: Callable  # a context manager factory: bf16 or fp16 autocast, or nothing
     rank: int
     world: int
     files: "RunFiles"
     log: Callable
+    scaler: torch.amp.GradScaler  # scales the fp16 loss so small gradients survive; disabled otherwise
 
 
 def update(run: Run, micro: Sequence[Batch]) -> tuple[float, int, float]:
     """One optimizer update over the micro-batches ``micro`` — §5.3.
 
-    Returns (summed label-smoothed loss, real target tokens, learning rate applied) for this
-    process's batches. A non-finite loss raises :class:`TrainingDiverged` before the step.
+    Returns (summed label-smoothed loss, real target tokens, learning rate applied) over the
+    whole update, all processes together. A non-finite loss in any process raises
+    :class:`TrainingDiverged` in every process, before the step. The loss and token count stay
+    on the device until one transfer at the end: one host synchronisation per update.
     """
-    ntokens = torch.tensor(sum(b.ntokens for b in micro), device=run.device)
+    ntokens = torch.stack([(b.tgt_y != PAD).sum() for b in micro]).sum().float()  # counted where the batches are
     if run.world > 1:
         dist.all_reduce(ntokens)
-    ntokens = int(ntokens)
-    total = 0.0
+    total = torch.zeros((), device=run.device)
     for j, b in enumerate(micro):
         last = j == len(micro) - 1
         no_sync = run.train_model.no_sync() if (run.world > 1 and not last) else nullcontext()
         with no_sync, run.autocast():
             out = run.train_model(b.src, b.tgt, b.src_mask, b.tgt_mask)
             loss = loss_sum(run.model.generator(out), b.tgt_y, run.cfg.eps_ls)
-        (loss * run.world / ntokens).backward()
-        total += float(loss.detach())
+        run.scaler.scale(loss * run.world / ntokens).backward()
+        total += loss.detach()
+    if run.world > 1:
+        dist.all_reduce(total)  # a NaN anywhere makes the sum NaN everywhere: all processes stop together
+    total, tokens = torch.stack([total, ntokens]).tolist()  # the update's one host synchronisation
     if not math.isfinite(total):
         raise TrainingDiverged(f"loss is {total}")
     if run.cfg.clip_grad:
+        run.scaler.unscale_(run.optimizer)  # clip the true gradients, not the scaled ones
         nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.clip_grad)
     lr = run.optimizer.param_groups[0]["lr"]  # set by the scheduler for this update
-    run.optimizer.step()
-    run.scheduler.step()
+    run.scaler.step(run.optimizer)  # fp16: skipped when a gradient overflowed (the scale then shrinks)
+    run.scaler.update()
+    with warnings.catch_warnings():  # after a skipped fp16 step torch warns of a schedule stepped first; by design
+        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+        run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    return total, sum(b.ntokens for b in micro), lr
+    return total, round(tokens), lr
 
 
 # %% [markdown]
@@ -1631,8 +1731,14 @@ def update(run: Run, micro: Sequence[Batch]) -> tuple[float, int, float]:
 # `RunFiles` is the run directory: it writes checkpoints (keeping the last
 # `keep_checkpoints`) and appends records to the metrics log; only the main process
 # writes. `Position` is where training stands — updates taken (the paper's $step\_num$),
-# the epoch, and the next update within it — and is what a checkpoint records so that
-# `resume` can continue in the middle of an epoch with the same batches.
+# the epoch, and how many batches of the epoch's *global* order (the order of one process,
+# `length_batches` without `rank`) all processes together have consumed. Counted that way,
+# the position means the same whatever the number of processes or `accum_steps`, so a run
+# stopped on 4 GPUs continues on 1 with exactly the batches not yet seen (and the other way
+# round); the checkpoint also records the layout it was computed with. `epoch_updates`
+# deals out the rest of an epoch: the batches not consumed yet, cut to a multiple of the
+# number of processes, process $r$ of $W$ taking every $W$-th from the $r$-th on, grouped
+# `accum_steps` at a time.
 #
 # Faults are expected, not exceptional (our addition; the paper says nothing of them). The
 # run directory is locked (an operating-system lock, gone when the process dies) so that a
@@ -1645,13 +1751,55 @@ def update(run: Run, micro: Sequence[Batch]) -> tuple[float, int, float]:
 # %%
 @dataclass
 class Position:
-    """Where training stands: updates taken, the epoch (from 0), the next update in the epoch."""
+    """Where training stands: updates taken, the epoch (from 0), global batches of the epoch consumed."""
 
     step: int = 0
     epoch: int = 0
-    batch_in_epoch: int = 0
+    batch_in_epoch: int = 0  # batches of the epoch's global order consumed, by all processes together
 
 
+def epoch_updates(batches: Sequence, start: int, rank: int, world: int, accum: int) -> tuple[list, list, int]:
+    """This process's updates for the global ``batches`` from ``start`` on (our addition).
+
+    Returns (updates, consumed after each update, where the epoch ends): update k of every
+    process together takes global batches ``[start + k·accum·world, …)``; the tail that does
+    not divide among the processes is left out, as a distributed epoch leaves it out.
+    """
+    rest = batches[start:]
+    usable = len(rest) - len(rest) % world
+    mine = list(rest[:usable])[rank::world]
+    updates = [mine[i: i + accum] for i in range(0, len(mine), accum)]
+    consumed = [start + min((k + 1) * accum * world, usable) for k in range(len(updates))]
+    return updates, consumed, start + usable
+
+
+def resume_position(state: dict, cfg: Config, path) -> tuple[Position, dict]:
+    """A checkpoint's position in global batches and the layout it was computed with (our addition).
+
+    Refuses, in one line, a position inside an epoch whose batches were cut for another
+    ``batch_tokens`` (the batches not yet seen are not defined then); at an epoch boundary any
+    setting may change.
+    """
+    pos = Position(state["step"], state["epoch"], state["batch_in_epoch"])
+    layout = state.get("layout")
+    if layout is None:  # older checkpoints counted one process's updates and did not record the layout
+        saved = state["config"]
+        layout = {"world_size": 1, "accum_steps": saved.get("accum_steps", 1),
+                  "batch_tokens": saved.get("batch_tokens")}
+        pos.batch_in_epoch *= layout["accum_steps"]
+    if pos.batch_in_epoch and layout["batch_tokens"] != cfg.batch_tokens:
+        raise CheckpointError(f"{path} stopped inside epoch {pos.epoch + 1}, whose batches were cut for "
+                              f"batch_tokens={layout['batch_tokens']}; resume with --batch_tokens "
+                              f"{layout['batch_tokens']} (it may change once an epoch is complete)")
+    return pos, layout
+
+
+# %% [markdown]
+# The run directory. A checkpoint is written by the first process alone, but every process
+# takes part in `save`: each hands over its random-number state, so that a resume on as many
+# processes restores each process's own streams.
+
+# %%
 class RunFiles:
     """A run directory's checkpoints (the last ``keep`` kept) and JSONL metrics log; writes only if ``write``."""
 
@@ -1670,14 +1818,24 @@ class RunFiles:
                 os.fsync(f.fileno())
 
     def save(self, run: Run, pos: Position) -> Optional[Path]:
-        """Write a checkpoint of ``run`` at ``pos``; once it is on the disk, delete the oldest beyond ``keep``."""
+        """Write a checkpoint of ``run`` at ``pos``; once it is on the disk, delete the oldest beyond ``keep``.
+
+        Every process calls it: each hands its random-number state to the first, which writes.
+        """
         self.saved_at = time.time()
+        rng = [rng_state(run.device)]
+        if run.world > 1:
+            gathered = [None] * run.world if run.rank == 0 else None
+            dist.gather_object(rng[0], gathered, dst=0)
+            rng = gathered
         if not self.write:
             return None
         path = self.dir / f"checkpoint-{pos.step:08d}.pt"
+        layout = {"world_size": run.world, "accum_steps": run.cfg.accum_steps, "batch_tokens": run.cfg.batch_tokens}
         try:
             save_checkpoint(path, run.model, run.optimizer, run.scheduler, run.cfg, run.data.src_vocab,
-                            run.data.tgt_vocab, pos.step, pos.epoch, pos.batch_in_epoch, run.data.subwords)
+                            run.data.tgt_vocab, pos.step, pos.epoch, pos.batch_in_epoch, run.data.subwords,
+                            scaler=run.scaler, rng=rng, layout=layout)
         except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
             raise CheckpointError(f"cannot write checkpoint {path} ({first_line(e)}; {free_space(self.dir)}); "
                                   "the checkpoints already in the run directory are intact") from e
@@ -1822,26 +1980,58 @@ def newest_readable_checkpoint(run_dir: Path, cfg: Config, src_vocab: Vocab, tgt
     return None
 
 
-def resume(run: Run) -> Position:
-    """Restore the newest checkpoint of the run directory (model, optimizer, schedule, RNGs), if any.
+# %% [markdown]
+# Resuming: the first process reads the checkpoint and hands it to the others (a
+# broadcast), so that processes on machines without a shared disk start where it does —
+# after DDP's own first broadcast of the weights, which saw only the fresh model. The
+# position is checked against the settings now in force (`resume_position`, above):
+# another number of processes or `accum_steps` continues the same global order of batches;
+# another `batch_tokens` inside an epoch cannot, and is refused in one line.
 
-    Metrics logged after that checkpoint are dropped, so the resumed run logs no step twice.
+# %%
+def resume(run: Run) -> Position:
+    """Restore the newest checkpoint of the run directory (model, optimizer, schedule, scaler, RNGs), if any.
+
+    The first process reads it and hands it to the others, so machines without a shared disk
+    resume in step. Metrics logged after that checkpoint are dropped, so the resumed run logs
+    no step twice.
     """
-    found = newest_readable_checkpoint(run.files.dir, run.cfg, run.data.src_vocab, run.data.tgt_vocab,
-                                       run.data.subwords, tidy=run.files.write)
-    if found is None:
+    state, path, error = None, None, None
+    if run.rank == 0:
+        try:
+            found = newest_readable_checkpoint(run.files.dir, run.cfg, run.data.src_vocab, run.data.tgt_vocab,
+                                               run.data.subwords, tidy=run.files.write)
+        except CheckpointError as e:
+            found, error = None, e
+        if found is not None:
+            path, state = found
+    if run.world > 1:
+        box = [state, path, str(error) if error else None]
+        dist.broadcast_object_list(box, src=0)
+        state, path, error = box[0], box[1], box[2] and CheckpointError(box[2])
+    if error:
+        raise error
+    if state is None:
         run.files.repair_metrics(0)
         return Position()
-    path, state = found
+    pos, layout = resume_position(state, run.cfg, path)
     run.model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["optimizer"])
     run.scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    if state["rng"]["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    pos = Position(state["step"], state["epoch"], state["batch_in_epoch"])
-    run.log(f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, batch {pos.batch_in_epoch})")
+    if state.get("scaler"):
+        run.scaler.load_state_dict(state["scaler"])
+    now = {"world_size": run.world, "accum_steps": run.cfg.accum_steps, "batch_tokens": run.cfg.batch_tokens}
+    ranks = state["rng"].get("ranks")
+    if ranks is not None and len(ranks) == run.world:
+        restore_rng(ranks[run.rank], run.device)
+    elif ranks is None and run.world == 1:
+        restore_rng(state["rng"], run.device)  # an older checkpoint: one process's streams
+    else:
+        seed_process(run.cfg.seed, run.rank, pos.step)
+        run.log(f"the checkpoint holds the random streams of {len(ranks or [0])} process(es); "
+                f"{run.world} continue with fresh streams of their own")
+    run.log(f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, {pos.batch_in_epoch} of its batches done)"
+            + ("" if layout == now else f"; written with {layout}, continuing with {now}"))
     run.files.repair_metrics(pos.step)
     return pos
 
@@ -1944,26 +2134,27 @@ def train_epoch(run: Run, pos: Position, stop: StopRequest, progress: bool, t_st
     """The updates of epoch ``pos.epoch`` from ``pos.batch_in_epoch`` on, advancing ``pos``; True once ``max_steps`` is reached."""
     cfg, pairs = run.cfg, run.data.splits["train"]
     lengths = [(len(s), len(t)) for s, t in pairs]
-    batches = length_batches(lengths, cfg.batch_tokens, cfg.seed, pos.epoch, rank=run.rank, world_size=run.world)
-    updates = [batches[i: i + cfg.accum_steps] for i in range(0, len(batches), cfg.accum_steps)]
-    bar = tqdm(total=len(updates), initial=pos.batch_in_epoch, desc=f"epoch {pos.epoch + 1}/{cfg.epochs}",
+    batches = length_batches(lengths, cfg.batch_tokens, cfg.seed, pos.epoch)  # the epoch's global order
+    updates, consumed, end = epoch_updates(batches, pos.batch_in_epoch, run.rank, run.world, cfg.accum_steps)
+    per_epoch = len(epoch_updates(batches, 0, 0, run.world, cfg.accum_steps)[0])
+    bar = tqdm(total=per_epoch, initial=max(per_epoch - len(updates), 0), desc=f"epoch {pos.epoch + 1}/{cfg.epochs}",
                disable=not (progress and run.rank == 0), dynamic_ncols=True)
     run.train_model.train()
     seen, t0, loss_acc, tok_acc = 0, time.time(), 0.0, 0
     finished = False
     with bar:
-        for u in range(pos.batch_in_epoch, len(updates)):
+        for u, micro in enumerate(updates):
             try:
-                loss, tokens, lr = update(run, [make_batch(pairs, idx).to(run.device) for idx in updates[u]])
+                loss, tokens, lr = update(run, [make_batch(pairs, idx).to(run.device) for idx in micro])
             except TrainingDiverged as e:
                 last = checkpoint_paths(run.files.dir)
                 raise TrainingDiverged(f"{e} at step {pos.step + 1}; stopped. Last good checkpoint: "
                                        f"{last[-1] if last else 'none (no checkpoint written yet)'}") from None
-            pos.step, pos.batch_in_epoch = pos.step + 1, u + 1
+            pos.step, pos.batch_in_epoch = pos.step + 1, consumed[u]
             if clock is not None:
                 clock.tick()
-            seen, loss_acc, tok_acc = seen + tokens, loss_acc + loss, tok_acc + tokens
-            tps = seen * run.world / max(time.time() - t0, 1e-9)
+            seen, loss_acc, tok_acc = seen + tokens, loss_acc + loss, tok_acc + tokens  # all processes
+            tps = seen / max(time.time() - t0, 1e-9)
             bar.set_postfix(loss=f"{loss / max(tokens, 1):.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
             bar.update(1)
             if pos.step % 50 == 0:
@@ -1973,15 +2164,18 @@ def train_epoch(run: Run, pos: Position, stop: StopRequest, progress: bool, t_st
             if cfg.max_steps and pos.step >= cfg.max_steps:
                 finished = True
                 break
-            if stop.requested(run.world):
+            due = bool(cfg.checkpoint_minutes and u < len(updates) - 1
+                       and time.time() - run.files.saved_at >= cfg.checkpoint_minutes * 60)
+            stop_now, save_now = any_process([stop.signum is not None, due], run.world, run.device)
+            if stop_now:
                 path = run.files.save(run, pos)
                 name = signal.Signals(stop.signum).name if stop.signum else "a signal in another process"
-                raise TrainingInterrupted(f"stopped by {name} after update {pos.step}; checkpoint saved to {path}. "
+                raise TrainingInterrupted(f"stopped by {name} after update {pos.step}; checkpoint saved to "
+                                          f"{path or 'the run directory of the first process'}. "
                                           "Run the same command again to continue from there.")
-            if (cfg.checkpoint_minutes and u < len(updates) - 1
-                    and time.time() - run.files.saved_at >= cfg.checkpoint_minutes * 60):
+            if save_now:
                 run.files.save(run, pos)
-    if pos.batch_in_epoch == len(updates):  # the epoch is complete (also when max_steps ended it there)
+    if pos.batch_in_epoch == end:  # the epoch is complete (also when max_steps ended it there)
         pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
     return finished
 
@@ -1996,21 +2190,28 @@ def train_epoch(run: Run, pos: Position, stop: StopRequest, progress: bool, t_st
 
 # %%
 def setup(cfg: Config, data: Dataset, device: torch.device, rank: int, world: int, log: Callable) -> Run:
-    """The model, optimizer, schedule, precision and run directory of a training run."""
+    """The model, optimizer, schedule, precision and run directory of a training run.
+
+    The model is initialised from ``cfg.seed`` in every process (the same weights); then each
+    process switches to its own random stream, for dropout.
+    """
     attention, why_attention = resolve_attention(cfg.attention, device)
     model = make_model(len(data.src_vocab), len(data.tgt_vocab), cfg, attention=attention).to(device)
     optimizer, scheduler = make_optimizer(model, cfg)
     train_model = torch.compile(model) if cfg.compile else model
-    if world > 1:
+    if world > 1:  # no buffer changes while training (the positional encodings are constant): none to broadcast
         train_model = nn.parallel.DistributedDataParallel(
-            train_model, device_ids=[device.index] if device.type == "cuda" else None)
-    use_bf16, why = resolve_bf16(cfg.bf16, device)
-    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if use_bf16 else nullcontext
+            train_model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+        seed_process(cfg.seed, rank)
+    precision, why = resolve_precision(cfg.precision, device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     files = RunFiles(run_dir_for(cfg), cfg.keep_checkpoints, write=rank == 0)
     log(f"device: {device}" + (f" × {world} processes" if world > 1 else "") + f"; run directory: {files.dir}")
     log(why)
     log(why_attention)
-    return Run(cfg, data, model, train_model, optimizer, scheduler, device, autocast, rank, world, files, log)
+    return Run(cfg, data, model, train_model, optimizer, scheduler, device, autocast, rank, world, files, log, scaler)
 
 
 # %% [markdown]
@@ -2024,16 +2225,21 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
 
     Returns a summary: steps, minutes, BLEU, example translations and where the run's files are.
     """
-    rank, world = _distributed()
-    log = log if rank == 0 else (lambda *a, **k: None)
-    device = resolve_device(cfg.device)
-    if device.type == "cuda" and world > 1:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    device, local_rank = resolve_device(cfg.device), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        device = torch.device("cuda", local_rank)  # one GPU per process
         torch.cuda.set_device(device)
+    rank, world = _distributed(device)
+    log = log if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     t_start = time.time()
-    data = data or load_dataset(cfg, log=log)
+    if data is None:  # one process per machine downloads and builds the caches; the others then read them
+        if world > 1 and local_rank != 0:
+            _barrier(device)
+        data = load_dataset(cfg, log=log)
+        if world > 1 and local_rank == 0:
+            _barrier(device)
     run = setup(cfg, data, device, rank, world, log)
     pos = resume(run)
     log(f"model: {count_parameters(run.model) / 1e6:.2f}M parameters "
@@ -2054,12 +2260,14 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
             log(f"step {pos.step}: validation loss {valid_loss:.3f} (perplexity {ppl:.2f})")
             path = run.files.save(run, pos)
             if world > 1:
-                dist.barrier()
-            if stop.requested(world) and pos.epoch < cfg.epochs and not finished:
+                _barrier(device)
+            if stop.requested(world, device) and pos.epoch < cfg.epochs and not finished:
                 raise TrainingInterrupted(f"stopped after update {pos.step} (end of epoch {pos.epoch}); checkpoint "
-                                          f"saved to {path}. Run the same command again to continue from there.")
+                                          f"saved to {path or 'the run directory of the first process'}. "
+                                          "Run the same command again to continue from there.")
     summary = {"config": dataclasses.asdict(cfg), "steps": pos.step, "train_minutes": (time.time() - t_start) / 60,
-               "device": str(device), "world_size": world, "data": data.origin, "run_dir": str(run.files.dir)}
+               "device": str(device), "world_size": world, "precision": resolve_precision(cfg.precision, device)[0],
+               "data": data.origin, "run_dir": str(run.files.dir)}
     if rank == 0 and run.files.metrics.is_file():
         summary["curve"] = str(plot_curves(run.files.metrics, run.files.dir / "curve.png"))
     if evaluate and rank == 0:
@@ -2088,6 +2296,7 @@ def evaluate_test(model: nn.Module, data: Dataset, cfg: Config, device, run_dir:
         model = copy.deepcopy(model)
         model.load_state_dict(average_checkpoints(paths))
         log(f"evaluating the average of {len(paths)} checkpoints")
+    model = on_device(model, device)
     test = data.splits["test"]
     refs = data.test_refs
     if cfg.max_eval_sentences:
@@ -2505,6 +2714,23 @@ def beam_search(model, src, src_mask, max_new_tokens, start_symbol: int, end_sym
 # the text stays tokenized and lowercased and is scored against the prepared references with
 # `tokenize="none"`, the way published IWSLT14 numbers are computed (sacreBLEU's warning that
 # the text looks tokenized is switched off there, since it is meant to be).
+#
+# Decoding runs on the device it is asked for, whatever device the model was built on
+# (a model read from a checkpoint is on the CPU): `on_device` moves the model there.
+
+# %%
+def on_device(model: nn.Module, device) -> nn.Module:
+    """``model`` on ``device``: moved there (in place) when its parameters are elsewhere (our addition)."""
+    device = torch.device(device)
+    param = next(model.parameters(), None)
+    if param is not None and (param.device.type, param.device.index) != (device.type, device.index):
+        if not (device.index is None and param.device.type == device.type):  # "cuda" means the current GPU
+            model.to(device)
+    return model
+
+
+# %% [markdown]
+# `translate` itself: batches of similar length, each decoded greedily or by beam search.
 
 # %%
 @torch.no_grad()
@@ -2519,7 +2745,7 @@ def translate(model: EncoderDecoder, sources: Sequence[list[int]], tgt_vocab: Vo
     (see above); sources longer than ``cfg.max_len`` raise ``ValueError``."""
     if too_long := [i for i, s in enumerate(sources) if len(s) > cfg.max_len]:
         raise ValueError(f"sources {too_long[:10]} are longer than max_len={cfg.max_len} positions")
-    model = unwrap(model)
+    model = on_device(unwrap(model), device)
     model.eval()
     if cached is None:
         cached = isinstance(model, EncoderDecoder)
@@ -3116,18 +3342,26 @@ class TrainingInterrupted(RuntimeError):
 
 def save_checkpoint(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, src_vocab: Vocab,
                     tgt_vocab: Vocab, step: int, epoch: int, batch_in_epoch: int,
-                    subwords: Optional[Subwords] = None) -> Path:
-    """Write a complete training checkpoint to ``path`` atomically (with the BPE model, if any)."""
+                    subwords: Optional[Subwords] = None, scaler: Optional[torch.amp.GradScaler] = None,
+                    rng: Optional[list] = None, layout: Optional[dict] = None) -> Path:
+    """Write a complete training checkpoint to ``path`` atomically (with the BPE model, if any).
+
+    ``batch_in_epoch`` counts global batches (see ``Position``) and ``layout`` says for which
+    processes and batch settings; ``rng`` holds each process's random-number state, in rank
+    order (default: this process's alone); ``scaler`` the fp16 gradient scaler.
+    """
+    rng = rng or [rng_state(torch.device("cpu"))]
     state = {
         "format": 1,
         "model": unwrap(model).state_dict(),
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
+        "scaler": scaler.state_dict() if scaler is not None else {},
         "step": step,
         "epoch": epoch,
         "batch_in_epoch": batch_in_epoch,
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+        "layout": layout or {"world_size": len(rng), "accum_steps": cfg.accum_steps, "batch_tokens": cfg.batch_tokens},
+        "rng": {**rng[0], "ranks": rng},  # the first process's streams at the top, as older checkpoints had them
         "config": dataclasses.asdict(cfg),
         "vocab": {"src": src_vocab.itos, "tgt": tgt_vocab.itos},
         # the BPE model's bytes, as a tensor so that weights_only loading accepts it
@@ -3226,9 +3460,10 @@ def unwrap(model: nn.Module) -> nn.Module:
 # %% [markdown]
 # ### Devices, precision, processes and signals
 #
-# Small pieces the loop needs from its surroundings: which device, whether bf16 pays off
-# (above), whether several processes train together (`torchrun` sets `WORLD_SIZE`), and a
-# way to turn Ctrl-C into "save and stop after this update".
+# Small pieces the loop needs from its surroundings: which device, which precision pays off
+# there (above; `fast_fp16` is the older GPUs' half of it), whether several processes train
+# together (`torchrun` sets `WORLD_SIZE`), and a way to turn Ctrl-C into "save and stop
+# after this update".
 
 # %%
 def resolve_device(name: str) -> torch.device:
@@ -3239,11 +3474,17 @@ def resolve_device(name: str) -> torch.device:
 
 
 def native_bf16(device: torch.device) -> tuple[bool, str]:
-    """Whether ``device`` computes in bf16 natively (not emulated), with the reason in words."""
+    """Whether ``device`` computes in bf16 natively (not emulated), with the reason in words (our addition).
+
+    A CUDA device does from compute capability 8.0 (Ampere) on. ``torch.cuda.is_bf16_supported()``
+    is not the test: by default it also counts emulation (T4, V100), and it asks about the
+    current device rather than the run's.
+    """
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return True, "the CUDA device supports bf16"
-        return False, "the CUDA device has no bf16 support"
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) >= (8, 0):
+            return True, f"the GPU (compute capability {major}.{minor}) computes bf16 natively"
+        return False, f"the GPU (compute capability {major}.{minor}) would only emulate bf16"
     if device.type == "cpu":
         kernels = torch.backends.cpu.get_cpu_capability()  # the vector kernels torch runs: "AVX512", "AVX2", …
         unit = ("AMX" if torch.cpu._is_amx_tile_supported()
@@ -3255,25 +3496,100 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
     return False, f"bf16 autocast is not used on {device.type}"
 
 
-def resolve_bf16(setting: str, device: torch.device) -> tuple[bool, str]:
-    """Decide ``Config.bf16`` ("auto" | "true" | "false") for ``device``; returns (on, a line for the log)."""
+def fast_fp16(device: torch.device) -> tuple[bool, str]:
+    """Whether ``device`` is a GPU where fp16 autocast pays (our addition): tensor cores (capability ≥ 7.0), or 6.0."""
+    if device.type != "cuda":
+        return False, f"fp16 autocast is not chosen on {device.type}"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) >= (7, 0) or (major, minor) == (6, 0):
+        return True, f"the GPU (compute capability {major}.{minor}) computes fp16 fast"
+    return False, f"the GPU (compute capability {major}.{minor}) computes fp16 slowly"
+
+
+def resolve_precision(setting: str, device: torch.device) -> tuple[str, str]:
+    """Decide ``Config.precision`` for ``device`` (our addition): ("fp32" | "bf16" | "fp16", a line for the log).
+
+    ``auto``: bf16 where the device computes it natively, else fp16 (with a gradient scaler)
+    on GPUs where fp16 is fast, else fp32. Anything else is obeyed, with a note when slow.
+    """
     if setting == "auto":
+        bf16, why_bf16 = native_bf16(device)
+        if bf16:
+            return "bf16", f"precision: bf16 autocast (auto: {why_bf16})"
+        fp16, why_fp16 = fast_fp16(device)
+        if fp16:
+            return "fp16", f"precision: fp16 autocast with a gradient scaler (auto: {why_bf16}; {why_fp16})"
+        return "fp32", f"precision: float32 (auto: {why_bf16})"
+    if setting == "bf16":
         on, why = native_bf16(device)
-        return on, f"bf16 autocast: {'on' if on else 'off'} (auto: {why})"
-    if setting == "true":
-        on, why = native_bf16(device)
-        return True, "bf16 autocast: on (asked for" + ("" if on else f"; note: {why}") + ")"
-    return False, "bf16 autocast: off (asked for)"
+        return "bf16", "precision: bf16 autocast (asked for" + ("" if on else f"; note: {why}") + ")"
+    if setting == "fp16":
+        return "fp16", "precision: fp16 autocast with a gradient scaler (asked for)"
+    return "fp32", "precision: float32 (asked for)"
 
 
-def _distributed() -> tuple[int, int]:
-    """(rank, world size); starts the process group when launched by ``torchrun``."""
+# %% [markdown]
+# Several processes. The backend follows the device the run trains on — not whether CUDA
+# exists: `--device cpu` on a GPU machine is a Gloo run — and every tensor handed to a
+# collective lives on that device (NCCL takes CUDA tensors only). Each process keeps its own
+# random streams: the first process continues the stream of `seed`, the others start their
+# own (`seed_process`), so dropout differs between GPUs; a checkpoint stores each process's
+# state and a resume with as many processes restores each its own.
+
+# %%
+def process_group_backend(device: torch.device) -> str:
+    """The ``torch.distributed`` backend for a run on ``device`` (our addition): NCCL for CUDA, Gloo otherwise."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _distributed(device: torch.device = torch.device("cpu")) -> tuple[int, int]:
+    """(rank, world size); starts the process group, for a run on ``device``, when launched by ``torchrun``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
     if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend=process_group_backend(device))
     return dist.get_rank(), world
+
+
+def _barrier(device: torch.device) -> None:
+    """Wait for every process (our addition; NCCL is told which GPU this process uses)."""
+    dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
+
+
+def any_process(flags: Sequence[bool], world: int, device: torch.device) -> list[bool]:
+    """Each flag, true if it is true in any process (our addition: one collective, on the training device)."""
+    if world == 1:
+        return [bool(f) for f in flags]
+    t = torch.tensor([float(f) for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [v > 0 for v in t.tolist()]
+
+
+def seed_process(seed: int, rank: int, step: int = 0) -> None:
+    """Seed this process's torch and Python streams (our addition): ``seed`` for process 0 at step 0, else distinct."""
+    value = seed + 1_000_003 * rank + 7_919 * step
+    torch.manual_seed(value)
+    random.seed(value)
+
+
+def rng_state(device: torch.device) -> dict:
+    """This process's random-number state (our addition): torch's CPU stream, Python's, its own GPU's (if any)."""
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def restore_rng(state: dict, device: torch.device) -> None:
+    """Put back a state of :func:`rng_state` (our addition); older checkpoints list every visible GPU's: by index."""
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    cuda = state.get("cuda")
+    if device.type == "cuda" and cuda is not None:
+        if isinstance(cuda, (list, tuple)):
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            cuda = cuda[index] if index < len(cuda) else None
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
 
 
 # %% [markdown]
@@ -3310,14 +3626,9 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    def requested(self, world: int = 1) -> bool:
-        """True once a signal arrived (in any process of a distributed run: all stop together)."""
-        flag = self.signum is not None
-        if world > 1:
-            t = torch.tensor(int(flag))
-            dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            flag = bool(t)
-        return flag
+    def requested(self, world: int = 1, device: torch.device = torch.device("cpu")) -> bool:
+        """True once a signal arrived (in any process of a distributed run on ``device``: all stop together)."""
+        return any_process([self.signum is not None], world, device)[0]
 
 
 
@@ -3392,7 +3703,8 @@ def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
 # `main` runs a command and turns every failure into one line: the program's own errors
 # (bad data, a checkpoint that does not fit, a run directory in use) and the operating
 # system's (a missing file, a full disk) with status 2, an interruption with 130, anything
-# unforeseen with 1 — and `--debug` anywhere on the line shows the traceback instead.
+# unforeseen with 1 — and `--debug` anywhere on the line shows the traceback instead. In a
+# run of several processes, the first one speaks for all of an interruption.
 
 # %%
 def main(argv: Sequence[str]) -> int:
@@ -3409,7 +3721,8 @@ def main(argv: Sequence[str]) -> int:
                 print(f"done in {summary['total_minutes']:.1f} min: BLEU {summary['bleu']:.2f}; "
                       f"results in {summary['run_dir']}/results.json")
     except TrainingInterrupted as e:
-        print(f"interrupted: {e}", file=sys.stderr)
+        if not dist.is_initialized() or dist.get_rank() == 0:  # one message, not one per process
+            print(f"interrupted: {e}", file=sys.stderr)
         return 130
     except (DataError, CheckpointError, TrainingDiverged, RunDirectoryError, OSError) as e:
         if debug:
@@ -3673,7 +3986,8 @@ if EXAMPLES:
     NOTEBOOK_RUNS = Path(os.environ.get("NOTEBOOK_RUNS", "runs/notebook"))
     for name in ("copy", "multi30k", "iwslt14"):
         shutil.rmtree(NOTEBOOK_RUNS / name, ignore_errors=True)
-    print(f"profile: {PROFILE}; device: {resolve_device('auto')}; {resolve_bf16('auto', resolve_device('auto'))[1]}")
+    print(f"profile: {PROFILE}; device: {resolve_device('auto')}; "
+          f"{resolve_precision('auto', resolve_device('auto'))[1]}")
 
 # %% [markdown]
 # ## A first example: learning to copy
@@ -3712,7 +4026,7 @@ if EXAMPLES:
 # $P_{drop}=0.1$, $\epsilon_{ls}=0.1$, about 2,500 tokens per batch, Eq. 3 with 1,000 warm-up
 # steps, a joint BPE vocabulary of 8,000 pieces with three-way weight sharing, and the
 # attention path that is faster on the machine (the aside after §3.5); bf16 autocast is on only where the
-# hardware computes bf16 natively (`bf16="auto"`, see the training loop). The data comes
+# hardware computes bf16 natively (`precision="auto"`, see the training loop). The data comes
 # from the mirror named by `DATA_MIRROR`, or is downloaded.
 #
 # The full run is the command line's: `make train CONFIG=multi30k-small` trains 15 epochs

@@ -10,9 +10,7 @@ import math
 import os
 import random
 import signal
-import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -45,10 +43,10 @@ def one_thread():
 def tiny_cfg(run_dir, **overrides) -> tat.Config:
     """The copy preset shrunk to a one-layer model; ``batch_tokens=240`` → 20 pairs, 10 batches per epoch.
 
-    float32 whatever the CPU (exact comparisons); the bf16 tests ask for bf16 themselves.
+    float32 whatever the CPU (exact comparisons); the precision tests (test_devices.py) ask for theirs.
     """
     settings = dict(N=1, d_model=32, d_ff=64, h=4, epochs=1, batch_tokens=240, warmup=50, device="cpu",
-                    bf16="false", run_dir=str(run_dir))
+                    precision="fp32", run_dir=str(run_dir))
     settings.update(overrides)
     return tat.get_config("copy", **settings)
 
@@ -693,168 +691,24 @@ def test_tokenized_iwslt_scoring_does_not_warn_about_tokenized_text(caplog):
 
 
 # --------------------------------------------------------------------------------------------
-# 9. bf16 autocast on the CPU
-# --------------------------------------------------------------------------------------------
-
-def test_bf16_autocast_trains_on_cpu(tmp_path, monkeypatch):
-    cfg = tiny_cfg(tmp_path / "bf16", bf16=True, max_steps=3)
-    data = tiny_data(cfg)
-    real, seen = tat.loss_sum, []
-
-    def spy(log_probs, target, eps_ls, pad=PAD):
-        loss = real(log_probs, target, eps_ls, pad)
-        if torch.is_grad_enabled():
-            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), float(loss.detach())))
-        return loss
-
-    monkeypatch.setattr(tat, "loss_sum", spy)
-    summary = run(cfg, data)
-    assert summary["steps"] == 3 and len(seen) == 3
-    assert all(enabled and dtype == torch.bfloat16 for enabled, dtype, _ in seen), seen
-    assert all(math.isfinite(loss) and loss > 0 for _, _, loss in seen), seen
-    state = last_state(cfg.run_dir)
-    assert state["step"] == 3
-    assert all(torch.isfinite(v).all() for v in state["model"].values())
-    records = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    assert math.isfinite(records[-1]["valid_loss"])
-
-
-@pytest.fixture
-def machine(monkeypatch):
-    """Set what torch reports about the hardware: machine(kernels=..., avx512_bf16=..., amx=..., cuda_bf16=...)."""
-    def set_(kernels="AVX512", avx512_bf16=False, amx=False, cuda_bf16=False):
-        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: kernels)
-        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
-        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: cuda_bf16)
-    return set_
-
-
-CPU, CUDA = torch.device("cpu"), torch.device("cuda")
-
-
-@pytest.mark.parametrize("hardware, device, on, reason", [
-    (dict(kernels="AVX512", avx512_bf16=True), CPU, True, "AVX-512 BF16"),
-    (dict(kernels="AVX512", amx=True, avx512_bf16=True), CPU, True, "AMX"),
-    (dict(kernels="AVX512", avx512_bf16=False), CPU, False, "no native bf16"),  # AVX-512 without BF16
-    (dict(kernels="AVX2", avx512_bf16=False), CPU, False, "no native bf16"),  # the common AVX2 CPU
-    (dict(kernels="AVX2", avx512_bf16=True), CPU, False, "kernels: AVX2"),  # ATEN_CPU_CAPABILITY=avx2
-    (dict(kernels="DEFAULT"), CPU, False, "no native bf16"),
-    (dict(cuda_bf16=True), CUDA, True, "supports bf16"),
-    (dict(cuda_bf16=False), CUDA, False, "no bf16"),
-])
-def test_bf16_auto_is_on_only_where_bf16_is_native(machine, hardware, device, on, reason):
-    machine(**hardware)
-    got, line = tat.resolve_bf16("auto", device)
-    assert got is on
-    assert line.startswith(f"bf16 autocast: {'on' if on else 'off'} (auto:") and reason in line
-
-
-def test_bf16_true_and_false_are_obeyed_and_said(machine):
-    machine(kernels="AVX2")
-    on, line = tat.resolve_bf16("true", CPU)
-    assert on and "emulated" in line
-    machine(kernels="AVX512", avx512_bf16=True)
-    assert tat.resolve_bf16("false", CPU) == (False, "bf16 autocast: off (asked for)")
-
-
-def test_bf16_setting_accepts_auto_true_false_only():
-    assert tat.Config().bf16 == "auto"
-    assert tat.Config(bf16=True).bf16 == "true" and tat.Config(bf16="False").bf16 == "false"
-    with pytest.raises(ValueError, match="auto, true or false"):
-        tat.Config(bf16="maybe")
-    assert all(cfg.bf16 == "auto" for cfg in tat.PRESETS.values()), "presets must not hard-code bf16"
-
-
-def test_training_log_says_whether_bf16_is_used(tmp_path, machine):
-    machine(kernels="AVX2")
-    cfg = tiny_cfg(tmp_path / "run", max_steps=1, bf16="auto")
-    logs = []
-    tat.train(cfg, data=tiny_data(cfg), log=logs.append, progress=False, evaluate=False)
-    assert any(str(line).startswith("bf16 autocast: off (auto: the CPU has no native bf16") for line in logs), logs
-
-
-# --------------------------------------------------------------------------------------------
-# 10. Two processes (torchrun, Gloo) take the same steps as one process accumulating two batches
-# --------------------------------------------------------------------------------------------
-
-DDP_SETTINGS = dict(P_drop=0.0, batch_tokens=120, max_steps=3, eps_ls=0.1)  # 10 pairs a batch, 20 batches
-
-DDP_SCRIPT = """
-import json, sys
-import torch
-import torch.distributed as dist
-import the_annotated_transformer as tat
-
-torch.set_num_threads(1)
-settings = json.loads(sys.argv[2])
-cfg = tat.get_config("copy", N=1, d_model=32, d_ff=64, h=4, epochs=1, warmup=50, device="cpu", bf16="false",
-                     run_dir=sys.argv[1], **settings)
-data = tat.make_copy_data(cfg, sizes=(200, 40, 20))
-summary = tat.train(cfg, data=data, log=lambda *a, **k: None, progress=False, evaluate=False)
-if dist.get_rank() == 0:
-    with open(sys.argv[1] + "/summary.json", "w") as f:
-        json.dump({"world_size": summary["world_size"], "steps": summary["steps"]}, f)
-dist.destroy_process_group()
-"""
-
-
-def test_two_process_training_equals_one_process_accumulating(tmp_path):
-    script = tmp_path / "ddp_train.py"
-    script.write_text(textwrap.dedent(DDP_SCRIPT))
-    ddp_dir = tmp_path / "ddp"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "OMP_NUM_THREADS": "1"}
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    # ~10 s of CPU in all; the generous limit only guards against a hang, since on a loaded machine
-    # (this file under `nice` beside a training run) three fresh processes can take minutes of wall time.
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-         str(ddp_dir), json.dumps(DDP_SETTINGS)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
-    assert json.loads((ddp_dir / "summary.json").read_text()) == {"world_size": 2, "steps": 3}
-
-    # one process, the same global batches: update k accumulates (b_2k, b_2k+1)
-    cfg = tiny_cfg(tmp_path / "single", accum_steps=2, **DDP_SETTINGS)
-    data = tiny_data(cfg)
-    lengths = [(len(s), len(t)) for s, t in data.splits["train"]]
-    assert len(tat.length_batches(lengths, cfg.batch_tokens, cfg.seed, 0)) >= 2 * cfg.max_steps
-    run(cfg, data)
-
-    ddp, single = last_state(ddp_dir), last_state(tmp_path / "single")
-    assert ddp["step"] == single["step"] == 3
-    assert ddp["model"].keys() == single["model"].keys()
-    for k in single["model"]:
-        torch.testing.assert_close(ddp["model"][k], single["model"][k], rtol=0, atol=1e-6,
-                                   msg=lambda m, k=k: f"{k}: {m}")
-
-    # the comparison can fail: one process without accumulation ends elsewhere
-    run(dataclasses.replace(cfg, accum_steps=1, run_dir=str(tmp_path / "plain")), data)
-    plain = last_state(tmp_path / "plain")
-    assert max(float((plain["model"][k] - ddp["model"][k]).abs().max()) for k in plain["model"]) > 1e-4
-
-
-# --------------------------------------------------------------------------------------------
-# 11. The command line
+# 9. The command line (precision and device tests: test_devices.py; several processes: test_distributed.py)
 # --------------------------------------------------------------------------------------------
 
 def test_command_line_overrides_the_preset():
     command, cfg = tat.config_from_args(
-        ["train", "--config", "copy", "--max_steps", "7", "--P_drop", "0.2", "--bf16", "true"])
+        ["train", "--config", "copy", "--max_steps", "7", "--P_drop", "0.2", "--precision", "bf16"])
     assert command == "train"
     assert cfg.max_steps == 7 and isinstance(cfg.max_steps, int)
-    assert cfg.P_drop == 0.2 and cfg.bf16 == "true"
+    assert cfg.P_drop == 0.2 and cfg.precision == "bf16"
     assert cfg.run_dir == "runs/copy"
-    assert cfg == tat.get_config("copy", max_steps=7, P_drop=0.2, bf16="true", run_dir="runs/copy")
-    assert tat.config_from_args(["train", "--config", "copy", "--bf16", "auto"])[1].bf16 == "auto"
+    assert cfg == tat.get_config("copy", max_steps=7, P_drop=0.2, precision="bf16", run_dir="runs/copy")
+    assert tat.config_from_args(["train", "--config", "copy", "--bf16", "auto"])[1].precision == "auto"
 
 
 def test_command_line_spellings_and_types():
     _, cfg = tat.config_from_args(["train", "--config", "tiny", "--max-steps", "3", "--betas", "0.8,0.9",
                                    "--run_dir", "somewhere", "--bf16", "off"])
-    assert (cfg.max_steps, cfg.betas, cfg.run_dir, cfg.bf16) == (3, (0.8, 0.9), "somewhere", "false")
+    assert (cfg.max_steps, cfg.betas, cfg.run_dir, cfg.precision) == (3, (0.8, 0.9), "somewhere", "fp32")
 
 
 @pytest.mark.parametrize("argv", [

@@ -1,0 +1,343 @@
+"""Devices and precision, proven on a CPU: the precision each machine gets, fp16 with a gradient
+scaler, tensors made on the device of the inputs (the `meta` device stands in for a GPU), one
+host synchronisation per update, and models moved to the device decoding is asked for.
+"""
+import dataclasses
+import hashlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # normally done by conftest.py
+    sys.path.insert(0, str(ROOT))
+
+import the_annotated_transformer as tat  # noqa: E402
+from the_annotated_transformer import PAD  # noqa: E402
+
+CPU, CUDA, META = torch.device("cpu"), torch.device("cuda", 0), torch.device("meta")
+
+
+def quiet(*args, **kwargs):
+    """A ``log`` that prints nothing."""
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One intra-op thread: these tests share a small machine, and results must not depend on it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_cfg(run_dir, **overrides) -> tat.Config:
+    """The copy preset shrunk to a one-layer model: 10 batches of 20 pairs per epoch, float32 unless asked."""
+    settings = dict(N=1, d_model=32, d_ff=64, h=4, epochs=1, batch_tokens=240, warmup=50, device="cpu",
+                    precision="fp32", run_dir=str(run_dir))
+    settings.update(overrides)
+    return tat.get_config("copy", **settings)
+
+
+def tiny_data(cfg) -> tat.Dataset:
+    return tat.make_copy_data(cfg, sizes=(200, 40, 20))
+
+
+def run(cfg, data, **kwargs) -> dict:
+    return tat.train(cfg, data=data, log=quiet, progress=False, **{"evaluate": False, **kwargs})
+
+
+def last_state(run_dir) -> dict:
+    paths = tat.checkpoint_paths(run_dir)
+    assert paths, f"no checkpoint in {run_dir}"
+    return tat.load_checkpoint(paths[-1])
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Which precision `auto` picks, and why
+# --------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def machine(monkeypatch):
+    """Set what torch reports about the hardware.
+
+    ``capability`` is the CUDA compute capability; ``is_bf16_supported`` behaves as torch's does:
+    with emulation counted (its default) every CUDA GPU says yes, without it only 8.0 and up.
+    """
+    def set_(kernels="AVX512", avx512_bf16=False, amx=False, capability=(8, 0)):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: kernels)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                            lambda including_emulation=True: including_emulation or capability >= (8, 0))
+    return set_
+
+
+@pytest.mark.parametrize("hardware, device, want, reason", [
+    (dict(kernels="AVX2"), CPU, "fp32", "no native bf16"),  # the common AVX2 CPU
+    (dict(kernels="AVX512", avx512_bf16=False), CPU, "fp32", "no native bf16"),  # AVX-512 without BF16
+    (dict(kernels="AVX2", avx512_bf16=True), CPU, "fp32", "kernels: AVX2"),  # ATEN_CPU_CAPABILITY=avx2
+    (dict(kernels="AVX512", avx512_bf16=True), CPU, "bf16", "AVX-512 BF16"),
+    (dict(kernels="AVX512", amx=True, avx512_bf16=True), CPU, "bf16", "AMX"),
+    (dict(capability=(6, 0)), CUDA, "fp16", "6.0"),  # P100: fast fp16, no bf16
+    (dict(capability=(6, 1)), CUDA, "fp32", "6.1"),  # consumer Pascal: fp16 at a fraction of fp32
+    (dict(capability=(7, 0)), CUDA, "fp16", "7.0"),  # V100
+    (dict(capability=(7, 5)), CUDA, "fp16", "7.5"),  # T4, the free hosted-notebook GPU
+    (dict(capability=(8, 0)), CUDA, "bf16", "8.0"),  # A100
+    (dict(capability=(9, 0)), CUDA, "bf16", "9.0"),  # H100
+])
+def test_auto_precision_is_native_bf16_else_fast_fp16_else_float32(machine, hardware, device, want, reason):
+    machine(**hardware)
+    got, line = tat.resolve_precision("auto", device)
+    assert got == want
+    assert line.startswith("precision: ") and "(auto: " in line and reason in line, line
+    if want == "fp16":
+        assert "gradient scaler" in line
+
+
+def test_emulated_bf16_is_not_taken_for_native(machine):
+    # torch.cuda.is_bf16_supported() says yes on a T4 (it counts emulation): that must not turn bf16 on
+    machine(capability=(7, 5))
+    assert torch.cuda.is_bf16_supported() and not torch.cuda.is_bf16_supported(including_emulation=False)
+    assert tat.native_bf16(CUDA)[0] is False
+    assert tat.resolve_precision("auto", CUDA)[0] == "fp16"
+
+
+def test_asked_for_precisions_are_obeyed_and_said(machine):
+    machine(kernels="AVX2", capability=(7, 5))
+    precision, line = tat.resolve_precision("bf16", CPU)
+    assert precision == "bf16" and "asked for" in line and "emulated" in line
+    assert tat.resolve_precision("bf16", CUDA)[0] == "bf16"
+    assert tat.resolve_precision("fp16", CPU) == ("fp16", "precision: fp16 autocast with a gradient scaler (asked for)")
+    machine(kernels="AVX512", avx512_bf16=True)
+    assert tat.resolve_precision("fp32", CPU) == ("fp32", "precision: float32 (asked for)")
+
+
+def test_precision_setting_and_the_former_bf16_switch():
+    assert tat.Config().precision == "auto"
+    assert all(cfg.precision == "auto" for cfg in tat.PRESETS.values()), "presets must not hard-code precision"
+    with pytest.raises(ValueError, match="auto, fp32, bf16, fp16"):
+        tat.Config(precision="fp8")
+    # --bf16 keeps working: it sets precision and is cleared, so both spellings give one config
+    assert tat.Config(bf16="true") == tat.Config(precision="bf16")
+    assert tat.Config(bf16=False) == tat.Config(precision="fp32")
+    assert tat.Config(bf16="auto") == tat.Config()
+    with pytest.raises(ValueError, match="contradicts precision"):
+        tat.Config(bf16="true", precision="fp16")
+    with pytest.raises(ValueError, match="--precision"):
+        tat.Config(bf16="maybe")
+    _, cfg = tat.config_from_args(["train", "--config", "copy", "--bf16", "true"])
+    assert cfg.precision == "bf16"
+    _, cfg = tat.config_from_args(["train", "--config", "copy", "--precision", "fp16"])
+    assert cfg.precision == "fp16"
+
+
+def test_training_log_says_which_precision_and_why(tmp_path, machine):
+    machine(kernels="AVX2")
+    cfg = tiny_cfg(tmp_path / "run", max_steps=1, precision="auto")
+    logs = []
+    summary = tat.train(cfg, data=tiny_data(cfg), log=logs.append, progress=False, evaluate=False)
+    assert any(str(line).startswith("precision: float32 (auto: the CPU has no native bf16") for line in logs), logs
+    assert summary["precision"] == "fp32"
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Autocast runs on the CPU: bf16, and fp16 with a gradient scaler that resumes exactly
+# --------------------------------------------------------------------------------------------
+
+def spy_on_loss(monkeypatch) -> list:
+    """Record (autocast on, its dtype, loss) for every training loss computed."""
+    real, seen = tat.loss_sum, []
+
+    def spy(log_probs, target, eps_ls, pad=PAD):
+        loss = real(log_probs, target, eps_ls, pad)
+        if torch.is_grad_enabled():
+            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), float(loss.detach())))
+        return loss
+
+    monkeypatch.setattr(tat, "loss_sum", spy)
+    return seen
+
+
+def test_bf16_autocast_trains_on_cpu(tmp_path, monkeypatch):
+    cfg = tiny_cfg(tmp_path / "bf16", precision="bf16", max_steps=3)
+    seen = spy_on_loss(monkeypatch)
+    assert run(cfg, tiny_data(cfg))["steps"] == 3 and len(seen) == 3
+    assert all(enabled and dtype == torch.bfloat16 and math.isfinite(loss) for enabled, dtype, loss in seen), seen
+    assert all(torch.isfinite(v).all() for v in last_state(cfg.run_dir)["model"].values())
+
+
+@pytest.fixture
+def large_initial_scale(monkeypatch):
+    """A gradient scaler starting at 2**40, so that the first fp16 updates overflow and are skipped."""
+    real = torch.amp.GradScaler
+    monkeypatch.setattr(torch.amp, "GradScaler", lambda device, enabled=True: real(device, init_scale=2.0 ** 40,
+                                                                                 enabled=enabled))
+
+
+def test_fp16_with_a_gradient_scaler_trains_and_resumes_exactly(tmp_path, monkeypatch, large_initial_scale):
+    # three epochs of 10 updates; stopped at 13 and resumed, against one go
+    cfg = tiny_cfg(tmp_path / "a", precision="fp16", P_drop=0.1, epochs=3, warmup=10, max_steps=13)
+    data = tiny_data(cfg)
+    seen = spy_on_loss(monkeypatch)
+    run(cfg, data)
+    assert seen and all(enabled and dtype == torch.float16 for enabled, dtype, _ in seen)
+    stopped = last_state(cfg.run_dir)
+    assert stopped["scaler"]["scale"] < 2.0 ** 40, "the first updates overflowed: the scale must have backed off"
+    run(dataclasses.replace(cfg, max_steps=0), data)
+    run(dataclasses.replace(cfg, max_steps=0, run_dir=str(tmp_path / "b")), data)
+
+    a, b = last_state(tmp_path / "a"), last_state(tmp_path / "b")
+    assert a["step"] == b["step"] == 30
+    assert a["scaler"] == b["scaler"] and a["scaler"]["scale"] > 0
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    # it trains: the validation loss falls from the first epoch to the last
+    valid = [json.loads(line)["valid_loss"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+             if "valid_loss" in line]
+    assert len(valid) == 3 and valid[-1] < valid[0], valid
+
+
+def test_fp16_masks_give_masked_keys_zero_weight_and_no_nan():
+    torch.manual_seed(0)
+    q = (torch.randn(2, 4, 6, 8) * 30).half()  # large scores: anything but -inf could overflow or leak
+    mask = torch.ones(2, 1, 6, 6, dtype=torch.bool)
+    mask[0, ..., 4:] = False  # padding keys
+    mask[1] = torch.tril(torch.ones(6, 6, dtype=torch.bool))  # causal
+    out, p = tat.attention(q, q, q, mask)
+    assert out.dtype == torch.float16 and torch.isfinite(out).all() and torch.isfinite(p).all()
+    assert (p.masked_select(~mask.expand_as(p)) == 0).all()
+    torch.testing.assert_close(p.float().sum(-1), torch.ones(2, 4, 6), atol=2e-3, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Device discipline: tensors are made where the inputs are
+# --------------------------------------------------------------------------------------------
+
+def test_forward_loss_and_backward_run_on_the_meta_device():
+    # a tensor made on the CPU inside the model, the masks or the loss would meet meta tensors and fail
+    cfg = tat.get_config("tiny", N=1, d_model=32, d_ff=64, h=4)
+    with torch.device("meta"):
+        model = tat.make_model(14, 14, cfg)
+    pairs = [([1, 5, 6, 2], [1, 7, 2]), ([1, 5, 2], [1, 7, 8, 9, 2])]
+    batch = tat.make_batch(pairs, [0, 1]).to(META)
+    assert batch.tgt_mask.device == META
+    out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+    loss = tat.loss_sum(model.generator(out), batch.tgt_y, 0.1)
+    loss.backward()
+    assert loss.device == META and all(p.grad is not None and p.grad.device == META for p in model.parameters())
+    kl = tat.LabelSmoothing(14, PAD, 0.1)(model.generator(out).reshape(-1, 14), batch.tgt_y.reshape(-1))
+    assert kl.device == META
+
+
+def test_label_smoothing_builds_its_distribution_on_the_targets_device():
+    target = torch.tensor([3, PAD, 5], device=META)
+    q = tat.LabelSmoothing(8, PAD, 0.1).true_dist(target)
+    assert q.device == META and q.shape == (3, 8)
+
+
+def test_batches_go_to_a_gpu_through_pinned_memory(monkeypatch):
+    pinned, moves = [], []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self.shape) or self)
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, device, non_blocking=False: moves.append(
+        (torch.device(device).type, non_blocking)) or self)
+    batch = tat.make_batch([([1, 5, 2], [1, 6, 2])], [0])
+    batch.to("cuda")
+    assert len(pinned) == 5 and moves == [("cuda", True)] * 5  # src, src_mask, tgt, tgt_y, tgt_mask
+    pinned.clear(), moves.clear()
+    batch.to("cpu")
+    assert not pinned and moves == [("cpu", False)] * 5
+
+
+def host_syncs(monkeypatch) -> list:
+    """Count conversions of tensors to Python values made by the module's own code (each one a host sync on a GPU)."""
+    calls = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
+        real = getattr(torch.Tensor, name)
+
+        def counting(self, *args, _real=real, _name=name, **kwargs):
+            if sys._getframe(1).f_globals.get("__name__") == tat.__name__:
+                calls.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    return calls
+
+
+def test_an_update_synchronises_with_the_host_once_however_many_batches(tmp_path, monkeypatch):
+    cfg = tiny_cfg(tmp_path / "run", accum_steps=3)
+    data = tiny_data(cfg)
+    r = tat.setup(cfg, data, CPU, 0, 1, quiet)
+    pairs = data.splits["train"]
+    micro = [tat.make_batch(pairs, list(range(i, i + 4))) for i in (0, 4, 8)]
+    calls = host_syncs(monkeypatch)
+    loss, tokens, _ = tat.update(r, micro)
+    assert calls == ["tolist"], calls
+    assert tokens == sum(b.ntokens for b in micro) and math.isfinite(loss)
+
+
+def test_decoding_moves_a_model_that_is_elsewhere(monkeypatch):
+    model = tat.make_model(14, 14, tat.get_config("tiny", N=1, d_model=32, d_ff=64, h=4))
+    assert tat.on_device(model, CPU) is model and next(model.parameters()).device == CPU
+    tat.on_device(model, META)
+    assert all(p.device == META for p in model.parameters())
+    # translate and evaluate_test hand their model to on_device with the device they were asked for
+    asked = []
+    monkeypatch.setattr(tat, "on_device", lambda m, device: asked.append(torch.device(device)) or m)
+    cpu_model = tat.make_model(14, 14, tat.get_config("tiny", N=1, d_model=32, d_ff=64, h=4))
+    cfg = tat.get_config("copy", N=1, d_model=32, d_ff=64, h=4, max_eval_sentences=2, examples_to_show=0)
+    data = tat.make_copy_data(cfg, sizes=(4, 2, 2))
+    tat.evaluate_test(cpu_model, data, cfg, "cpu", log=quiet, progress=False)
+    assert asked and set(asked) == {CPU}
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Random-number states in checkpoints
+# --------------------------------------------------------------------------------------------
+
+def test_a_checkpoint_holding_four_gpus_rng_states_resumes_where_one_exists(monkeypatch):
+    # the older format: rank 0's list of every visible GPU's state; now one GPU is visible
+    states = [torch.full((16,), i, dtype=torch.uint8) for i in range(4)]
+    old = {"torch": torch.get_rng_state(), "python": __import__("random").getstate(), "cuda": states}
+    restored = []
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append((state, device)))
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    tat.restore_rng(old, CUDA)
+    assert len(restored) == 1 and torch.equal(restored[0][0], states[0]) and restored[0][1] == CUDA
+    restored.clear()
+    tat.restore_rng(old, torch.device("cuda", 5))  # a GPU the checkpoint knew nothing of: left as seeded
+    assert restored == []
+
+
+def test_each_process_seeds_its_own_stream():
+    digests = []
+    for rank in range(3):
+        tat.seed_process(7, rank)
+        digests.append(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest())
+    assert len(set(digests)) == 3
+    tat.seed_process(7, 0)
+    assert torch.equal(torch.get_rng_state(), torch.manual_seed(7).get_state()), "process 0 keeps the plain seed"
+
+
+# --------------------------------------------------------------------------------------------
+# 5. The IWSLT preset is fairseq's transformer_iwslt_de_en recipe (departures: REPRODUCTION_NOTES.md)
+# --------------------------------------------------------------------------------------------
+
+def test_the_iwslt_preset_is_fairseqs_recipe():
+    cfg = tat.get_config("iwslt14-small")
+    assert (cfg.N, cfg.d_model, cfg.d_ff, cfg.h, cfg.P_drop, cfg.eps_ls) == (6, 512, 1024, 4, 0.3, 0.1)
+    assert (cfg.batch_tokens, cfg.warmup, cfg.clip_grad, cfg.norm_first) == (4096, 4000, 0.0, False)
+    peak = max(tat.rate(s, cfg.d_model, cfg.lr_factor, cfg.warmup) for s in range(1, 3 * cfg.warmup))
+    assert peak == pytest.approx(5e-4, rel=1e-6)
+    assert tat.rate(cfg.warmup, cfg.d_model, cfg.lr_factor, cfg.warmup) == peak  # the peak is at the warm-up's end
+    assert tat.rate(4 * cfg.warmup, cfg.d_model, cfg.lr_factor, cfg.warmup) == pytest.approx(peak / 2)
+    optimizer, _ = tat.make_optimizer(torch.nn.Linear(3, 3), cfg)
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["weight_decay"] == 1e-4
+    assert cfg.average_last == 5
+    plain, _ = tat.make_optimizer(torch.nn.Linear(3, 3), tat.get_config("base"))
+    assert type(plain) is torch.optim.Adam, "the paper's presets keep plain Adam"
