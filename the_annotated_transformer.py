@@ -3326,13 +3326,17 @@ def draw_attention_overview(maps: dict, width: float = 7.2):
     return fig
 
 
+# %% [markdown]
+# The large view gives each token a square cell of at most 0.34 inch and its label three
+# quarters of a cell; with many keys the cells shrink so that the figure stays about as
+# wide as a page, where a wider image would be scaled down, labels and all.
+
+# %%
 def draw_attention_head(weights: torch.Tensor, rows: Sequence[str], cols: Sequence[str], title: str,
                         width: float = 7.2):
     """One head's attention map (§3.2.3) with every query token (rows) and key token (columns) labelled (our addition).
 
-    ``weights`` (len_q, len_k). Each token gets a square cell of at most 0.34 in, fewer when
-    there are many keys, so that the figure stays about ``width`` inches (at 100 dpi) wide;
-    labels are sized to their cells. Returns the figure.
+    ``weights`` (len_q, len_k); the figure is about ``width`` inches wide at 100 dpi. Returns the figure.
     """
     from matplotlib.figure import Figure
 
