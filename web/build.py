@@ -172,6 +172,7 @@ def arrange(html: str) -> str:
     soup = BeautifulSoup(html, "html.parser")
     main = soup.find("main")
     # The paper's words: one or more block quotes and the "— §…" line after them become one figure.
+    # (A block quote always quotes the paper here; the line names where, "— Abstract" included.)
     for quote in main.find_all("blockquote"):
         if quote.find_parent("figure") is not None:
             continue
@@ -184,7 +185,7 @@ def arrange(html: str) -> str:
         quote.insert_before(figure)
         for q in group:
             figure.append(q.extract())
-        if nxt is not None and nxt.name == "p" and nxt.get_text().startswith("— §"):
+        if nxt is not None and nxt.name == "p" and nxt.get_text().startswith("— "):
             caption = soup.new_tag("figcaption")
             for child in list(nxt.contents):
                 caption.append(child.extract())
