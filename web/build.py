@@ -27,7 +27,7 @@ ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
 
 class MissingTool(Exception):
-    """A program the build needs is not installed; the message says which, in one line."""
+    """A program the build needs is not installed or could not be fetched; the message says which, in one line."""
 
 
 def pinned_katex_version() -> str:
@@ -46,7 +46,10 @@ def ensure_katex() -> None:
     if shutil.which("npm") is None:
         raise MissingTool("make html needs npm to fetch the KaTeX math renderer once; "
                           "install it (e.g. apt-get install npm) and run make html again")
-    subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=WEB, check=True)
+    fetched = subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=WEB)
+    if fetched.returncode != 0:
+        raise MissingTool(f"make html could not fetch KaTeX {pinned_katex_version()} with npm ci in web/ "
+                          "(is the npm registry reachable?)")
 
 
 def typeset(formulas: list[dict]) -> list[str]:
