@@ -7,7 +7,6 @@ Screenshots for a person to look at are written to runs/html/.
 import importlib.util
 import re
 import shutil
-import sys
 from pathlib import Path
 
 import nbformat
@@ -57,11 +56,9 @@ def attributions(notebook: Path) -> int:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> Path:
-    sys.path.insert(0, str(ROOT / "web"))
-    try:
-        import build
-    finally:
-        sys.path.remove(str(ROOT / "web"))
+    spec = importlib.util.spec_from_file_location("web_page_build", ROOT / "web" / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
     out = tmp_path_factory.mktemp("site") / "index.html"
     try:
         build.build(NB, out)
