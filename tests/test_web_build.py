@@ -55,3 +55,23 @@ def test_every_image_output_gets_alt_text_and_its_own_is_kept():
     assert outputs[0].metadata["image/png"]["alt"] == "Figure: A plot of the schedule:"
     assert outputs[1].metadata["image/png"]["alt"] == "its own words"
     assert "metadata" not in nb.cells[1].outputs[0] or not nb.cells[1].outputs[0].metadata  # input untouched
+
+
+def test_prompts_warnings_and_progress_bars_stay_out_of_the_page():
+    import nbformat
+
+    formulas = []
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("Training, with $x^2$:"),
+        nbformat.v4.new_code_cell("train()", execution_count=7, outputs=[
+            nbformat.v4.new_output("stream", name="stderr", text="UserWarning: something\n"),
+            nbformat.v4.new_output("display_data", data={
+                "application/vnd.jupyter.widget-view+json": {"model_id": "abc", "version_major": 2, "version_minor": 0},
+                "text/plain": "epoch 1:  40%|####      | 4/10"}),
+            nbformat.v4.new_output("stream", name="stdout", text="loss 2.5\r\nloss 1.9\n"),
+            nbformat.v4.new_output("execute_result", data={"text/plain": "42"}, execution_count=7)])])
+    html, _ = build.make_exporter(formulas).from_notebook_node(nb, resources={"page_css": "", "page_js": ""})
+    assert "loss 2.5" in html and "loss 1.9" in html and "42" in html  # printed output and results stay
+    for debris in ("Warning", "40%|", "In [7]", "In&nbsp;[7]", "Out[7]", "$x^2$"):
+        assert debris not in html, debris
+    assert formulas == [{"tex": "x^2", "display": False}]
