@@ -36,8 +36,8 @@ def test_printed_text_is_shown_as_a_terminal_leaves_it():
 
 
 def test_figure_alt_text_comes_from_titles_and_labels_else_the_prose_before():
-    code = 'ax.set_title("Eq. 3")\nax.set_xlabel("step")\nax.set_title(f"head {h}")'
-    assert build.figure_alt(code, "anything") == "Plot: Eq. 3; x axis: step"
+    code = 'ax.set_title("Eq. 3")\nax.set_xlabel("the\\nstep")\nax.set_title(f"head {h}")'
+    assert build.figure_alt(code, "anything") == "Plot: Eq. 3; x axis: the step"
     assert build.figure_alt("display(img)", "First.\n\nThe training `curve` of $N$ steps:") == (
         "Figure: The training curve of N steps:")
 

@@ -97,7 +97,7 @@ def figure_alt(code: str, prose: str) -> str:
     for call, what in (("suptitle", "Plot"), ("set_title", "Plot"), ("set_xlabel", "x axis"),
                        ("set_ylabel", "y axis")):
         for text in re.findall(call + r'\(\s*"([^"{}]+)"', code):
-            found.append(f"{what}: {text}")
+            found.append(f"{what}: " + text.replace("\\n", " "))  # a line break written in the string
     if found:
         return "; ".join(found)
     paragraphs = [p for p in prose.split("\n\n") if p.strip()]
