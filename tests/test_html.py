@@ -143,6 +143,24 @@ def test_every_image_is_decoded_and_has_alt_text(wide):
     assert all(i["alt"] for i in images), [i for i in images if not i["alt"]]
 
 
+def test_a_clicked_figure_opens_at_its_natural_size_and_escape_closes_it(browser, site):
+    visit = Visit(browser, site, 390)
+    try:
+        page = visit.page
+        figure = page.locator("main figure.plot img").last
+        figure.scroll_into_view_if_needed()
+        shown, natural = figure.evaluate("i => [i.getBoundingClientRect().width, i.naturalWidth]")
+        assert shown < natural  # on a phone the page shows it scaled down
+        figure.click()
+        large = page.evaluate("""(() => { const i = document.querySelector('.zoom-view img');
+            return i && [i.getBoundingClientRect().width, i.naturalWidth, i.alt]; })()""")
+        assert large is not None and large[0] == large[1] == natural and large[2]
+        page.keyboard.press("Escape")
+        assert page.evaluate("document.querySelector('.zoom-view')") is None
+    finally:
+        visit.close()
+
+
 def test_every_contents_link_lands_on_a_heading(wide):
     page = wide.page
     hrefs = page.evaluate("[...document.querySelectorAll('nav.toc a')].map(a => a.getAttribute('href'))")
