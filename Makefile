@@ -9,7 +9,7 @@ ARGS ?=
 NB := annotated_transformer.ipynb
 SRC := the_annotated_transformer.py
 
-.PHONY: install test sync notebook lab train translate evaluate bench clean help
+.PHONY: install test sync notebook lab html train translate evaluate bench clean help
 
 help:
 	@echo "make install            create .venv and install requirements.txt"
@@ -17,6 +17,7 @@ help:
 	@echo "make sync               bring $(NB) and $(SRC) up to date with each other"
 	@echo "make notebook           execute the notebook top to bottom and store its outputs"
 	@echo "make lab                open the notebook in JupyterLab (from .venv)"
+	@echo "make html               build the notebook as an offline web page, site/index.html"
 	@echo "make train [CONFIG=..]  train a preset (default: iwslt14-small with CUDA, else iwslt14-sample); ARGS='--field value ...'"
 	@echo "make translate ARGS='\"Ein Satz.\"'  translate with the run in RUN (default runs/CONFIG)"
 	@echo "make evaluate [ARGS='--src F --ref F']  BLEU of the run in RUN (default: the test split)"
@@ -36,13 +37,25 @@ test: $(STAMP)
 sync: $(STAMP)
 	$(VENV)/bin/jupytext --sync $(SRC)
 
+# Outputs are stored without per-cell execution timestamps (record_timing=False, and any left
+# from earlier runs removed), so a re-run's diff shows only outputs that changed.
 notebook: $(STAMP) sync
 	$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
-		--ExecutePreprocessor.timeout=-1 --ExecutePreprocessor.kernel_name=python3 $(NB)
+		--ExecutePreprocessor.timeout=-1 --ExecutePreprocessor.kernel_name=python3 \
+		--ExecutePreprocessor.record_timing=False $(NB)
+	$(PY) -c 'import nbformat, sys; nb = nbformat.read(sys.argv[1], as_version=4); \
+		[c.metadata.pop("execution", None) for c in nb.cells]; nbformat.write(nb, sys.argv[1])' $(NB)
 	$(VENV)/bin/jupytext --sync $(NB)
 
+# Jupyter refuses to start as root unless told --allow-root; containers and hosted machines
+# often run as root, so the flag is added there only, never for an ordinary user.
+USER_ID ?= $(shell id -u)
 lab: $(STAMP)
-	$(VENV)/bin/jupyter lab $(NB)
+	$(VENV)/bin/jupyter lab $(if $(filter 0,$(USER_ID)),--allow-root) $(NB)
+
+# The notebook with its stored outputs as one page that loads nothing from the network.
+html: $(STAMP)
+	$(PY) web/build.py
 
 train: $(STAMP)
 	$(PY) $(SRC) train --config $(CONFIG) $(ARGS)
@@ -57,4 +70,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache site web/node_modules

@@ -4120,43 +4120,139 @@ def attention_maps(model: EncoderDecoder, src, tgt) -> dict:
 
 
 # %% [markdown]
-# For one test sentence of the Multi30k run (its own checkpoint, fast attention and all),
-# a grid of heat maps per kind of attention: one row per layer, one column per head. In
-# the encoder-decoder grid each row of a map is an output word, each column a source word.
+# Twenty-four maps per kind of attention (3 layers × 8 heads of `multi30k-small`) cannot
+# all carry readable token labels at the width of a page. So there are two views: an
+# overview of every layer and head, small and unlabelled, to see their shapes at a glance;
+# and, for each kind, one head drawn large with its source and target tokens. Which head?
+# We show the one whose rows are most concentrated — lowest mean entropy
+# $-\sum_j a_{ij} \ln a_{ij}$ over its query rows $i$ — since a sharp head is the easiest to
+# read; that choice is ours. The figures are built as `matplotlib.figure.Figure` objects,
+# not through pyplot, so drawing them leaves no global state behind, and a test draws them
+# for a tiny random model and checks that every token label is there and legible.
+
+# %%
+ATTENTION_TITLES = MappingProxyType({"encoder": "encoder self-attention",
+                                     "decoder_self": "masked decoder self-attention",
+                                     "decoder_src": "encoder-decoder attention"})
+
+
+def sharpest_head(weights: torch.Tensor) -> tuple[int, int]:
+    r"""The (layer, head) of ``weights`` (N, h, len_q, len_k) with the lowest mean row entropy (our choice).
+
+    A row's entropy is $-\sum_j a_{ij} \ln a_{ij}$ (0 for a row that puts all weight on one key).
+    """
+    entropy = torch.special.entr(weights).sum(dim=-1).mean(dim=-1)  # (N, h): mean over query rows
+    layer, head = divmod(int(entropy.argmin()), entropy.size(1))
+    return layer, head
+
+
+def draw_attention_overview(maps: dict, width: float = 7.2):
+    """Every layer (rows) and head (columns) of each kind of attention of §3.2.3, small and unlabelled (our addition).
+
+    ``maps`` as :func:`attention_maps` returns; ``width`` in inches at 100 dpi. Returns the figure.
+    """
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, 2.4 * len(maps)), dpi=100, layout="constrained")
+    for sub, kind in zip(fig.subfigures(len(maps), 1, squeeze=False)[:, 0], maps):
+        w = maps[kind]
+        axes = sub.subplots(w.size(0), w.size(1), squeeze=False)
+        for layer in range(w.size(0)):
+            for head in range(w.size(1)):
+                ax = axes[layer][head]
+                ax.imshow(w[layer, head].numpy(), cmap="Blues", vmin=0.0, vmax=1.0, aspect="auto")
+                ax.set_xticks([])
+                ax.set_yticks([])
+                if layer == 0:
+                    ax.set_title(f"head {head + 1}", fontsize=8)
+                if head == 0:
+                    ax.set_ylabel(f"layer {layer + 1}", fontsize=8)
+        sub.suptitle(ATTENTION_TITLES.get(kind, kind), fontsize=10)
+    return fig
+
+
+# %% [markdown]
+# The large view gives each token a square cell of at most 0.34 inch and its label three
+# quarters of a cell; with many keys the cells shrink so that the figure stays about as
+# wide as a page, where a wider image would be scaled down, labels and all.
+
+# %%
+def draw_attention_head(weights: torch.Tensor, rows: Sequence[str], cols: Sequence[str], title: str,
+                        width: float = 7.2):
+    """One head's attention map (§3.2.3) with every query token (rows) and key token (columns) labelled (our addition).
+
+    ``weights`` (len_q, len_k); the figure is about ``width`` inches wide at 100 dpi. Returns the figure.
+    """
+    from matplotlib.figure import Figure
+
+    n_q, n_k = weights.shape
+    cell = min(0.34, (width - 2.2) / n_k)  # inches per token; 2.2 in for row labels and the colour bar
+    fontsize = min(11.0, 0.75 * 72 * cell)  # points: three quarters of a cell
+    fig = Figure(figsize=(2.2 + cell * n_k, 1.6 + cell * n_q), dpi=100, layout="constrained")
+    ax = fig.subplots()
+    image = ax.imshow(weights.numpy(), cmap="Blues", vmin=0.0, vmax=1.0)
+    ax.set_xticks(range(n_k), list(cols), rotation=90, fontsize=fontsize)
+    ax.set_yticks(range(n_q), list(rows), fontsize=fontsize)
+    ax.set_xlabel("key (attended to)", fontsize=10)
+    ax.set_ylabel("query (attending)", fontsize=10)
+    ax.set_title(title, fontsize=11)
+    fig.colorbar(image, ax=ax, shrink=0.6).set_label("weight", fontsize=9)
+    return fig
+
+
+# %% [markdown]
+# For one test sentence, the model that was scored above (for the full run the average of
+# its last 5 checkpoints; fast attention and all) translates with §6.1's decoding — beam search, beam
+# 4, $\alpha = 0.6$, at most input length + 50 tokens, through `max_output_tokens` as
+# `translate` does — and `attention_maps` records the weights while the decoder reads that
+# translation. In the encoder-decoder map each row is an output token, each column a
+# source token; in the decoder's self-attention each row is the token being predicted, each
+# column a token already read.
 
 # %%
 if EXAMPLES:
-    import seaborn as sns
-
     viz = make_model(len(m30k_data.src_vocab), len(m30k_data.tgt_vocab), m30k_cfg)  # fast attention, as trained
-    viz.load_state_dict(load_checkpoint(checkpoint_paths(Path(m30k_cfg.run_dir))[-1])["model"])
+    paths = checkpoint_paths(Path(m30k_cfg.run_dir))
+    viz.load_state_dict(average_checkpoints(paths[-m30k_cfg.average_last:]) if m30k_cfg.average_last > 1
+                        else load_checkpoint(paths[-1])["model"])
     viz.eval()
     src_ids = m30k_data.splits["test"][1][0]
-    src = torch.tensor([src_ids])
-    out_ids = greedy_decode_cached(viz, src, torch.ones(1, 1, len(src_ids), dtype=torch.bool),
-                                   max_len=len(src_ids) + 10, start_symbol=BOS, end_symbol=EOS)[0].tolist()
-    out_ids = out_ids[: out_ids.index(EOS) + 1] if EOS in out_ids else out_ids
+    src = torch.tensor([src_ids])  # (1, src_len)
+    limit = max_output_tokens(src, m30k_cfg.max_decode_extra)  # (1,): §6.1's n + 50
+    out_ids = [BOS] + beam_search(viz, src, padding_mask(src, PAD), limit, BOS, EOS, m30k_cfg.beam_size,
+                                  m30k_cfg.length_penalty_alpha, banned=[PAD])[0]
     maps = attention_maps(viz, src[0], torch.tensor(out_ids[:-1]))
     src_words = m30k_data.src_vocab.lookup_tokens(src_ids)
-    out_words = m30k_data.tgt_vocab.lookup_tokens(out_ids[1:])  # the word each decoder position predicts
-    in_words = m30k_data.tgt_vocab.lookup_tokens(out_ids[:-1])  # the word each decoder position reads
+    out_words = m30k_data.tgt_vocab.lookup_tokens(out_ids[1:])  # the token each decoder position predicts
+    in_words = m30k_data.tgt_vocab.lookup_tokens(out_ids[:-1])  # the token each decoder position reads
     labels = {"encoder": (src_words, src_words), "decoder_self": (out_words, in_words),
               "decoder_src": (out_words, src_words)}
+    print(f"{len(out_ids) - 1} tokens generated (limit {int(limit[0])}):", " ".join(out_words))
+
+# %% [markdown]
+# The overview first, then one head per kind, large (click a figure on the web page to see
+# it at full size):
+
+# %%
+if EXAMPLES:
+    import io
+
+    from IPython.display import Image, display
+
+    def show(fig, alt: str):
+        """Display ``fig`` as a PNG that carries alt text (the web page uses it); whatever the backend."""
+        png = io.BytesIO()
+        fig.savefig(png, format="png", bbox_inches="tight")
+        display(Image(data=png.getvalue()), metadata={"image/png": {"alt": alt}})
+
+    show(draw_attention_overview(maps), "Attention weights of every layer and head, for encoder self-attention, "
+         "masked decoder self-attention and encoder-decoder attention, as small unlabelled heat maps")
     for kind in ATTENTION_KINDS:
-        w = maps[kind]
-        n_layers, n_heads = w.shape[:2]
-        fig, axes = plt.subplots(n_layers, n_heads, figsize=(2.2 * n_heads, 2.4 * n_layers), squeeze=False)
+        layer, head = sharpest_head(maps[kind])
+        title = f"{ATTENTION_TITLES[kind]}, layer {layer + 1}, head {head + 1}"
         rows, cols = labels[kind]
-        for layer in range(n_layers):
-            for head in range(n_heads):
-                sns.heatmap(w[layer, head].numpy(), ax=axes[layer][head], vmin=0.0, vmax=1.0, cmap="Blues",
-                            cbar=False, square=True, xticklabels=cols if layer == n_layers - 1 else False,
-                            yticklabels=rows if head == 0 else False)
-                axes[layer][head].tick_params(labelsize=6)
-                axes[layer][head].set_title(f"layer {layer + 1}, head {head + 1}", fontsize=7)
-        fig.suptitle(f"{kind.replace('_', ' ')} attention (rows: queries, columns: keys)")
-        fig.tight_layout()
-        plt.show()
+        show(draw_attention_head(maps[kind][layer, head], rows, cols, title),
+             f"Heat map of {title}: rows are the tokens {' '.join(rows)}; columns are the tokens {' '.join(cols)}")
 
 # %% [markdown]
 # ## IWSLT14 German→English: on a GPU, and on a CPU

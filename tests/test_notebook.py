@@ -149,3 +149,9 @@ def test_the_notebook_executes_top_to_bottom(tmp_path, mirror):
     text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
     assert "profile: smoke" in text
     assert "copy task:" in text and "test BLEU" in text
+
+
+def test_committed_notebook_carries_no_execution_timestamps():
+    nb = nbformat.read(NB, as_version=4)
+    stamped = [i for i, c in enumerate(nb.cells) if "execution" in c.metadata]
+    assert not stamped, f"cells with execution timestamps: {stamped[:10]}… (make notebook stores none)"

@@ -1,0 +1,48 @@
+"""What the Makefile runs for `make lab` and `make notebook`, read from `make -n` and, for the notebook, run."""
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+
+
+def recipe(target: str, *variables: str) -> list[str]:
+    """The commands ``make -n target`` would run, continuation lines joined."""
+    out = subprocess.run(["make", "-n", "--no-print-directory", target, *variables], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout
+    return out.replace("\\\n", " ").splitlines()
+
+
+def lab_command(*variables: str) -> str:
+    return next(line for line in recipe("lab", *variables) if "jupyter lab" in line)
+
+
+def test_lab_allows_root_as_root_and_only_then():
+    assert "--allow-root" in lab_command("USER_ID=0")
+    assert "--allow-root" not in lab_command("USER_ID=1000")
+    assert ("--allow-root" in lab_command()) == (os.getuid() == 0)
+
+
+@pytest.mark.skipif(not (ROOT / ".venv" / "bin" / "jupyter").exists(), reason="no .venv (make install)")
+def test_notebook_target_stores_outputs_without_execution_timestamps(tmp_path):
+    nb_path = tmp_path / "small.ipynb"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("Two cells."),
+                                         nbformat.v4.new_code_cell("print(6 * 7)"),
+                                         nbformat.v4.new_code_cell("x = 1")])
+    nb.cells[2].metadata["execution"] = {"iopub.status.busy": "2026-01-01T00:00:00Z"}  # left by an earlier run
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, nb_path)
+    commands = [c for c in recipe("notebook", f"NB={nb_path}", f"SRC={tmp_path / 'small.py'}")
+                if "nbconvert" in c or "nbformat" in c]
+    assert len(commands) == 2  # execute, then strip
+    for command in commands:
+        subprocess.run(["bash", "-c", command], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    ran = nbformat.read(nb_path, as_version=4)
+    assert ran.cells[1].outputs[0]["text"] == "42\n"
+    assert [c.metadata.get("execution") for c in ran.cells] == [None, None, None]
