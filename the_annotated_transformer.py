@@ -1182,9 +1182,9 @@ PRESETS = MappingProxyType({
     "iwslt14-small": Config(N=6, d_model=512, d_ff=1024, h=4, P_drop=0.3, dataset="iwslt14", bpe_size=10000,
                             batch_tokens=4096, warmup=4000, lr_factor=5e-4 * (512 * 4000) ** 0.5,
                             weight_decay=1e-4, epochs=50, min_freq=3, clip_grad=0.0, average_last=5),
-    "iwslt14-sample": Config(N=3, d_model=256, d_ff=1024, h=4, P_drop=0.3, attn_dropout=0.1, ffn_dropout=0.1,
+    "iwslt14-sample": Config(N=3, d_model=256, d_ff=1024, h=4, P_drop=0.1, attn_dropout=0.1, ffn_dropout=0.1,
                              dataset="iwslt14", bpe_size=4000, batch_tokens=2048, warmup=1000, lr_factor=0.7,
-                             epochs=25, clip_grad=1.0, average_last=5),
+                             epochs=22, clip_grad=1.0, average_last=5),
 })
 
 
@@ -4202,7 +4202,7 @@ def draw_attention_head(weights: torch.Tensor, rows: Sequence[str], cols: Sequen
 
 # %% [markdown]
 # For one test sentence, the model that was scored above (for the full run the average of
-# its last 5 checkpoints; fast attention and all) translates with §6.1's decoding — beam search, beam
+# its last 5 checkpoints) translates with §6.1's decoding — beam search, beam
 # 4, $\alpha = 0.6$, at most input length + 50 tokens, through `max_output_tokens` as
 # `translate` does — and `attention_maps` records the weights while the decoder reads that
 # translation. In the encoder-decoder map each row is an output token, each column a
@@ -4211,7 +4211,7 @@ def draw_attention_head(weights: torch.Tensor, rows: Sequence[str], cols: Sequen
 
 # %%
 if EXAMPLES:
-    viz = make_model(len(m30k_data.src_vocab), len(m30k_data.tgt_vocab), m30k_cfg)  # fast attention, as trained
+    viz = make_model(len(m30k_data.src_vocab), len(m30k_data.tgt_vocab), m30k_cfg)  # the attention path this machine trains with
     paths = checkpoint_paths(Path(m30k_cfg.run_dir))
     viz.load_state_dict(average_checkpoints(paths[-m30k_cfg.average_last:]) if m30k_cfg.average_last > 1
                         else load_checkpoint(paths[-1])["model"])
