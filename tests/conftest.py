@@ -1,9 +1,10 @@
-"""Shared test setup: the repository root on sys.path and the data mirror fixture."""
+"""Shared test setup: the repository root on sys.path, the data mirror fixture, and small helpers."""
 import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -16,3 +17,45 @@ def mirror() -> Path:
     if not path.is_dir():
         pytest.skip(f"no data mirror at {path}")
     return path
+
+
+def quiet(*args, **kwargs):
+    """A ``log`` that prints nothing."""
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread: these tests share a small machine, and results must not depend on it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_cfg(run_dir, **overrides):
+    """The copy preset shrunk to a one-layer model; ``batch_tokens=240`` → 20 pairs, 10 batches per epoch.
+
+    float32 whatever the CPU (exact comparisons); the precision tests (test_devices.py) ask for theirs.
+    """
+    import the_annotated_transformer as tat
+
+    settings = dict(N=1, d_model=32, d_ff=64, h=4, epochs=1, batch_tokens=240, warmup=50, device="cpu",
+                    precision="fp32", run_dir=str(run_dir))
+    settings.update(overrides)
+    return tat.get_config("copy", **settings)
+
+
+def run(cfg, data, **kwargs) -> dict:
+    """Train ``cfg`` on ``data`` quietly, without the test-set evaluation unless asked."""
+    import the_annotated_transformer as tat
+
+    return tat.train(cfg, data=data, log=quiet, progress=False, **{"evaluate": False, **kwargs})
+
+
+def last_state(run_dir) -> dict:
+    """The newest checkpoint of ``run_dir``, loaded."""
+    import the_annotated_transformer as tat
+
+    paths = tat.checkpoint_paths(run_dir)
+    assert paths, f"no checkpoint in {run_dir}"
+    return tat.load_checkpoint(paths[-1])

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import the_annotated_transformer as tat
+from conftest import quiet  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "the_annotated_transformer.py"
@@ -26,10 +27,6 @@ MAX_LEN = 40  # the test model's positional encoding: short, so that over-long l
 TRAIN = ["train", "--config", "copy", "--max_len", str(MAX_LEN), "--max_eval_sentences", "4", "--device", "cpu",
          "--bf16", "false"]
 NORMAL = ["1 2 3 4 5", "7 7 8", "9 10 1 2", "3"]
-
-
-def quiet(*args, **kwargs):
-    pass
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,7 @@ import torch
 
 import the_annotated_transformer as tat
 from the_annotated_transformer import BOS, EOS, PAD, SPECIALS, UNK, DataError
-
-
-def quiet(*args, **kwargs):
-    pass
+from conftest import quiet  # noqa: E402
 
 
 def sha256_of(path: Path) -> str:

@@ -18,43 +18,15 @@ if str(ROOT) not in sys.path:  # normally done by conftest.py
 
 import the_annotated_transformer as tat  # noqa: E402
 from the_annotated_transformer import PAD  # noqa: E402
+from conftest import last_state, quiet, run, tiny_cfg  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 CPU, CUDA, META = torch.device("cpu"), torch.device("cuda", 0), torch.device("meta")
 
 
-def quiet(*args, **kwargs):
-    """A ``log`` that prints nothing."""
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: these tests share a small machine, and results must not depend on it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def tiny_cfg(run_dir, **overrides) -> tat.Config:
-    """The copy preset shrunk to a one-layer model: 10 batches of 20 pairs per epoch, float32 unless asked."""
-    settings = dict(N=1, d_model=32, d_ff=64, h=4, epochs=1, batch_tokens=240, warmup=50, device="cpu",
-                    precision="fp32", run_dir=str(run_dir))
-    settings.update(overrides)
-    return tat.get_config("copy", **settings)
-
-
 def tiny_data(cfg) -> tat.Dataset:
     return tat.make_copy_data(cfg, sizes=(200, 40, 20))
-
-
-def run(cfg, data, **kwargs) -> dict:
-    return tat.train(cfg, data=data, log=quiet, progress=False, **{"evaluate": False, **kwargs})
-
-
-def last_state(run_dir) -> dict:
-    paths = tat.checkpoint_paths(run_dir)
-    assert paths, f"no checkpoint in {run_dir}"
-    return tat.load_checkpoint(paths[-1])
 
 
 # --------------------------------------------------------------------------------------------

@@ -22,21 +22,12 @@ if str(ROOT) not in sys.path:  # normally done by conftest.py
     sys.path.insert(0, str(ROOT))
 
 import the_annotated_transformer as tat  # noqa: E402
+from conftest import last_state, quiet  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 MODEL = dict(N=1, d_model=32, d_ff=64, h=4, warmup=50, device="cpu", precision="fp32")
 SETTINGS = dict(batch_tokens=120, epochs=1, eps_ls=0.1)  # 10 pairs a batch: 20 batches an epoch
-
-
-def quiet(*args, **kwargs):
-    """A ``log`` that prints nothing."""
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def cfg_for(run_dir, **overrides) -> tat.Config:
@@ -45,12 +36,6 @@ def cfg_for(run_dir, **overrides) -> tat.Config:
 
 def data_for(cfg) -> tat.Dataset:
     return tat.make_copy_data(cfg, sizes=(200, 40, 20))
-
-
-def last_state(run_dir) -> dict:
-    paths = tat.checkpoint_paths(run_dir)
-    assert paths, f"no checkpoint in {run_dir}"
-    return tat.load_checkpoint(paths[-1])
 
 
 def global_batches(cfg) -> list:

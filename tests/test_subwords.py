@@ -9,10 +9,7 @@ import torch
 
 import the_annotated_transformer as tat
 from the_annotated_transformer import BOS, EOS, PAD, SPECIALS, UNK
-
-
-def quiet(*args, **kwargs):
-    pass
+from conftest import quiet  # noqa: E402
 
 
 def write_gz(path: Path, lines):

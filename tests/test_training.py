@@ -25,30 +25,9 @@ if str(ROOT) not in sys.path:  # normally done by conftest.py
 
 import the_annotated_transformer as tat  # noqa: E402
 from the_annotated_transformer import BOS, EOS, PAD  # noqa: E402
+from conftest import last_state, quiet, run, tiny_cfg  # noqa: E402
 
-
-def quiet(*args, **kwargs):
-    """A ``log`` that prints nothing."""
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One intra-op thread: these tests share a small machine, and results must not depend on it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def tiny_cfg(run_dir, **overrides) -> tat.Config:
-    """The copy preset shrunk to a one-layer model; ``batch_tokens=240`` → 20 pairs, 10 batches per epoch.
-
-    float32 whatever the CPU (exact comparisons); the precision tests (test_devices.py) ask for theirs.
-    """
-    settings = dict(N=1, d_model=32, d_ff=64, h=4, epochs=1, batch_tokens=240, warmup=50, device="cpu",
-                    precision="fp32", run_dir=str(run_dir))
-    settings.update(overrides)
-    return tat.get_config("copy", **settings)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_data(cfg) -> tat.Dataset:
@@ -70,16 +49,6 @@ def varlen_data(cfg, n: int = 120, seed: int = 0) -> tat.Dataset:
         return out
 
     return dataclasses.replace(base, splits={"train": pairs(n), "valid": pairs(10), "test": pairs(10)})
-
-
-def run(cfg, data, **kwargs) -> dict:
-    return tat.train(cfg, data=data, log=quiet, progress=False, **{"evaluate": False, **kwargs})
-
-
-def last_state(run_dir) -> dict:
-    paths = tat.checkpoint_paths(run_dir)
-    assert paths, f"no checkpoint in {run_dir}"
-    return tat.load_checkpoint(paths[-1])
 
 
 # --------------------------------------------------------------------------------------------
