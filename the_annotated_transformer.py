@@ -811,7 +811,7 @@ def resolve_attention(setting: str, device: Optional[torch.device] = None) -> tu
     kind = "cpu" if device is None else torch.device(device).type  # make_model builds on the CPU
     path = "fast" if kind == "cuda" else "readable"
     why = ("SDPA's fused kernels on CUDA" if path == "fast"
-           else f"on {kind} the readable path is as fast or faster at sentence lengths")
+           else f"on {kind} the readable path is as fast or faster at our sentence lengths")
     return path, f"attention: {path} path (auto: {why})"
 
 
