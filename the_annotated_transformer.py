@@ -1205,7 +1205,7 @@ def get_config(name: str = "base", **overrides) -> Config:
 
 def default_preset() -> str:
     """The preset a run without ``--config`` trains: the GPU-sized IWSLT14 model where CUDA is
-    available, else the one sized to train on a CPU in about half an hour."""
+    available, else the one sized to train on a CPU in under an hour."""
     return "iwslt14-small" if torch.cuda.is_available() else "iwslt14-sample"
 
 
@@ -4275,7 +4275,7 @@ if EXAMPLES:
 #   it overfits a small one, so this preset is sized for the 8,746-pair training sample (about
 #   180,000 English words — a low-resource setting, where a small model, a small BPE
 #   vocabulary and strong dropout matter; the README gives the published anchors) and trains
-#   in about half an hour of two cores.
+#   in about 40 minutes of two cores, a third of them validating.
 #
 # The command line's run (`make train` picks the preset for the machine) is shown with the
 # scores it wrote when it is in `runs/`, and a run is trained here otherwise. Scores are tokenized BLEU on the
