@@ -742,6 +742,45 @@ if EXAMPLES:
     plt.show()
 
 # %% [markdown]
+# > We also experimented with using learned positional embeddings […] instead, and found
+# > that the two versions produced nearly identical results (see Table […] row (E)). We
+# > chose the sinusoidal version because it may allow the model to extrapolate to sequence
+# > lengths longer than the ones encountered during training.
+#
+# — §3.5
+#
+# The learned alternative is one matrix of `max_len` rows, one trainable vector per position,
+# added exactly where the sinusoid is added and with the same `offset` argument, so the rest
+# of the model — the incremental decoder, beam search, checkpoints — does not know which of
+# the two it holds. `ModelConfig.positional` chooses (`"sinusoid"`, the paper's choice, by
+# default); Part 4 trains both on Multi30k to see whether "nearly identical" holds at our
+# scale. Like every matrix of the model it starts from `make_model`'s Glorot/Xavier
+# initialisation (the paper does not say how its learned positions started).
+
+# %%
+class LearnedPositionalEncoding(nn.Module):
+    r"""Learned positional embeddings, the alternative of §3.5 (Table 3, row (E)), then §5.4's dropout.
+
+    Position $pos$ gets a trained vector $P_{pos} \in \mathbb{R}^{d_{\text{model}}}$; the same
+    interface as :class:`PositionalEncoding`.
+    """
+
+    def __init__(self, d_model: int, dropout: float, max_len: int = 5000):
+        super().__init__()
+        self.dropout = nn.Dropout(dropout)
+        self.weight = nn.Parameter(torch.zeros(max_len, d_model))  # (max_len, d_model); make_model initialises it
+
+    def forward(self, x, offset: int = 0):
+        """(batch, len, d_model) → same shape, with the vectors of positions offset … offset+len−1 added."""
+        end = offset + x.size(1)
+        if end > self.weight.size(0):
+            raise ValueError(f"sequence of length {end} exceeds max_len={self.weight.size(0)}")
+        return self.dropout(x + self.weight[offset:end].to(x.dtype))  # (len, d_model) broadcast over the batch
+
+
+POSITIONAL = MappingProxyType({"sinusoid": PositionalEncoding, "learned": LearnedPositionalEncoding})
+
+# %% [markdown]
 # ## Aside: the fast path
 #
 # The readable `MultiHeadedAttention` of §3.2.2 spells out every step. `FastMultiHeadedAttention` computes the
@@ -846,6 +885,7 @@ class ModelConfig:
     shared_vocab: bool = True  # one vocabulary for both languages: three-way sharing (§3.4, §5.1)
     attention: str = field(default="auto", metadata=SAME_WEIGHTS)  # "readable", "fast" (aside after §4) or "auto"
     max_len: int = 5000  # longest sequence the positional encoding covers
+    positional: str = "sinusoid"  # "sinusoid" (§3.5) or "learned" (§3.5's alternative, Table 3 row (E))
 
     @property
     def d_k(self) -> int:
@@ -884,13 +924,14 @@ def make_model(src_vocab: int, tgt_vocab: int, config: Optional[ModelConfig] = N
     mha = FastMultiHeadedAttention if resolve_attention(cfg.attention)[0] == "fast" else MultiHeadedAttention
     attn = mha(cfg.h, cfg.d_model, cfg.attn_dropout)
     ff = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.ffn_dropout)
+    position = POSITIONAL[cfg.positional]
     c = copy.deepcopy
     model = EncoderDecoder(
         Encoder(EncoderLayer(cfg.d_model, c(attn), c(ff), cfg.P_drop, cfg.norm_first), cfg.N, cfg.norm_first),
         Decoder(DecoderLayer(cfg.d_model, c(attn), c(attn), c(ff), cfg.P_drop, cfg.norm_first), cfg.N,
                 cfg.norm_first),
-        nn.Sequential(Embeddings(cfg.d_model, src_vocab), PositionalEncoding(cfg.d_model, cfg.P_drop, cfg.max_len)),
-        nn.Sequential(Embeddings(cfg.d_model, tgt_vocab), PositionalEncoding(cfg.d_model, cfg.P_drop, cfg.max_len)),
+        nn.Sequential(Embeddings(cfg.d_model, src_vocab), position(cfg.d_model, cfg.P_drop, cfg.max_len)),
+        nn.Sequential(Embeddings(cfg.d_model, tgt_vocab), position(cfg.d_model, cfg.P_drop, cfg.max_len)),
         Generator(cfg.d_model, tgt_vocab),
     )
     for p in model.parameters():
@@ -1040,6 +1081,7 @@ def _config_rules(c: "Config") -> list:
         ("P_drop", prob(c.P_drop), "must be in [0, 1)"), ("ffn_dropout", prob(c.ffn_dropout), "must be in [0, 1)"),
         ("attn_dropout", prob(c.attn_dropout), "must be in [0, 1)"), ("max_len", c.max_len >= 3, "must be at least 3"),
         ("attention", c.attention in ("auto", "readable", "fast"), "must be auto, readable or fast"),
+        ("positional", c.positional in POSITIONAL, f"must be one of {', '.join(POSITIONAL)}"),
         ("dataset", c.dataset in ("copy", "multi30k", "iwslt14"), "must be copy, multi30k or iwslt14"),
         ("bpe_size", c.bpe_size >= 8, "must be at least 8"), ("min_freq", c.min_freq >= 1, "must be at least 1"),
         ("max_tokens", c.max_tokens >= 1, "must be at least 1"),
@@ -3401,8 +3443,9 @@ def load_checkpoint(path: Path, cfg: Optional[Config] = None, src_vocab: Optiona
     if missing:
         raise UnreadableCheckpoint(f"{path} is damaged or hand-made: it lacks {', '.join(missing)}")
     if cfg is not None:
-        diff = [f"{k}: checkpoint {state['config'].get(k)!r} vs now {getattr(cfg, k)!r}"
-                for k in weight_fields() if state["config"].get(k) != getattr(cfg, k)]
+        saved = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | state["config"]  # older: defaults
+        diff = [f"{k}: checkpoint {saved[k]!r} vs now {getattr(cfg, k)!r}"
+                for k in weight_fields() if saved[k] != getattr(cfg, k)]
         if diff:
             raise CheckpointError(f"{path} was written for another model config ({'; '.join(diff)})")
     for side, vocab in (("src", src_vocab), ("tgt", tgt_vocab)):
