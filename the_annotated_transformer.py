@@ -1046,9 +1046,65 @@ if EXAMPLES:
 #
 # We have two CPU cores, so our runs are far smaller: the `multi30k-small` preset trains a
 # 3-layer, $d_{\text{model}}=256$ model for 15 epochs (about 3,200 updates of ~2,500 tokens)
-# in under an hour, and Part 4 scores that run. The code is the same on a GPU
+# in about 25 minutes, and Part 4 scores that run. The code is the same on a GPU
 # (`--device cuda`), where bf16 and several processes make the paper's batch sizes
 # practical.
+
+# %% [markdown]
+# ### One record per data set
+#
+# Everything the program knows about a data set is in one `Corpus` record: its languages,
+# its files, where they are published and the checksums pinned for them, how word-level
+# text is tokenized, how output is turned back into the references' form, and how BLEU is
+# scored. Finding, downloading, reading, decoding and scoring all consult the record, so a
+# new data set in a known form (raw text, or text already tokenized) is one more record
+# here. The copy task of Part 4 is a record too: generated, with no files.
+
+# %%
+@dataclass(frozen=True)
+class Corpus:
+    """One data set, as every part of the program needs it (our addition; §5.1 names the paper's)."""
+
+    name: str
+    src: str = "de"  # source language
+    tgt: str = "en"  # target language
+    files: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # split → (source file, target file) in the data set's folder
+    url: str = ""  # where the files are published (a folder), or the one archive that holds them
+    sha256: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # file → pinned SHA-256 of the download; others unchecked
+    prepare: str = ""  # "": the files are downloaded as they are; "fairseq-iwslt14": an archive to prepare
+    sample: str = ""  # a split that stands in for "train" when only it is there (a training sample)
+    extra_tests: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # further test splits, looked for only when asked
+    words: str = "whitespace"  # word-level tokenizer: "spacy" (its rules, for raw text) or "whitespace"
+    detokenize: str = "join"  # words back to text: "moses" (sacremoses, for raw text) or "join" (with spaces)
+    bleu_tokenize: str = "none"  # sacreBLEU's tokenizer: "13a" for raw text, "none" for tokenized text
+    bleu_kind: str = "tokenized"  # how its BLEU is described in logs and results
+    synthetic: bool = False  # generated (the copy task), no files
+
+
+CORPORA = MappingProxyType({c.name: c for c in (
+    Corpus("copy", synthetic=True),
+    Corpus("multi30k",  # raw, cased image captions; test = test2016 (flickr)
+           files=MappingProxyType({"train": ("train.de.gz", "train.en.gz"), "valid": ("val.de.gz", "val.en.gz"),
+                                   "test": ("test_2016_flickr.de.gz", "test_2016_flickr.en.gz")}),
+           url="https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/",
+           sha256=MappingProxyType({
+               "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
+               "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
+               "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
+               "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
+               "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
+               "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9"}),
+           extra_tests=MappingProxyType({  # the 2017 and 2018 shared tasks' test sets; no checksum known
+               "test_2017_flickr": ("test_2017_flickr.de.gz", "test_2017_flickr.en.gz"),
+               "test_2018_flickr": ("test_2018_flickr.de.gz", "test_2018_flickr.en.gz")}),
+           words="spacy", detokenize="moses", bleu_tokenize="13a", bleu_kind="detokenized cased"),
+    Corpus("iwslt14",  # TED talks, fairseq's layout: Moses-tokenized, lowercased (REPRODUCTION_NOTES.md)
+           files=MappingProxyType({"train": ("train.de", "train.en"), "valid": ("valid.de", "valid.en"),
+                                   "test": ("test.de", "test.en"),
+                                   "train-sample": ("train-sample.de", "train-sample.en")}),
+           url="http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz",  # the archive: not pinned
+           prepare="fairseq-iwslt14", sample="train-sample"),
+)})
 
 # %% [markdown]
 # ## Checking settings before any work
@@ -1082,7 +1138,7 @@ def _config_rules(c: "Config") -> list:
         ("attn_dropout", prob(c.attn_dropout), "must be in [0, 1)"), ("max_len", c.max_len >= 3, "must be at least 3"),
         ("attention", c.attention in ("auto", "readable", "fast"), "must be auto, readable or fast"),
         ("positional", c.positional in POSITIONAL, f"must be one of {', '.join(POSITIONAL)}"),
-        ("dataset", c.dataset in ("copy", "multi30k", "iwslt14"), "must be copy, multi30k or iwslt14"),
+        ("dataset", c.dataset in CORPORA, f"must be one of {', '.join(CORPORA)}"),
         ("bpe_size", c.bpe_size >= 8, "must be at least 8"), ("min_freq", c.min_freq >= 1, "must be at least 1"),
         ("max_tokens", c.max_tokens >= 1, "must be at least 1"),
         ("batch_tokens", c.batch_tokens >= 1, "must be at least 1"), ("warmup", c.warmup >= 1, "must be at least 1"),
@@ -1150,7 +1206,7 @@ class Config(ModelConfig):
     """A training run: the model (:class:`ModelConfig`) plus data, optimisation and machinery settings."""
 
     # --- data (§5.1) ---
-    dataset: str = "multi30k"  # "copy", "multi30k" or "iwslt14"
+    dataset: str = "multi30k"  # a name in CORPORA: "copy", "multi30k" or "iwslt14"
     vocab: str = "bpe"  # "bpe": joint byte-pair encoding (§5.1); "words": whole words, rare ones <unk>
     bpe_size: int = 37000  # size of the joint BPE vocabulary, specials included (§5.1: about 37000)
     min_freq: int = 2  # word vocabularies: keep words seen at least this often
@@ -1314,6 +1370,62 @@ class Vocab:
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Vocab) and self.itos == other.itos
+
+
+# %% [markdown]
+# Every file this program writes — downloads, prepared data, vocabulary and BPE caches,
+# checkpoints, logs — goes through one helper that writes to a temporary file beside the
+# target and renames it only when the writing finished, so an interrupted run never leaves
+# a file that looks complete. Before the rename the file's bytes are forced to the disk
+# (`fsync`), and after it the directory's entry too, so that after a power loss the name
+# holds either the old file or the whole new one — and a caller that then deletes older
+# files (the checkpoint rotation) never deletes them before their successor is safe.
+# `download` uses it and checks the checksum before the rename.
+
+# %%
+@contextmanager
+def atomic_file(path: Path, mode: str = "wb"):
+    """Open a temporary file beside ``path`` that replaces ``path`` only if the block completes.
+
+    Downloads, prepared data, caches, checkpoints and logs all go through this one helper, so
+    an interrupted write never leaves a file that looks finished.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    sync_directory(path.parent)
+
+
+def sync_directory(folder: Path) -> None:
+    """Force ``folder``'s entries (a rename, a new file) to the disk — our addition; a no-op where unsupported."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)  # Windows cannot open a directory: OSError, nothing to do
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+def write_atomic(path: Path, data) -> None:
+    """Write ``data`` (bytes, or an iterable of text lines) to ``path`` atomically."""
+    if isinstance(data, (bytes, bytearray)):
+        with atomic_file(path, "wb") as f:
+            f.write(data)
+    else:
+        with atomic_file(path, "w") as f:
+            for line in data:
+                f.write(line + "\n")
 
 
 # %% [markdown]
@@ -1658,53 +1770,6 @@ if EXAMPLES:
     plt.show()
 
 # %% [markdown]
-# ## The training loop
-#
-# One **update** is one optimizer step: it may accumulate the gradients of several batches
-# (`accum_steps`), which is how one machine reaches the paper's ~25,000 tokens per batch.
-# The loss of each batch is divided by the number of target tokens in the *whole* update
-# (over all accumulated batches, and over all processes in a distributed run), so an update
-# computes the same gradient however it is split. The schedule advances once per update.
-#
-# Around that core: optional gradient clipping, bf16 or fp16 autocast, `torch.compile` (an option;
-# compiling is slow on a CPU, so the tests leave it out), several processes through `torchrun` with
-# `DistributedDataParallel` (NCCL on GPUs, Gloo on CPUs), `tqdm` progress bars with loss,
-# learning rate and tokens per second, a validation loss every epoch, a JSONL metrics log, a
-# training-curve figure, and checkpoints.
-#
-# **A precision the hardware computes fast.** bf16 autocast roughly doubles the matrix
-# throughput of a CPU with native bf16 instructions (AVX-512 BF16 or AMX) and of GPUs from
-# compute capability 8.0 (A100, H100, RTX 30xx and later); where bf16 is only *emulated* —
-# most AVX2 CPUs, and the T4 and V100 — it runs many times slower than float32. Those GPUs
-# have fast fp16 instead, whose narrow range needs a **gradient scaler**: the loss is
-# multiplied by a large factor before the backward pass so that small gradients do not
-# round to zero, the gradients are divided by it before the step, and an update whose
-# gradients overflowed is skipped while the factor shrinks. So `precision="auto"` (the
-# default) picks bf16 where it is native, fp16 with the scaler on older GPUs with fast fp16,
-# float32 elsewhere, and the run log says which and why; `fp32`, `bf16` and `fp16` override
-# it (the former `bf16` switch still works and maps onto them). The loss is summed in
-# float32 under either autocast, and masked attention scores are $-\infty$, which fp16
-# represents, so masks stay exact.
-#
-# ### Checkpoints
-#
-# A checkpoint holds the model, optimizer, scheduler and gradient-scaler states, the step and
-# the position in the epoch, every process's random-number states, the config and the
-# vocabulary. It is written to a
-# temporary file and renamed, so a crash never leaves a half-written checkpoint; the last
-# `keep_checkpoints` are kept, for averaging (§6.1 averages the last 5). Loading uses
-# `torch.load(weights_only=True)`, which never runs code from the file. Resuming restores
-# everything, so that N steps, a stop and N more steps give exactly the parameters of 2N
-# steps in one go (a test checks it).
-#
-# A checkpoint is written at the end of every epoch and, inside long epochs, every
-# `checkpoint_minutes` (10 by default — the interval at which §6.1 says the paper wrote its
-# checkpoints). Ctrl-C (SIGINT) or SIGTERM does not kill training mid-update: the current
-# update finishes, a checkpoint is saved, and the run stops with a message saying that the
-# same command continues it (a second Ctrl-C stops at once). On resuming, records the
-# metrics log received after the checkpoint are dropped, so no step is logged twice.
-
-# %% [markdown]
 # ### One update
 #
 # `update` takes the micro-batches of one update and applies one optimizer step. Each
@@ -1719,25 +1784,26 @@ if EXAMPLES:
 # first, so a NaN in any of them stops all of them together, before the step.
 
 # %%
-class Run(NamedTuple):
-    """The objects of one training run, handed explicitly from step to step."""
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite; the last good checkpoint is kept."""
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """What an update needs — §5.3: the model, the optimizer and its schedule, and how to compute."""
 
     cfg: Config
-    data: Dataset
     model: EncoderDecoder  # the plain model (its parameters, its generator)
     train_model: nn.Module  # what computes the forward pass: the model, compiled and/or wrapped in DDP
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
     device: torch.device
     autocast: Callable  # a context manager factory: bf16 or fp16 autocast, or nothing
-    rank: int
-    world: int
-    files: "RunFiles"
-    log: Callable
     scaler: torch.amp.GradScaler  # scales the fp16 loss so small gradients survive; disabled otherwise
+    world: int = 1  # processes training together (DistributedDataParallel)
 
 
-def update(run: Run, micro: Sequence[Batch]) -> tuple[float, int, float]:
+def update(run: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]:
     """One optimizer update over the micro-batches ``micro`` — §5.3.
 
     Returns (summed label-smoothed loss, real target tokens, learning rate applied) over the
@@ -1773,635 +1839,6 @@ def update(run: Run, micro: Sequence[Batch]) -> tuple[float, int, float]:
         run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     return total, round(tokens), lr
-
-
-# %% [markdown]
-# ### Checkpoint and metrics bookkeeping; resuming
-#
-# `RunFiles` is the run directory: it writes checkpoints (keeping the last
-# `keep_checkpoints`) and appends records to the metrics log; only the main process
-# writes. `Position` is where training stands — updates taken (the paper's $step\_num$),
-# the epoch, and how many batches of the epoch's *global* order (the order of one process,
-# `length_batches` without `rank`) all processes together have consumed. Counted that way,
-# the position means the same whatever the number of processes or `accum_steps`, so a run
-# stopped on 4 GPUs continues on 1 with exactly the batches not yet seen (and the other way
-# round); the checkpoint also records the layout it was computed with. `epoch_updates`
-# deals out the rest of an epoch: the batches not consumed yet, cut to a multiple of the
-# number of processes, process $r$ of $W$ taking every $W$-th from the $r$-th on, grouped
-# `accum_steps` at a time.
-#
-# Faults are expected, not exceptional (our addition; the paper says nothing of them). The
-# run directory is locked (an operating-system lock, gone when the process dies) so that a
-# second run there stops at once instead of writing every record twice. Metrics records
-# are flushed to the disk as they are written. On resuming, a torn last record (a full disk,
-# a killed process) is dropped with a warning, and an unreadable newest checkpoint (a power
-# loss) is set aside with a warning in favour of the newest readable one; the metrics log is
-# then cut back to that checkpoint, so no step is logged twice.
-
-# %%
-@dataclass
-class Position:
-    """Where training stands: updates taken, the epoch (from 0), global batches of the epoch consumed."""
-
-    step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0  # batches of the epoch's global order consumed, by all processes together
-
-
-def epoch_updates(batches: Sequence, start: int, rank: int, world: int, accum: int) -> tuple[list, list, int]:
-    """This process's updates for the global ``batches`` from ``start`` on (our addition).
-
-    Returns (updates, consumed after each update, where the epoch ends): update k of every
-    process together takes global batches ``[start + k·accum·world, …)``; the tail that does
-    not divide among the processes is left out, as a distributed epoch leaves it out.
-    """
-    rest = batches[start:]
-    usable = len(rest) - len(rest) % world
-    mine = list(rest[:usable])[rank::world]
-    updates = [mine[i: i + accum] for i in range(0, len(mine), accum)]
-    consumed = [start + min((k + 1) * accum * world, usable) for k in range(len(updates))]
-    return updates, consumed, start + usable
-
-
-def resume_position(state: dict, cfg: Config, path) -> tuple[Position, dict]:
-    """A checkpoint's position in global batches and the layout it was computed with (our addition).
-
-    Refuses, in one line, a position inside an epoch whose batches were cut for another
-    ``batch_tokens`` (the batches not yet seen are not defined then); at an epoch boundary any
-    setting may change.
-    """
-    pos = Position(state["step"], state["epoch"], state["batch_in_epoch"])
-    layout = state.get("layout")
-    if layout is None:  # older checkpoints counted one process's updates and did not record the layout
-        saved = state["config"]
-        layout = {"world_size": 1, "accum_steps": saved.get("accum_steps", 1),
-                  "batch_tokens": saved.get("batch_tokens")}
-        pos.batch_in_epoch *= layout["accum_steps"]
-    if pos.batch_in_epoch and layout["batch_tokens"] != cfg.batch_tokens:
-        raise CheckpointError(f"{path} stopped inside epoch {pos.epoch + 1}, whose batches were cut for "
-                              f"batch_tokens={layout['batch_tokens']}; resume with --batch_tokens "
-                              f"{layout['batch_tokens']} (it may change once an epoch is complete)")
-    return pos, layout
-
-
-# %% [markdown]
-# The run directory. A checkpoint is written by the first process alone, but every process
-# takes part in `save`: each hands over its random-number state, so that a resume on as many
-# processes restores each process's own streams.
-
-# %%
-class RunFiles:
-    """A run directory's checkpoints (the last ``keep`` kept) and JSONL metrics log; writes only if ``write``."""
-
-    def __init__(self, run_dir: Path, keep: int, write: bool):
-        self.dir, self.keep, self.write = Path(run_dir), keep, write
-        self.metrics = self.dir / "metrics.jsonl"
-        self.saved_at = time.time()  # when a checkpoint was last written (for checkpoint_minutes)
-        self.lock = open_run_dir(self.dir) if write else None  # open while this process holds the directory
-
-    def log(self, record: dict) -> None:
-        """Append one record to the metrics log, on the disk before it returns."""
-        if self.write:
-            with open(self.metrics, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-
-    def save(self, run: Run, pos: Position) -> Optional[Path]:
-        """Write a checkpoint of ``run`` at ``pos``; once it is on the disk, delete the oldest beyond ``keep``.
-
-        Every process calls it: each hands its random-number state to the first, which writes.
-        """
-        self.saved_at = time.time()
-        rng = [rng_state(run.device)]
-        if run.world > 1:
-            gathered = [None] * run.world if run.rank == 0 else None
-            dist.gather_object(rng[0], gathered, dst=0)
-            rng = gathered
-        if not self.write:
-            return None
-        path = self.dir / f"checkpoint-{pos.step:08d}.pt"
-        layout = {"world_size": run.world, "accum_steps": run.cfg.accum_steps, "batch_tokens": run.cfg.batch_tokens}
-        try:
-            save_checkpoint(path, run.model, run.optimizer, run.scheduler, run.cfg, run.data.src_vocab,
-                            run.data.tgt_vocab, pos.step, pos.epoch, pos.batch_in_epoch, run.data.subwords,
-                            scaler=run.scaler, rng=rng, layout=layout)
-        except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
-            raise CheckpointError(f"cannot write checkpoint {path} ({first_line(e)}; {free_space(self.dir)}); "
-                                  "the checkpoints already in the run directory are intact") from e
-        for old in checkpoint_paths(self.dir)[: -self.keep]:
-            old.unlink()
-        return path
-
-    def repair_metrics(self, step: int) -> None:
-        """Make the metrics log agree with a run resumed at ``step`` — our addition: lines that are not whole
-        records (torn by a crash or a full disk) are dropped with a warning, and records after ``step``."""
-        if not (self.write and self.metrics.is_file()):
-            return
-        raw = self.metrics.read_bytes()
-        kept, torn, later = metrics_lines_upto(raw, step)
-        if torn:
-            print(f"warning: {self.metrics}: dropped {torn} unreadable line(s), cut short by a crash or a full "
-                  "disk", file=sys.stderr)
-        if torn or later or not raw.endswith(b"\n"):
-            write_atomic(self.metrics, kept)
-
-
-# %% [markdown]
-# The lock `RunFiles` takes on its directory: `flock`, which the operating system releases
-# when the process ends, however it ends — so a killed run never leaves a stale lock behind.
-
-# %%
-def lock_run_dir(run_dir: Path):
-    """Hold an exclusive lock on ``run_dir/run.lock`` — our addition: one run per run directory.
-
-    Returns the open lock file (the lock lasts while it is open; the operating system drops it
-    when the process ends, however it ends), or None where there is no ``flock`` or when this
-    same process already holds it. Raises :class:`RunDirectoryError` naming the process that holds it.
-    """
-    try:
-        import fcntl
-    except ImportError:  # no flock on this system: runs are not locked
-        return None
-    f = open(Path(run_dir) / "run.lock", "a+", encoding="utf-8")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        f.seek(0)
-        pid, _, command = f.read().strip().partition(" ")
-        f.close()
-        if pid == str(os.getpid()):
-            return None  # an earlier run of this process, not yet collected
-        raise RunDirectoryError(f"run directory {run_dir} is in use by process {pid or '(unknown)'}"
-                                + (f" ({command})" if command else "")
-                                + "; two runs in one directory would mix their checkpoints and metrics. "
-                                "Wait for it to end, or give another --run_dir") from None
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()} {' '.join(sys.argv)[:300]}\n")
-    f.flush()
-    return f
-
-
-def open_run_dir(run_dir: Path):
-    """Create and lock ``run_dir`` (:func:`lock_run_dir`); remove temporary files a killed run left — our addition."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunDirectoryError(f"run directory {run_dir} is a file, not a directory")
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lock = lock_run_dir(run_dir)
-    except OSError as e:
-        raise RunDirectoryError(f"cannot write in run directory {run_dir}: {e.strerror or e}") from None
-    for tmp in [*run_dir.glob(".checkpoint-*.part"), *run_dir.glob(".metrics.jsonl.*.part")]:
-        tmp.unlink(missing_ok=True)  # the lock says that no running process is writing them
-    return lock
-
-
-# %% [markdown]
-# Reading back a metrics log that a crash may have torn, and the short forms of an error
-# and of the free disk space that the messages quote.
-
-# %%
-
-def metrics_lines_upto(raw: bytes, step: int) -> tuple[list[str], int, int]:
-    """(records of step ≤ ``step``, lines that are not whole records, records after ``step``) — our addition."""
-    kept, torn, later = [], 0, 0
-    for line in raw.decode("utf-8", errors="replace").split("\n"):
-        if not line.strip():
-            continue
-        try:
-            record_step = json.loads(line)["step"]
-            if not isinstance(record_step, int):
-                raise TypeError(record_step)
-        except (ValueError, KeyError, TypeError):
-            torn += 1
-            continue
-        if record_step > step:
-            later += 1
-        else:
-            kept.append(line)
-    return kept, torn, later
-
-
-def first_line(e: BaseException) -> str:
-    """An exception's message, first line only (torch's can run to many lines) — our addition, for one-line errors."""
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
-def free_space(folder: Path) -> str:
-    """How much room the disk of ``folder`` has left, in words — our addition, for error messages."""
-    try:
-        return f"{shutil.disk_usage(folder).free / 2**20:,.0f} MiB free there"
-    except OSError:
-        return "free space unknown"
-
-
-# %% [markdown]
-# Resuming: the newest checkpoint that can be read, with everything it recorded.
-
-# %%
-def newest_readable_checkpoint(run_dir: Path, cfg: Config, src_vocab: Vocab, tgt_vocab: Vocab,
-                               subwords: Optional[Subwords], tidy: bool) -> Optional[tuple[Path, dict]]:
-    """(path, state) of the newest checkpoint of ``run_dir`` that can be read; None if there is none — our addition.
-
-    Newer ones that cannot be read (truncated by a power loss) are skipped with a warning and,
-    if ``tidy`` (the process that writes), renamed to ``*.unreadable`` so that the rotation
-    never keeps them in place of good ones. A checkpoint that reads but does not fit ``cfg``
-    or the vocabularies is an error, as is a directory where none can be read.
-    """
-    paths = checkpoint_paths(run_dir)
-    bad = []
-    for path in reversed(paths):
-        try:
-            state = load_checkpoint(path, cfg, src_vocab, tgt_vocab, subwords)
-        except UnreadableCheckpoint as e:
-            bad.append(path)
-            if tidy:
-                print(f"warning: {e}; falling back to the checkpoint before it", file=sys.stderr)
-            continue
-        if tidy:
-            for b in bad:
-                os.replace(b, b.with_name(b.name + ".unreadable"))
-        return path, state
-    if bad:
-        raise CheckpointError(f"none of the {len(bad)} checkpoint(s) in {run_dir} can be read; move them "
-                              "away to start the run over")
-    return None
-
-
-# %% [markdown]
-# Resuming: the first process reads the checkpoint and hands it to the others (a
-# broadcast), so that processes on machines without a shared disk start where it does —
-# after DDP's own first broadcast of the weights, which saw only the fresh model. The
-# position is checked against the settings now in force (`resume_position`, above):
-# another number of processes or `accum_steps` continues the same global order of batches;
-# another `batch_tokens` inside an epoch cannot, and is refused in one line.
-
-# %%
-def resume(run: Run) -> Position:
-    """Restore the newest checkpoint of the run directory (model, optimizer, schedule, scaler, RNGs), if any.
-
-    The first process reads it and hands it to the others, so machines without a shared disk
-    resume in step. Metrics logged after that checkpoint are dropped, so the resumed run logs
-    no step twice.
-    """
-    state, path, error = None, None, None
-    if run.rank == 0:
-        try:
-            found = newest_readable_checkpoint(run.files.dir, run.cfg, run.data.src_vocab, run.data.tgt_vocab,
-                                               run.data.subwords, tidy=run.files.write)
-        except CheckpointError as e:
-            found, error = None, e
-        if found is not None:
-            path, state = found
-    if run.world > 1:
-        box = [state, path, str(error) if error else None]
-        dist.broadcast_object_list(box, src=0)
-        state, path, error = box[0], box[1], box[2] and CheckpointError(box[2])
-    if error:
-        raise error
-    if state is None:
-        run.files.repair_metrics(0)
-        return Position()
-    pos, layout = resume_position(state, run.cfg, path)
-    run.model.load_state_dict(state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
-    run.scheduler.load_state_dict(state["scheduler"])
-    if state.get("scaler"):
-        run.scaler.load_state_dict(state["scaler"])
-    now = {"world_size": run.world, "accum_steps": run.cfg.accum_steps, "batch_tokens": run.cfg.batch_tokens}
-    ranks = state["rng"].get("ranks")
-    if ranks is not None and len(ranks) == run.world:
-        restore_rng(ranks[run.rank], run.device)
-    elif ranks is None and run.world == 1:
-        restore_rng(state["rng"], run.device)  # an older checkpoint: one process's streams
-    else:
-        seed_process(run.cfg.seed, run.rank, pos.step)
-        run.log(f"the checkpoint holds the random streams of {len(ranks or [0])} process(es); "
-                f"{run.world} continue with fresh streams of their own")
-    run.log(f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, {pos.batch_in_epoch} of its batches done)"
-            + ("" if layout == now else f"; written with {layout}, continuing with {now}"))
-    run.files.repair_metrics(pos.step)
-    return pos
-
-
-# %% [markdown]
-# ### Validation
-#
-# After every epoch: the mean cross-entropy per target token on the validation split,
-# without label smoothing, so that $e^{\text{loss}}$ is the perplexity.
-
-# %%
-@torch.no_grad()
-def evaluate_loss(model: nn.Module, pairs: Sequence, cfg: Config, device) -> float:
-    """Mean cross-entropy per target token (no label smoothing) on ``pairs``."""
-    model.eval()
-    total, ntokens = 0.0, 0
-    lengths = [(len(s), len(t)) for s, t in pairs]
-    for idx in length_batches(lengths, cfg.batch_tokens, shuffle=False):
-        b = make_batch(pairs, idx).to(device)
-        out = model(b.src, b.tgt, b.src_mask, b.tgt_mask)
-        total += float(loss_sum(unwrap(model).generator(out), b.tgt_y, 0.0))
-        ntokens += b.ntokens
-    return total / max(ntokens, 1)
-
-
-
-# %% [markdown]
-# ### How long, and is the run sized for this data?
-#
-# Before long work a run says what it will do: how many updates, and — after its first few
-# updates, timed on this machine — roughly how many minutes of training that is. A preset is
-# sized for a data set and a device (`iwslt14-small` for the full IWSLT14 set on a GPU), so a
-# run also says, in one line, when its model is far larger than its training data, or when it
-# will take hours on this device, and then goes on: the choice stays the user's.
-
-# %%
-OVERSIZED = 50  # parameters per training target token above which a model is "sized for more data"
-LONG_MINUTES = 120  # an estimate above this on a CPU is said out loud
-
-
-@dataclass
-class UpdateClock:
-    """Times updates ``skip+1 … skip+count`` of this process's run and logs one estimate for the rest."""
-
-    remaining: int  # updates this run will take from where it starts
-    device: torch.device
-    log: Callable
-    skip: int = 3  # the first updates are slower (allocation, caches)
-    count: int = 10
-    seen: int = 0
-    t0: float = 0.0
-    minutes: Optional[float] = None  # the estimate, once made
-
-    def tick(self) -> None:
-        """Call after every update."""
-        self.seen += 1
-        if self.seen == self.skip:
-            self.t0 = time.time()
-        elif self.seen == self.skip + self.count:
-            per_update = (time.time() - self.t0) / self.count
-            self.minutes = per_update * (self.remaining - self.seen) / 60
-            self.log(f"estimate: {per_update:.2f} s per update measured here → about {self.minutes:.0f} min for the "
-                     f"remaining {self.remaining - self.seen:,} updates (validation and test decoding come on top)")
-            if self.device.type == "cpu" and self.minutes > LONG_MINUTES:
-                self.log(f"note: about {self.minutes / 60:.1f} h on this CPU — this preset is sized for a GPU; "
-                         "--epochs or --max_steps shortens it, or see the CPU presets in the README")
-
-
-def plan_run(cfg: Config, data: Dataset, world: int, step: int, model: nn.Module) -> tuple[int, list[str]]:
-    """(updates left to take, lines for the log): the run's length and whether the model suits the data."""
-    lengths = [(len(s), len(t)) for s, t in data.splits["train"]]
-    batches = len(length_batches(lengths, cfg.batch_tokens, cfg.seed, 0, rank=0, world_size=world))
-    per_epoch = math.ceil(batches / cfg.accum_steps)
-    total = per_epoch * cfg.epochs if not cfg.max_steps else min(per_epoch * cfg.epochs, cfg.max_steps)
-    tokens = sum(t - 1 for _, t in lengths)  # target tokens predicted per epoch
-    lines = [f"plan: {cfg.epochs} epochs × {per_epoch:,} updates"
-             + (f", at most {cfg.max_steps:,} updates" if cfg.max_steps else "")
-             + f" = {total:,} updates ({max(total - step, 0):,} to go) on {len(lengths):,} training pairs "
-             f"({tokens:,} target tokens per epoch)"]
-    ratio = count_parameters(model) / max(tokens, 1)
-    if ratio > OVERSIZED:
-        lines.append(f"note: the model has {ratio:.0f} parameters per training target token — it is sized for far "
-                     "more data than this and will overfit it; a smaller preset suits this data (see the README)")
-    return max(total - step, 0), lines
-
-
-# %% [markdown]
-# ### One epoch
-#
-# The batches of an epoch are a function of (seed, epoch), so `train_epoch` can start at
-# any update of it. After each update: the progress bar, a metrics record every 50
-# updates, and the two ways training stops early — `max_steps`, or a signal (save, then
-# stop with a message) — and the checkpoint every `checkpoint_minutes` (not at the last
-# update of an epoch, whose own checkpoint follows at once). It returns whether training
-# is finished.
-
-# %%
-def train_epoch(run: Run, pos: Position, stop: StopRequest, progress: bool, t_start: float,
-                clock: Optional[UpdateClock] = None) -> bool:
-    """The updates of epoch ``pos.epoch`` from ``pos.batch_in_epoch`` on, advancing ``pos``; True once ``max_steps`` is reached."""
-    cfg, pairs = run.cfg, run.data.splits["train"]
-    lengths = [(len(s), len(t)) for s, t in pairs]
-    batches = length_batches(lengths, cfg.batch_tokens, cfg.seed, pos.epoch)  # the epoch's global order
-    updates, consumed, end = epoch_updates(batches, pos.batch_in_epoch, run.rank, run.world, cfg.accum_steps)
-    per_epoch = len(epoch_updates(batches, 0, 0, run.world, cfg.accum_steps)[0])
-    bar = tqdm(total=per_epoch, initial=max(per_epoch - len(updates), 0), desc=f"epoch {pos.epoch + 1}/{cfg.epochs}",
-               disable=not (progress and run.rank == 0), dynamic_ncols=True)
-    run.train_model.train()
-    seen, t0, loss_acc, tok_acc = 0, time.time(), 0.0, 0
-    finished = False
-    with bar:
-        for u, micro in enumerate(updates):
-            try:
-                loss, tokens, lr = update(run, [make_batch(pairs, idx).to(run.device) for idx in micro])
-            except TrainingDiverged as e:
-                last = checkpoint_paths(run.files.dir)
-                raise TrainingDiverged(f"{e} at step {pos.step + 1}; stopped. Last good checkpoint: "
-                                       f"{last[-1] if last else 'none (no checkpoint written yet)'}") from None
-            pos.step, pos.batch_in_epoch = pos.step + 1, consumed[u]
-            if clock is not None:
-                clock.tick()
-            seen, loss_acc, tok_acc = seen + tokens, loss_acc + loss, tok_acc + tokens  # all processes
-            tps = seen / max(time.time() - t0, 1e-9)
-            bar.set_postfix(loss=f"{loss / max(tokens, 1):.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
-            bar.update(1)
-            if pos.step % 50 == 0:
-                run.files.log({"step": pos.step, "epoch": pos.epoch + 1, "train_loss": loss_acc / max(tok_acc, 1),
-                               "lr": lr, "tokens_per_s": tps, "elapsed_s": time.time() - t_start})
-                loss_acc, tok_acc = 0.0, 0
-            if cfg.max_steps and pos.step >= cfg.max_steps:
-                finished = True
-                break
-            due = bool(cfg.checkpoint_minutes and u < len(updates) - 1
-                       and time.time() - run.files.saved_at >= cfg.checkpoint_minutes * 60)
-            stop_now, save_now = any_process([stop.signum is not None, due], run.world, run.device)
-            if stop_now:
-                path = run.files.save(run, pos)
-                name = signal.Signals(stop.signum).name if stop.signum else "a signal in another process"
-                raise TrainingInterrupted(f"stopped by {name} after update {pos.step}; checkpoint saved to "
-                                          f"{path or 'the run directory of the first process'}. "
-                                          "Run the same command again to continue from there.")
-            if save_now:
-                run.files.save(run, pos)
-    if pos.batch_in_epoch == end:  # the epoch is complete (also when max_steps ended it there)
-        pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
-    return finished
-
-
-# %% [markdown]
-# ### `train`
-#
-# The function the command line, `make train` and Part 4 of this notebook all call. It
-# sets up a `Run`, resumes if the run directory holds a checkpoint, and then repeats: an
-# epoch, validation, an end-of-epoch checkpoint. Last, it draws the training curve and
-# scores the test set (Part 3).
-
-# %%
-def setup(cfg: Config, data: Dataset, device: torch.device, rank: int, world: int, log: Callable) -> Run:
-    """The model, optimizer, schedule, precision and run directory of a training run.
-
-    The model is initialised from ``cfg.seed`` in every process (the same weights); then each
-    process switches to its own random stream, for dropout.
-    """
-    attention, why_attention = resolve_attention(cfg.attention, device)
-    model = make_model(len(data.src_vocab), len(data.tgt_vocab), cfg, attention=attention).to(device)
-    optimizer, scheduler = make_optimizer(model, cfg)
-    train_model = torch.compile(model) if cfg.compile else model
-    if world > 1:  # no buffer changes while training (the positional encodings are constant): none to broadcast
-        train_model = nn.parallel.DistributedDataParallel(
-            train_model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
-        seed_process(cfg.seed, rank)
-    precision, why = resolve_precision(cfg.precision, device)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    files = RunFiles(run_dir_for(cfg), cfg.keep_checkpoints, write=rank == 0)
-    log(f"device: {device}" + (f" × {world} processes" if world > 1 else "") + f"; run directory: {files.dir}")
-    log(why)
-    log(why_attention)
-    return Run(cfg, data, model, train_model, optimizer, scheduler, device, autocast, rank, world, files, log, scaler)
-
-
-# %% [markdown]
-# `train` itself: set up, resume, then epochs until `epochs` or `max_steps`, each followed by
-# validation and a checkpoint; last the curve and the test score.
-
-# %%
-def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, progress: bool = True,
-          evaluate: bool = True) -> dict:
-    """Train ``cfg`` (resuming from its run directory when that holds a checkpoint), then score the test set.
-
-    Returns a summary: steps, minutes, BLEU, example translations and where the run's files are.
-    """
-    device, local_rank = resolve_device(cfg.device), int(os.environ.get("LOCAL_RANK", "0"))
-    if device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        device = torch.device("cuda", local_rank)  # one GPU per process
-        torch.cuda.set_device(device)
-    rank, world = _distributed(device)
-    log = log if rank == 0 else (lambda *a, **k: None)
-    torch.manual_seed(cfg.seed)
-    random.seed(cfg.seed)
-    t_start = time.time()
-    if data is None:  # one process per machine downloads and builds the caches; the others then read them
-        if world > 1 and local_rank != 0:
-            _barrier(device)
-        data = load_dataset(cfg, log=log)
-        if world > 1 and local_rank == 0:
-            _barrier(device)
-    run = setup(cfg, data, device, rank, world, log)
-    pos = resume(run)
-    log(f"model: {count_parameters(run.model) / 1e6:.2f}M parameters "
-        f"(N={cfg.N}, d_model={cfg.d_model}, d_ff={cfg.d_ff}, h={cfg.h}, P_drop={cfg.P_drop})")
-    remaining, plan = plan_run(cfg, data, world, pos.step, run.model)
-    for line in plan:
-        log(line)
-    clock = UpdateClock(remaining, device, log)
-    with StopRequest() as stop:
-        finished = bool(cfg.max_steps and pos.step >= cfg.max_steps)
-        while pos.epoch < cfg.epochs and not finished:
-            epoch_number = pos.epoch + 1  # the epoch these updates belong to, counting from 1
-            finished = train_epoch(run, pos, stop, progress, t_start, clock)
-            valid_loss = evaluate_loss(run.model, data.splits["valid"], cfg, device) if rank == 0 else float("nan")
-            ppl = math.exp(min(valid_loss, 50))
-            run.files.log({"step": pos.step, "epoch": epoch_number, "valid_loss": valid_loss, "valid_ppl": ppl,
-                           "elapsed_s": time.time() - t_start})
-            log(f"step {pos.step}: validation loss {valid_loss:.3f} (perplexity {ppl:.2f})")
-            path = run.files.save(run, pos)
-            if world > 1:
-                _barrier(device)
-            if stop.requested(world, device) and pos.epoch < cfg.epochs and not finished:
-                raise TrainingInterrupted(f"stopped after update {pos.step} (end of epoch {pos.epoch}); checkpoint "
-                                          f"saved to {path or 'the run directory of the first process'}. "
-                                          "Run the same command again to continue from there.")
-    summary = {"config": dataclasses.asdict(cfg), "steps": pos.step, "train_minutes": (time.time() - t_start) / 60,
-               "device": str(device), "world_size": world, "precision": resolve_precision(cfg.precision, device)[0],
-               "data": data.origin, "run_dir": str(run.files.dir)}
-    if rank == 0 and run.files.metrics.is_file():
-        summary["curve"] = str(plot_curves(run.files.metrics, run.files.dir / "curve.png"))
-    if evaluate and rank == 0:
-        summary.update(evaluate_test(run.model, data, cfg, device, run.files.dir, log=log, progress=progress))
-        summary["total_minutes"] = (time.time() - t_start) / 60
-        write_atomic(run.files.dir / "results.json", [json.dumps(summary, indent=2)])
-    return summary
-
-
-# %% [markdown]
-# At the end of training the test set is translated twice — greedy, and with beam search
-# (§6.1) — optionally with the last checkpoints averaged, and scored; `plot_curves` draws the
-# training and validation loss from the metrics log (next cell).
-
-# %%
-def evaluate_test(model: nn.Module, data: Dataset, cfg: Config, device, run_dir: Optional[Path] = None,
-                  log: Callable = print, progress: bool = True) -> dict:
-    """Decode the test set greedily and with beam search (§6.1), optionally averaging the last checkpoints; BLEU.
-
-    ``bleu`` is the beam-search score (``cfg.beam_size``, ``cfg.length_penalty_alpha``),
-    ``bleu_greedy`` the greedy one.
-    """
-    model = unwrap(model)
-    if cfg.average_last > 1 and run_dir is not None:
-        paths = checkpoint_paths(run_dir)[-cfg.average_last:]
-        model = copy.deepcopy(model)
-        model.load_state_dict(average_checkpoints(paths))
-        log(f"evaluating the average of {len(paths)} checkpoints")
-    model = on_device(model, device)
-    test = data.splits["test"]
-    refs = data.test_refs
-    if cfg.max_eval_sentences:
-        test, refs = test[: cfg.max_eval_sentences], refs[: cfg.max_eval_sentences]
-    kind = "detokenized cased" if data.name == "multi30k" else "tokenized"
-    sources = [s for s, _ in test]
-    t0 = time.time()
-    greedy_hyps = detokenize(translate(model, sources, data.tgt_vocab, cfg, device, progress=progress), data.name,
-                             data.subwords)
-    score_greedy = bleu(greedy_hyps, refs, data.name)
-    log(f"test BLEU ({kind}, sacreBLEU, greedy, {len(test):,} sentences): {score_greedy:.2f}")
-    t1 = time.time()
-    tokens = translate(model, sources, data.tgt_vocab, cfg, device, progress=progress, beam_size=cfg.beam_size,
-                       alpha=cfg.length_penalty_alpha)
-    hyps = detokenize(tokens, data.name, data.subwords)
-    score = bleu(hyps, refs, data.name)
-    unk_share = sum(t == SPECIALS[UNK] for toks in tokens for t in toks) / max(sum(map(len, tokens)), 1)
-    log(f"test BLEU ({kind}, sacreBLEU, beam {cfg.beam_size}, alpha {cfg.length_penalty_alpha}, "
-        f"{len(test):,} sentences): {score:.2f}; <unk> in {unk_share:.2%} of output tokens")
-    examples = []
-    for i in range(min(cfg.examples_to_show, len(test))):
-        pieces = data.src_vocab.lookup_tokens(test[i][0][1:-1])
-        src = data.subwords.decode([pieces])[0] if data.subwords else " ".join(pieces)
-        examples.append({"source": src, "reference": refs[i], "output": hyps[i]})
-        log(f"  source:    {src}\n  reference: {refs[i]}\n  output:    {hyps[i]}")
-    return {"bleu": score, "bleu_greedy": score_greedy, "bleu_kind": kind, "unk_share": unk_share,
-            "beam_size": cfg.beam_size,
-            "length_penalty_alpha": cfg.length_penalty_alpha, "test_sentences": len(test),
-            "decode_minutes": (time.time() - t0) / 60, "decode_minutes_greedy": (t1 - t0) / 60,
-            "examples": examples}
-
-
-# %% [markdown]
-# `plot_curves` draws the training and validation loss from the metrics log into the run directory.
-
-# %%
-def plot_curves(metrics_path: Path, out: Path) -> Path:
-    """Training and validation loss against step, from the metrics log, saved as a PNG."""
-    import matplotlib.pyplot as mpl
-
-    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
-    fig, ax = mpl.subplots(figsize=(6, 3.5))
-    tr = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
-    va = [(r["step"], r["valid_loss"]) for r in records if "valid_loss" in r]
-    if tr:
-        ax.plot(*zip(*tr), label="training loss (label-smoothed)")
-    if va:
-        ax.plot(*zip(*va), "o-", label="validation loss")
-    ax.set_xlabel("update")
-    ax.set_ylabel("nats per token")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    mpl.close(fig)
-    return out
 
 
 # %% [markdown]
@@ -2769,6 +2206,12 @@ def beam_search(model, src, src_mask, max_new_tokens, start_symbol: int, end_sym
 # (a model read from a checkpoint is on the CPU): `on_device` moves the model there.
 
 # %%
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside DistributedDataParallel and/or torch.compile wrappers (our addition)."""
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
+
+
 def on_device(model: nn.Module, device) -> nn.Module:
     """``model`` on ``device``: moved there (in place) when its parameters are elsewhere (our addition)."""
     device = torch.device(device)
@@ -2821,28 +2264,38 @@ def translate(model: EncoderDecoder, sources: Sequence[list[int]], tgt_vocab: Vo
 
 
 def detokenize(tokens_list: Sequence[list[str]], dataset: str, subwords: Optional[Subwords] = None) -> list[str]:
-    """Token lists → strings in the form the references have (see above); BPE pieces are decoded."""
+    """Token lists → strings in the form ``dataset``'s references have (its record says); BPE pieces are decoded."""
     if subwords is not None:
         return subwords.decode(tokens_list)
-    if dataset == "multi30k":
+    if CORPORA[dataset].detokenize == "moses":
         from sacremoses import MosesDetokenizer
 
-        md = MosesDetokenizer(lang="en")
+        md = MosesDetokenizer(lang=CORPORA[dataset].tgt)
         return [md.detokenize(t) for t in tokens_list]
     return [" ".join(t) for t in tokens_list]
 
 
-def bleu_metric(dataset: str):
-    """sacreBLEU's BLEU as each data set is scored: detokenized for Multi30k; tokenized for IWSLT14 and copy."""
+class Bleu(NamedTuple):
+    """A corpus BLEU score as sacreBLEU reports it."""
+
+    score: float  # 0–100
+    text: str  # sacreBLEU's line: "BLEU = 41.79 72.1/48.9/… (BP = … )"
+    signature: str  # how it was computed (tokenizer, smoothing, version)
+
+
+def bleu(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> Bleu:
+    """Corpus BLEU (§6.1's metric) with sacreBLEU, tokenized as ``dataset``'s record says — the one BLEU here.
+
+    Raw text (Multi30k) with sacreBLEU's default tokenizer, cased; text that is already
+    tokenized (IWSLT14, the copy task) as it is (``tokenize="none"``; sacreBLEU's warning about
+    tokenized text is switched off there, since it is meant to be).
+    """
     import sacrebleu
 
-    tokenize = "13a" if dataset == "multi30k" else "none"
-    return sacrebleu.BLEU(tokenize=tokenize, force=tokenize == "none")  # force: tokenized text is intended
-
-
-def bleu(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> float:
-    """Corpus BLEU (§6.1's metric) with sacreBLEU, scored as :func:`bleu_metric` says."""
-    return bleu_metric(dataset).corpus_score(list(hypotheses), [list(references)]).score
+    tokenize = CORPORA[dataset].bleu_tokenize
+    metric = sacrebleu.BLEU(tokenize=tokenize, force=tokenize == "none")
+    result = metric.corpus_score(list(hypotheses), [list(references)])
+    return Bleu(result.score, str(result), str(metric.get_signature()))
 
 
 # %% [markdown]
@@ -2864,97 +2317,17 @@ def bleu(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> 
 # `prepare_iwslt14` turns into the standard layout.
 
 # %% [markdown]
-# Where the files are published, and the SHA-256 sums we pinned for them (Multi30k's raw
-# files; the IWSLT14 archive has none we could verify).
+# Where the files are published and which checksums are pinned is in each data set's record
+# (Part 2, `CORPORA`). Downloads and caches go to the data folder:
 
 # %%
-MULTI30K_URL = "https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/"
-MULTI30K_FILES = MappingProxyType({  # split → (German file, English file)
-    "train": ("train.de.gz", "train.en.gz"),
-    "valid": ("val.de.gz", "val.en.gz"),
-    "test": ("test_2016_flickr.de.gz", "test_2016_flickr.en.gz"),
-})
-MULTI30K_SHA256 = MappingProxyType({
-    "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
-    "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
-    "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
-    "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
-    "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
-    "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",
-})
-IWSLT14_URL = "http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz"
-IWSLT14_SHA256: Optional[str] = None  # not pinned: see REPRODUCTION_NOTES.md
-IWSLT14_FILES = MappingProxyType({
-    "train": ("train.de", "train.en"),
-    "train-sample": ("train-sample.de", "train-sample.en"),
-    "valid": ("valid.de", "valid.en"),
-    "test": ("test.de", "test.en"),
-})
-
-
 def default_data_dir() -> Path:
     """``$ANNOTATED_TRANSFORMER_DATA`` or ``./data``: where downloads and caches go."""
     return Path(os.environ.get("ANNOTATED_TRANSFORMER_DATA", "data"))
 
 
 # %% [markdown]
-# Every file this program writes — downloads, prepared data, vocabulary and BPE caches,
-# checkpoints, logs — goes through one helper that writes to a temporary file beside the
-# target and renames it only when the writing finished, so an interrupted run never leaves
-# a file that looks complete. Before the rename the file's bytes are forced to the disk
-# (`fsync`), and after it the directory's entry too, so that after a power loss the name
-# holds either the old file or the whole new one — and a caller that then deletes older
-# files (the checkpoint rotation) never deletes them before their successor is safe.
-# `download` uses it and checks the checksum before the rename.
-
-# %%
-@contextmanager
-def atomic_file(path: Path, mode: str = "wb"):
-    """Open a temporary file beside ``path`` that replaces ``path`` only if the block completes.
-
-    Downloads, prepared data, caches, checkpoints and logs all go through this one helper, so
-    an interrupted write never leaves a file that looks finished.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    sync_directory(path.parent)
-
-
-def sync_directory(folder: Path) -> None:
-    """Force ``folder``'s entries (a rename, a new file) to the disk — our addition; a no-op where unsupported."""
-    try:
-        fd = os.open(folder, os.O_RDONLY)  # Windows cannot open a directory: OSError, nothing to do
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
-def write_atomic(path: Path, data) -> None:
-    """Write ``data`` (bytes, or an iterable of text lines) to ``path`` atomically."""
-    if isinstance(data, (bytes, bytearray)):
-        with atomic_file(path, "wb") as f:
-            f.write(data)
-    else:
-        with atomic_file(path, "w") as f:
-            for line in data:
-                f.write(line + "\n")
-
-
-# %% [markdown]
-# `download` writes through it, and checks the checksum before the rename.
+# `download` writes through `atomic_file` (Part 2), and checks the checksum before the rename.
 
 # %%
 def download(url: str, dest: Path, sha256: Optional[str] = None, desc: Optional[str] = None) -> Path:
@@ -3086,20 +2459,19 @@ class DataSource:
 
 # %%
 def fetch_dataset(name: str, data_dir: Path, url_base: Optional[str] = None) -> Path:
-    """Download data set ``name`` into ``data_dir/name`` (``url_base`` replaces the published location)."""
-    folder = Path(data_dir) / name
-    if name == "multi30k":
-        base = url_base or MULTI30K_URL
-        for pair in MULTI30K_FILES.values():
+    """Download data set ``name`` into ``data_dir/name`` as its record says (``url_base`` replaces its url)."""
+    corpus, folder = CORPORA[name], Path(data_dir) / name
+    if not corpus.prepare:  # the files as published, each checked against its pinned sum
+        for pair in corpus.files.values():
             for f in pair:
                 if not (folder / f).is_file():
-                    download(base + f, folder / f, MULTI30K_SHA256[f])
+                    download((url_base or corpus.url) + f, folder / f, corpus.sha256.get(f))
         return folder
-    archive = Path(data_dir) / "downloads" / "iwslt14-de-en.tgz"
+    archive = Path(data_dir) / "downloads" / f"{name}-{Path(corpus.url).name}"
     if not archive.is_file():
-        download(url_base or IWSLT14_URL, archive, IWSLT14_SHA256)
+        download(url_base or corpus.url, archive, corpus.sha256.get(Path(corpus.url).name))
     try:
-        prepare_iwslt14(archive, folder)
+        {"fairseq-iwslt14": prepare_iwslt14}[corpus.prepare](archive, folder, corpus.src, corpus.tgt)
     except (tarfile.TarError, EOFError) as e:
         archive.unlink(missing_ok=True)  # a corrupt download must not stick
         raise DataError(f"{archive} is not a readable archive ({e}); removed, try again") from e
@@ -3116,9 +2488,10 @@ def locate_dataset(name: str, cfg: Config, url_base: Optional[str] = None) -> Da
 
     ``url_base`` replaces the download location (tests pass ``file://`` URLs).
     """
-    if name not in ("multi30k", "iwslt14"):
-        raise DataError(f"unknown data set {name!r} (known: multi30k, iwslt14)")
-    layout = MULTI30K_FILES if name == "multi30k" else IWSLT14_FILES
+    if name not in CORPORA or CORPORA[name].synthetic:
+        raise DataError(f"unknown data set {name!r} (known: {', '.join(n for n, c in CORPORA.items() if c.files)})")
+    corpus = CORPORA[name]
+    layout = corpus.files
     mirror = cfg.data_mirror or os.environ.get("DATA_MIRROR", "")
     data_dir = Path(cfg.data_dir) if cfg.data_dir else default_data_dir()
 
@@ -3127,10 +2500,10 @@ def locate_dataset(name: str, cfg: Config, url_base: Optional[str] = None) -> Da
         for split, (s, t) in layout.items():
             if (folder / s).is_file() and (folder / t).is_file():
                 files[split] = (folder / s, folder / t)
-        if name == "iwslt14" and "train" not in files and "train-sample" in files:
-            files["train"] = files.pop("train-sample")
+        if corpus.sample and "train" not in files and corpus.sample in files:
+            files["train"] = files.pop(corpus.sample)
             files["train-is-sample"] = True
-        files.pop("train-sample", None)
+        files.pop(corpus.sample, None)
         return files if all(k in files for k in ("train", "valid", "test")) else None
 
     shown = Path(cfg.data_mirror or "$DATA_MIRROR") / name  # name the setting, not this machine's path
@@ -3141,7 +2514,7 @@ def locate_dataset(name: str, cfg: Config, url_base: Optional[str] = None) -> Da
         files = complete(folder)
         if files and files.pop("train-is-sample", False):
             sample = sample or DataSource(
-                name, files, origin + " (IWSLT14 training *sample*: the full train.{de,en} is not there)")
+                name, files, origin + f" (training *sample* {corpus.sample}: the full train files are not there)")
         elif files:
             return DataSource(name, files, origin)
     if sample is not None:
@@ -3166,40 +2539,36 @@ def locate_dataset(name: str, cfg: Config, url_base: Optional[str] = None) -> Da
 
 # %% [markdown]
 # Multi30k has two more test sets of Flickr captions, from the 2017 and 2018 shared tasks,
-# in the same `raw/` folder as the files above. Training never needs them; `evaluate
-# --split test_2017_flickr` (or `test_2018_flickr`) scores a model on them. They are looked
-# for in the same places and downloaded the same way, but **without** a checksum: we know
-# no authoritative SHA-256 for them, so they are not pinned.
+# in the same `raw/` folder (its record's `extra_tests`). Training never needs them;
+# `evaluate --split test_2017_flickr` (or `test_2018_flickr`) scores a model on them. They
+# are looked for in the same places and downloaded the same way, but **without** a
+# checksum: we know no authoritative SHA-256 for them, so they are not pinned.
 
 # %%
-MULTI30K_EXTRA_TESTS = MappingProxyType({  # split → (German file, English file); not pinned
-    "test_2017_flickr": ("test_2017_flickr.de.gz", "test_2017_flickr.en.gz"),
-    "test_2018_flickr": ("test_2018_flickr.de.gz", "test_2018_flickr.en.gz"),
-})
+def locate_test_split(name: str, split: str, cfg: Config, url_base: Optional[str] = None) -> tuple[Path, Path]:
+    """(source file, target file) of a test split of data set ``name``: mirror, then data folder, then download.
 
-
-def locate_multi30k_test(split: str, cfg: Config, url_base: Optional[str] = None) -> tuple[Path, Path]:
-    """(German file, English file) of a Multi30k test split: mirror, then data folder, then download.
-
-    ``split`` is ``"test"`` (test2016, pinned) or one of :data:`MULTI30K_EXTRA_TESTS`.
+    ``split`` is ``"test"`` (the one training scores) or one of the record's ``extra_tests``.
     """
+    corpus = CORPORA[name]
     if split == "test":
-        return locate_dataset("multi30k", cfg, url_base=url_base).files["test"]
-    if split not in MULTI30K_EXTRA_TESTS:
-        raise DataError(f"unknown Multi30k test split {split!r} (known: test, {', '.join(MULTI30K_EXTRA_TESTS)})")
-    names = MULTI30K_EXTRA_TESTS[split]
+        return locate_dataset(name, cfg, url_base=url_base).files["test"]
+    if split not in corpus.extra_tests:
+        raise DataError(f"{name} has no split {split!r} here (known: {', '.join(['test', *corpus.extra_tests])}); "
+                        "give --src and --ref")
+    names = corpus.extra_tests[split]
     mirror = cfg.data_mirror or os.environ.get("DATA_MIRROR", "")
     data_dir = Path(cfg.data_dir) if cfg.data_dir else default_data_dir()
-    folders = ([Path(mirror) / "multi30k"] if mirror else []) + [data_dir / "multi30k"]
+    folders = ([Path(mirror) / name] if mirror else []) + [data_dir / name]
     for folder in folders:
         if all((folder / f).is_file() for f in names):
             return folder / names[0], folder / names[1]
     if not cfg.download:
         raise DataError(f"{split} not found in {', '.join(map(str, folders))}, and downloading is off")
     try:
-        return tuple(download((url_base or MULTI30K_URL) + f, data_dir / "multi30k" / f) for f in names)
+        return tuple(download((url_base or corpus.url) + f, data_dir / name / f) for f in names)
     except (OSError, urllib.error.URLError) as e:
-        raise DataError(f"could not download Multi30k {split} ({e})") from e
+        raise DataError(f"could not download {name} {split} ({e})") from e
 
 
 # %% [markdown]
@@ -3255,12 +2624,12 @@ def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[tuple[str, str]]
 
 
 def make_tokenizer(dataset: str, lang: str) -> Callable[[list[str]], list[list[str]]]:
-    """A batch tokenizer: spaCy's rule-based ``lang`` tokenizer for Multi30k, whitespace otherwise.
+    """A batch word tokenizer as ``dataset``'s record says: spaCy's rules for ``lang``, or whitespace.
 
     ``spacy.blank(lang)`` carries the same tokenizer rules as spaCy's trained pipelines,
     without their weights.
     """
-    if dataset == "multi30k":
+    if CORPORA[dataset].words == "spacy":
         import spacy
 
         nlp = spacy.blank(lang)
@@ -3321,7 +2690,8 @@ def make_copy_data(cfg: Config, vocab_size: int = 11, length: int = 10,
 # %%
 def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = None) -> Dataset:
     """Locate, read, tokenize and number the data set ``cfg.dataset``; report what was dropped."""
-    if cfg.dataset == "copy":
+    corpus = CORPORA[cfg.dataset]
+    if corpus.synthetic:
         return make_copy_data(cfg)
     source = locate_dataset(cfg.dataset, cfg, url_base=url_base)
     raw, stats = {}, {}
@@ -3335,7 +2705,7 @@ def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = N
         subwords = build_subwords(raw["train"], cfg, key, data_dir / "cache")
         tok_src = tok_tgt = subwords.encode
     else:
-        tok_src, tok_tgt = make_tokenizer(cfg.dataset, "de"), make_tokenizer(cfg.dataset, "en")
+        tok_src, tok_tgt = make_tokenizer(cfg.dataset, corpus.src), make_tokenizer(cfg.dataset, corpus.tgt)
     tokens = {split: (tok_src([p[0] for p in pairs]), tok_tgt([p[1] for p in pairs])) for split, pairs in raw.items()}
     src_t, tgt_t = tokens["train"]
     keep = [i for i in range(len(src_t)) if len(src_t[i]) <= cfg.max_tokens and len(tgt_t[i]) <= cfg.max_tokens]
@@ -3358,155 +2728,6 @@ def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = N
         + ("" if src_vocab is tgt_vocab else f"/{len(tgt_vocab):,}"))
     return Dataset(cfg.dataset, src_vocab, tgt_vocab, splits, [p[1] for p in raw["test"]], source.origin, stats,
                    subwords)
-
-# %% [markdown]
-# ## A.3 Checkpoint files
-#
-# What a checkpoint holds and why is told in Part 2 (the training loop); here is the file
-# format: a plain dictionary of tensors and numbers written with `torch.save` through the
-# atomic writer, read back with `torch.load(weights_only=True)` and checked against the
-# config, the vocabularies and the BPE model it must match.
-
-# %%
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used: unreadable, truncated, or from another config or vocabulary."""
-
-
-class UnreadableCheckpoint(CheckpointError):
-    """A checkpoint file is missing, truncated or not one this program wrote (resuming falls back past it)."""
-
-
-class RunDirectoryError(RuntimeError):
-    """The run directory cannot be used: not writable, or in use by another run (our addition)."""
-
-
-class TrainingDiverged(RuntimeError):
-    """The loss became NaN or infinite; the last good checkpoint is kept."""
-
-
-class TrainingInterrupted(RuntimeError):
-    """SIGINT or SIGTERM stopped training after the current update; a checkpoint was saved first."""
-
-
-
-
-def save_checkpoint(path: Path, model: nn.Module, optimizer, scheduler, cfg: Config, src_vocab: Vocab,
-                    tgt_vocab: Vocab, step: int, epoch: int, batch_in_epoch: int,
-                    subwords: Optional[Subwords] = None, scaler: Optional[torch.amp.GradScaler] = None,
-                    rng: Optional[list] = None, layout: Optional[dict] = None) -> Path:
-    """Write a complete training checkpoint to ``path`` atomically (with the BPE model, if any).
-
-    ``batch_in_epoch`` counts global batches (see ``Position``) and ``layout`` says for which
-    processes and batch settings; ``rng`` holds each process's random-number state, in rank
-    order (default: this process's alone); ``scaler`` the fp16 gradient scaler.
-    """
-    rng = rng or [rng_state(torch.device("cpu"))]
-    state = {
-        "format": 1,
-        "model": unwrap(model).state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "scaler": scaler.state_dict() if scaler is not None else {},
-        "step": step,
-        "epoch": epoch,
-        "batch_in_epoch": batch_in_epoch,
-        "layout": layout or {"world_size": len(rng), "accum_steps": cfg.accum_steps, "batch_tokens": cfg.batch_tokens},
-        "rng": {**rng[0], "ranks": rng},  # the first process's streams at the top, as older checkpoints had them
-        "config": dataclasses.asdict(cfg),
-        "vocab": {"src": src_vocab.itos, "tgt": tgt_vocab.itos},
-        # the BPE model's bytes, as a tensor so that weights_only loading accepts it
-        "subwords": torch.frombuffer(bytearray(subwords.model_proto), dtype=torch.uint8) if subwords else None,
-    }
-    with atomic_file(path) as f:
-        torch.save(state, f)
-    return Path(path)
-
-
-# %% [markdown]
-# `load_checkpoint` never runs code from the file, and refuses a checkpoint that does not fit: another model, vocabulary or BPE model.
-
-# %%
-def load_checkpoint(path: Path, cfg: Optional[Config] = None, src_vocab: Optional[Vocab] = None,
-                    tgt_vocab: Optional[Vocab] = None, subwords: Optional[Subwords] = None) -> dict:
-    """Read a checkpoint safely (``weights_only=True``) and check it fits ``cfg``, the vocabularies and BPE model."""
-    if not Path(path).is_file():
-        where = "is a directory (give a run directory as --run_dir)" if Path(path).is_dir() else "does not exist"
-        raise UnreadableCheckpoint(f"checkpoint {path} {where}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises several types for truncated or foreign files
-        raise UnreadableCheckpoint(f"cannot read checkpoint {path}: it is truncated or not a checkpoint "
-                                   f"({first_line(e)})") from e
-    if not isinstance(state, dict) or state.get("format") != 1:
-        raise UnreadableCheckpoint(f"{path} is not a checkpoint written by this program")
-    missing = [k for k in ("model", "config", "vocab") if not isinstance(state.get(k), dict)]
-    if missing:
-        raise UnreadableCheckpoint(f"{path} is damaged or hand-made: it lacks {', '.join(missing)}")
-    if cfg is not None:
-        saved = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | state["config"]  # older: defaults
-        diff = [f"{k}: checkpoint {saved[k]!r} vs now {getattr(cfg, k)!r}"
-                for k in weight_fields() if saved[k] != getattr(cfg, k)]
-        if diff:
-            raise CheckpointError(f"{path} was written for another model config ({'; '.join(diff)})")
-    for side, vocab in (("src", src_vocab), ("tgt", tgt_vocab)):
-        if vocab is not None and state["vocab"][side] != vocab.itos:
-            raise CheckpointError(f"{path} was written with another {side} vocabulary "
-                                  f"({len(state['vocab'][side]):,} tokens vs {len(vocab):,} now)")
-    if subwords is not None and checkpoint_subwords(state) != subwords:
-        raise CheckpointError(f"{path} was written with another BPE model than the one in use now "
-                              "(the training data or bpe_size differ); use the data and settings it was trained with")
-    return state
-
-
-def checkpoint_subwords(state: dict) -> Optional[Subwords]:
-    """The BPE model a checkpoint carries (None for word vocabularies)."""
-    blob = state.get("subwords")
-    return Subwords(blob.numpy().tobytes()) if blob is not None else None
-
-
-# %% [markdown]
-# Listing and averaging checkpoints (§6.1 averages the last 5 for base models, the last 20
-# for big ones), and the small helpers that reach the plain model or the BPE model inside.
-
-# %%
-def checkpoint_paths(run_dir: Path) -> list[Path]:
-    """The checkpoints this program wrote in ``run_dir`` (``checkpoint-<step>.pt``), oldest first.
-
-    Other files that merely look similar (a hand-made ``checkpoint-best.pt``) are not counted,
-    so they are never resumed from, averaged or deleted by the rotation.
-    """
-    found = [(int(m.group(1)), p) for p in Path(run_dir).glob("checkpoint-*.pt")
-             if (m := re.fullmatch(r"checkpoint-(\d{8,})\.pt", p.name))]
-    return [p for _, p in sorted(found)]
-
-
-def average_checkpoints(paths: Sequence[Path]) -> dict:
-    """Element-wise mean of the models in ``paths`` (§6.1 averages the last 5)."""
-    if not paths:
-        raise CheckpointError("no checkpoints to average")
-    avg, vocab = None, None
-    for p in paths:
-        state = load_checkpoint(p)
-        model_state = state["model"]
-        if avg is None:
-            avg = {k: v.double().clone() if v.is_floating_point() else v.clone() for k, v in model_state.items()}
-            vocab = state["vocab"]
-        else:
-            if (model_state.keys() != avg.keys() or any(v.shape != avg[k].shape for k, v in model_state.items())
-                    or state["vocab"] != vocab):
-                raise CheckpointError(f"{p} holds a different model or vocabulary than {paths[0]}, so the two "
-                                      "cannot be averaged; use one checkpoint (--checkpoint, or --average_last 1)")
-            for k, v in model_state.items():
-                if v.is_floating_point():
-                    avg[k] += v.double()
-    return {k: (v / len(paths)).float() if v.is_floating_point() else v for k, v in avg.items()}
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside DistributedDataParallel and/or torch.compile wrappers."""
-    model = getattr(model, "module", model)
-    return getattr(model, "_orig_mod", model)
-
 
 # %% [markdown]
 # ### Devices, precision, processes and signals
@@ -3684,6 +2905,834 @@ class StopRequest:
 
 
 # %% [markdown]
+# Reading back a metrics log that a crash may have torn, and the short forms of an error
+# and of the free disk space that the messages quote.
+
+# %%
+
+def metrics_lines_upto(raw: bytes, step: int) -> tuple[list[str], int, int]:
+    """(records of step ≤ ``step``, lines that are not whole records, records after ``step``) — our addition."""
+    kept, torn, later = [], 0, 0
+    for line in raw.decode("utf-8", errors="replace").split("\n"):
+        if not line.strip():
+            continue
+        try:
+            record_step = json.loads(line)["step"]
+            if not isinstance(record_step, int):
+                raise TypeError(record_step)
+        except (ValueError, KeyError, TypeError):
+            torn += 1
+            continue
+        if record_step > step:
+            later += 1
+        else:
+            kept.append(line)
+    return kept, torn, later
+
+
+def first_line(e: BaseException) -> str:
+    """An exception's message, first line only (torch's can run to many lines) — our addition, for one-line errors."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def free_space(folder: Path) -> str:
+    """How much room the disk of ``folder`` has left, in words — our addition, for error messages."""
+    try:
+        return f"{shutil.disk_usage(folder).free / 2**20:,.0f} MiB free there"
+    except OSError:
+        return "free space unknown"
+
+
+# %% [markdown]
+# ## A.3 Checkpoint files
+#
+# What a checkpoint holds and why is told in Part 2 (the training loop); here is the file
+# format: a plain dictionary of tensors and numbers written with `torch.save` through the
+# atomic writer, read back with `torch.load(weights_only=True)` and checked against the
+# config, the vocabularies and the BPE model it must match.
+
+# %%
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used: unreadable, truncated, or from another config or vocabulary."""
+
+
+class UnreadableCheckpoint(CheckpointError):
+    """A checkpoint file is missing, truncated or not one this program wrote (resuming falls back past it)."""
+
+
+class RunDirectoryError(RuntimeError):
+    """The run directory cannot be used: not writable, or in use by another run (our addition)."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGINT or SIGTERM stopped training after the current update; a checkpoint was saved first."""
+
+
+
+
+@dataclass
+class Position:
+    """Where training stands: updates taken, the epoch (from 0), global batches of the epoch consumed."""
+
+    step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0  # batches of the epoch's global order consumed, by all processes together
+
+
+def save_checkpoint(path: Path, trainer: Trainer, data: Dataset, pos: Position, rng: Optional[list] = None) -> Path:
+    """Write a complete training checkpoint of ``trainer`` at ``pos`` to ``path`` atomically (our addition).
+
+    With the model, optimizer, schedule and gradient-scaler states, the config, and ``data``'s
+    vocabularies and BPE model (if any). ``pos.batch_in_epoch`` counts global batches, and the
+    checkpoint records for which processes and batch settings; ``rng`` holds each process's
+    random-number state, in rank order (default: this process's alone).
+    """
+    cfg = trainer.cfg
+    rng = rng or [rng_state(trainer.device)]
+    state = {
+        "format": 1,
+        "model": unwrap(trainer.model).state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "scheduler": trainer.scheduler.state_dict(),
+        "scaler": trainer.scaler.state_dict(),
+        "step": pos.step,
+        "epoch": pos.epoch,
+        "batch_in_epoch": pos.batch_in_epoch,
+        "layout": {"world_size": len(rng), "accum_steps": cfg.accum_steps, "batch_tokens": cfg.batch_tokens},
+        "rng": {**rng[0], "ranks": rng},  # the first process's streams at the top, as older checkpoints had them
+        "config": dataclasses.asdict(cfg),
+        "vocab": {"src": data.src_vocab.itos, "tgt": data.tgt_vocab.itos},
+        # the BPE model's bytes, as a tensor so that weights_only loading accepts it
+        "subwords": torch.frombuffer(bytearray(data.subwords.model_proto), dtype=torch.uint8) if data.subwords else None,
+    }
+    with atomic_file(path) as f:
+        torch.save(state, f)
+    return Path(path)
+
+
+# %% [markdown]
+# `load_checkpoint` never runs code from the file, and refuses a checkpoint that does not fit: another model, vocabulary or BPE model.
+
+# %%
+def load_checkpoint(path: Path, cfg: Optional[Config] = None, src_vocab: Optional[Vocab] = None,
+                    tgt_vocab: Optional[Vocab] = None, subwords: Optional[Subwords] = None) -> dict:
+    """Read a checkpoint safely (``weights_only=True``) and check it fits ``cfg``, the vocabularies and BPE model."""
+    if not Path(path).is_file():
+        where = "is a directory (give a run directory as --run_dir)" if Path(path).is_dir() else "does not exist"
+        raise UnreadableCheckpoint(f"checkpoint {path} {where}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises several types for truncated or foreign files
+        raise UnreadableCheckpoint(f"cannot read checkpoint {path}: it is truncated or not a checkpoint "
+                                   f"({first_line(e)})") from e
+    if not isinstance(state, dict) or state.get("format") != 1:
+        raise UnreadableCheckpoint(f"{path} is not a checkpoint written by this program")
+    missing = [k for k in ("model", "config", "vocab") if not isinstance(state.get(k), dict)]
+    if missing:
+        raise UnreadableCheckpoint(f"{path} is damaged or hand-made: it lacks {', '.join(missing)}")
+    if cfg is not None:
+        saved = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | state["config"]  # older: defaults
+        diff = [f"{k}: checkpoint {saved[k]!r} vs now {getattr(cfg, k)!r}"
+                for k in weight_fields() if saved[k] != getattr(cfg, k)]
+        if diff:
+            raise CheckpointError(f"{path} was written for another model config ({'; '.join(diff)})")
+    for side, vocab in (("src", src_vocab), ("tgt", tgt_vocab)):
+        if vocab is not None and state["vocab"][side] != vocab.itos:
+            raise CheckpointError(f"{path} was written with another {side} vocabulary "
+                                  f"({len(state['vocab'][side]):,} tokens vs {len(vocab):,} now)")
+    if subwords is not None and checkpoint_subwords(state) != subwords:
+        raise CheckpointError(f"{path} was written with another BPE model than the one in use now "
+                              "(the training data or bpe_size differ); use the data and settings it was trained with")
+    return state
+
+
+def checkpoint_subwords(state: dict) -> Optional[Subwords]:
+    """The BPE model a checkpoint carries (None for word vocabularies)."""
+    blob = state.get("subwords")
+    return Subwords(blob.numpy().tobytes()) if blob is not None else None
+
+
+# %% [markdown]
+# Listing and averaging checkpoints (§6.1 averages the last 5 for base models, the last 20
+# for big ones), and the small helpers that reach the plain model or the BPE model inside.
+
+# %%
+def checkpoint_paths(run_dir: Path) -> list[Path]:
+    """The checkpoints this program wrote in ``run_dir`` (``checkpoint-<step>.pt``), oldest first.
+
+    Other files that merely look similar (a hand-made ``checkpoint-best.pt``) are not counted,
+    so they are never resumed from, averaged or deleted by the rotation.
+    """
+    found = [(int(m.group(1)), p) for p in Path(run_dir).glob("checkpoint-*.pt")
+             if (m := re.fullmatch(r"checkpoint-(\d{8,})\.pt", p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def average_checkpoints(paths: Sequence[Path]) -> dict:
+    """Element-wise mean of the models in ``paths`` (§6.1 averages the last 5)."""
+    if not paths:
+        raise CheckpointError("no checkpoints to average")
+    avg, vocab = None, None
+    for p in paths:
+        state = load_checkpoint(p)
+        model_state = state["model"]
+        if avg is None:
+            avg = {k: v.double().clone() if v.is_floating_point() else v.clone() for k, v in model_state.items()}
+            vocab = state["vocab"]
+        else:
+            if (model_state.keys() != avg.keys() or any(v.shape != avg[k].shape for k, v in model_state.items())
+                    or state["vocab"] != vocab):
+                raise CheckpointError(f"{p} holds a different model or vocabulary than {paths[0]}, so the two "
+                                      "cannot be averaged; use one checkpoint (--checkpoint, or --average_last 1)")
+            for k, v in model_state.items():
+                if v.is_floating_point():
+                    avg[k] += v.double()
+    return {k: (v / len(paths)).float() if v.is_floating_point() else v for k, v in avg.items()}
+
+
+# %% [markdown]
+# ## The training loop
+#
+# One **update** is one optimizer step: it may accumulate the gradients of several batches
+# (`accum_steps`), which is how one machine reaches the paper's ~25,000 tokens per batch.
+# The loss of each batch is divided by the number of target tokens in the *whole* update
+# (over all accumulated batches, and over all processes in a distributed run), so an update
+# computes the same gradient however it is split. The schedule advances once per update.
+#
+# Around that core: optional gradient clipping, bf16 or fp16 autocast, `torch.compile` (an option;
+# compiling is slow on a CPU, so the tests leave it out), several processes through `torchrun` with
+# `DistributedDataParallel` (NCCL on GPUs, Gloo on CPUs), `tqdm` progress bars with loss,
+# learning rate and tokens per second, a validation loss every epoch, a JSONL metrics log, a
+# training-curve figure, and checkpoints.
+#
+# **A precision the hardware computes fast.** bf16 autocast roughly doubles the matrix
+# throughput of a CPU with native bf16 instructions (AVX-512 BF16 or AMX) and of GPUs from
+# compute capability 8.0 (A100, H100, RTX 30xx and later); where bf16 is only *emulated* —
+# most AVX2 CPUs, and the T4 and V100 — it runs many times slower than float32. Those GPUs
+# have fast fp16 instead, whose narrow range needs a **gradient scaler**: the loss is
+# multiplied by a large factor before the backward pass so that small gradients do not
+# round to zero, the gradients are divided by it before the step, and an update whose
+# gradients overflowed is skipped while the factor shrinks. So `precision="auto"` (the
+# default) picks bf16 where it is native, fp16 with the scaler on older GPUs with fast fp16,
+# float32 elsewhere, and the run log says which and why; `fp32`, `bf16` and `fp16` override
+# it (the former `bf16` switch still works and maps onto them). The loss is summed in
+# float32 under either autocast, and masked attention scores are $-\infty$, which fp16
+# represents, so masks stay exact.
+#
+# ### Checkpoints
+#
+# A checkpoint holds the model, optimizer, scheduler and gradient-scaler states, the step and
+# the position in the epoch, every process's random-number states, the config and the
+# vocabulary. It is written to a
+# temporary file and renamed, so a crash never leaves a half-written checkpoint; the last
+# `keep_checkpoints` are kept, for averaging (§6.1 averages the last 5). Loading uses
+# `torch.load(weights_only=True)`, which never runs code from the file. Resuming restores
+# everything, so that N steps, a stop and N more steps give exactly the parameters of 2N
+# steps in one go (a test checks it).
+#
+# A checkpoint is written at the end of every epoch and, inside long epochs, every
+# `checkpoint_minutes` (10 by default — the interval at which §6.1 says the paper wrote its
+# checkpoints). Ctrl-C (SIGINT) or SIGTERM does not kill training mid-update: the current
+# update finishes, a checkpoint is saved, and the run stops with a message saying that the
+# same command continues it (a second Ctrl-C stops at once). On resuming, records the
+# metrics log received after the checkpoint are dropped, so no step is logged twice.
+
+# %% [markdown]
+# ### Checkpoint and metrics bookkeeping; resuming
+#
+# `RunFiles` is the run directory: it writes checkpoints (keeping the last
+# `keep_checkpoints`) and appends records to the metrics log; only the main process
+# writes. `Position` is where training stands — updates taken (the paper's $step\_num$),
+# the epoch, and how many batches of the epoch's *global* order (the order of one process,
+# `length_batches` without `rank`) all processes together have consumed. Counted that way,
+# the position means the same whatever the number of processes or `accum_steps`, so a run
+# stopped on 4 GPUs continues on 1 with exactly the batches not yet seen (and the other way
+# round); the checkpoint also records the layout it was computed with. `epoch_updates`
+# deals out the rest of an epoch: the batches not consumed yet, cut to a multiple of the
+# number of processes, process $r$ of $W$ taking every $W$-th from the $r$-th on, grouped
+# `accum_steps` at a time.
+#
+# Faults are expected, not exceptional (our addition; the paper says nothing of them). The
+# run directory is locked (an operating-system lock, gone when the process dies) so that a
+# second run there stops at once instead of writing every record twice. Metrics records
+# are flushed to the disk as they are written. On resuming, a torn last record (a full disk,
+# a killed process) is dropped with a warning, and an unreadable newest checkpoint (a power
+# loss) is set aside with a warning in favour of the newest readable one; the metrics log is
+# then cut back to that checkpoint, so no step is logged twice.
+
+# %%
+def epoch_updates(batches: Sequence, start: int, rank: int, world: int, accum: int) -> tuple[list, list, int]:
+    """This process's updates for the global ``batches`` from ``start`` on (our addition).
+
+    Returns (updates, consumed after each update, where the epoch ends): update k of every
+    process together takes global batches ``[start + k·accum·world, …)``; the tail that does
+    not divide among the processes is left out, as a distributed epoch leaves it out.
+    """
+    rest = batches[start:]
+    usable = len(rest) - len(rest) % world
+    mine = list(rest[:usable])[rank::world]
+    updates = [mine[i: i + accum] for i in range(0, len(mine), accum)]
+    consumed = [start + min((k + 1) * accum * world, usable) for k in range(len(updates))]
+    return updates, consumed, start + usable
+
+
+def resume_position(state: dict, cfg: Config, path) -> tuple[Position, dict]:
+    """A checkpoint's position in global batches and the layout it was computed with (our addition).
+
+    Refuses, in one line, a position inside an epoch whose batches were cut for another
+    ``batch_tokens`` (the batches not yet seen are not defined then); at an epoch boundary any
+    setting may change.
+    """
+    pos = Position(state["step"], state["epoch"], state["batch_in_epoch"])
+    layout = state.get("layout")
+    if layout is None:  # older checkpoints counted one process's updates and did not record the layout
+        saved = state["config"]
+        layout = {"world_size": 1, "accum_steps": saved.get("accum_steps", 1),
+                  "batch_tokens": saved.get("batch_tokens")}
+        pos.batch_in_epoch *= layout["accum_steps"]
+    if pos.batch_in_epoch and layout["batch_tokens"] != cfg.batch_tokens:
+        raise CheckpointError(f"{path} stopped inside epoch {pos.epoch + 1}, whose batches were cut for "
+                              f"batch_tokens={layout['batch_tokens']}; resume with --batch_tokens "
+                              f"{layout['batch_tokens']} (it may change once an epoch is complete)")
+    return pos, layout
+
+
+# %% [markdown]
+# The lock `RunFiles` takes on its directory: `flock`, which the operating system releases
+# when the process ends, however it ends — so a killed run never leaves a stale lock behind.
+
+# %%
+def lock_run_dir(run_dir: Path):
+    """Hold an exclusive lock on ``run_dir/run.lock`` — our addition: one run per run directory.
+
+    Returns the open lock file (the lock lasts while it is open; the operating system drops it
+    when the process ends, however it ends), or None where there is no ``flock`` or when this
+    same process already holds it. Raises :class:`RunDirectoryError` naming the process that holds it.
+    """
+    try:
+        import fcntl
+    except ImportError:  # no flock on this system: runs are not locked
+        return None
+    f = open(Path(run_dir) / "run.lock", "a+", encoding="utf-8")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        pid, _, command = f.read().strip().partition(" ")
+        f.close()
+        if pid == str(os.getpid()):
+            return None  # an earlier run of this process, not yet collected
+        raise RunDirectoryError(f"run directory {run_dir} is in use by process {pid or '(unknown)'}"
+                                + (f" ({command})" if command else "")
+                                + "; two runs in one directory would mix their checkpoints and metrics. "
+                                "Wait for it to end, or give another --run_dir") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()} {' '.join(sys.argv)[:300]}\n")
+    f.flush()
+    return f
+
+
+def open_run_dir(run_dir: Path):
+    """Create and lock ``run_dir`` (:func:`lock_run_dir`); remove temporary files a killed run left — our addition."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunDirectoryError(f"run directory {run_dir} is a file, not a directory")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = lock_run_dir(run_dir)
+    except OSError as e:
+        raise RunDirectoryError(f"cannot write in run directory {run_dir}: {e.strerror or e}") from None
+    for tmp in [*run_dir.glob(".checkpoint-*.part"), *run_dir.glob(".metrics.jsonl.*.part")]:
+        tmp.unlink(missing_ok=True)  # the lock says that no running process is writing them
+    return lock
+
+
+# %% [markdown]
+# The run directory. A checkpoint is written by the first process alone, but every process
+# takes part in `save`: each hands over its random-number state, so that a resume on as many
+# processes restores each process's own streams.
+
+# %%
+class RunFiles:
+    """A run directory's checkpoints (the last ``keep`` kept) and JSONL metrics log; writes only if ``write``."""
+
+    def __init__(self, run_dir: Path, keep: int, write: bool):
+        self.dir, self.keep, self.write = Path(run_dir), keep, write
+        self.metrics = self.dir / "metrics.jsonl"
+        self.saved_at = time.time()  # when a checkpoint was last written (for checkpoint_minutes)
+        self.lock = open_run_dir(self.dir) if write else None  # open while this process holds the directory
+
+    def log(self, record: dict) -> None:
+        """Append one record to the metrics log, on the disk before it returns."""
+        if self.write:
+            with open(self.metrics, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+
+    def save(self, trainer: Trainer, data: Dataset, pos: Position, rank: int = 0) -> Optional[Path]:
+        """Write a checkpoint of ``trainer`` at ``pos``; once it is on the disk, delete the oldest beyond ``keep``.
+
+        Every process calls it: each hands its random-number state to the first, which writes.
+        """
+        self.saved_at = time.time()
+        rng = [rng_state(trainer.device)]
+        if trainer.world > 1:
+            gathered = [None] * trainer.world if rank == 0 else None
+            dist.gather_object(rng[0], gathered, dst=0)
+            rng = gathered
+        if not self.write:
+            return None
+        path = self.dir / f"checkpoint-{pos.step:08d}.pt"
+        try:
+            save_checkpoint(path, trainer, data, pos, rng)
+        except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
+            raise CheckpointError(f"cannot write checkpoint {path} ({first_line(e)}; {free_space(self.dir)}); "
+                                  "the checkpoints already in the run directory are intact") from e
+        for old in checkpoint_paths(self.dir)[: -self.keep]:
+            old.unlink()
+        return path
+
+    def repair_metrics(self, step: int) -> None:
+        """Make the metrics log agree with a run resumed at ``step`` — our addition: lines that are not whole
+        records (torn by a crash or a full disk) are dropped with a warning, and records after ``step``."""
+        if not (self.write and self.metrics.is_file()):
+            return
+        raw = self.metrics.read_bytes()
+        kept, torn, later = metrics_lines_upto(raw, step)
+        if torn:
+            print(f"warning: {self.metrics}: dropped {torn} unreadable line(s), cut short by a crash or a full "
+                  "disk", file=sys.stderr)
+        if torn or later or not raw.endswith(b"\n"):
+            write_atomic(self.metrics, kept)
+
+
+# %% [markdown]
+# A run is a `Trainer` (what `update` needs, Part 2) together with what the machinery
+# around it needs: the data, this process's rank, the run directory and the log.
+
+# %%
+@dataclass(frozen=True)
+class Run(Trainer):
+    """The objects of one training run, handed explicitly from step to step (our addition)."""
+
+    data: Dataset = None
+    rank: int = 0
+    files: RunFiles = None
+    log: Callable = print
+
+
+# %% [markdown]
+# Resuming: the newest checkpoint that can be read, with everything it recorded.
+
+# %%
+def newest_readable_checkpoint(run_dir: Path, cfg: Config, src_vocab: Vocab, tgt_vocab: Vocab,
+                               subwords: Optional[Subwords], tidy: bool) -> Optional[tuple[Path, dict]]:
+    """(path, state) of the newest checkpoint of ``run_dir`` that can be read; None if there is none — our addition.
+
+    Newer ones that cannot be read (truncated by a power loss) are skipped with a warning and,
+    if ``tidy`` (the process that writes), renamed to ``*.unreadable`` so that the rotation
+    never keeps them in place of good ones. A checkpoint that reads but does not fit ``cfg``
+    or the vocabularies is an error, as is a directory where none can be read.
+    """
+    paths = checkpoint_paths(run_dir)
+    bad = []
+    for path in reversed(paths):
+        try:
+            state = load_checkpoint(path, cfg, src_vocab, tgt_vocab, subwords)
+        except UnreadableCheckpoint as e:
+            bad.append(path)
+            if tidy:
+                print(f"warning: {e}; falling back to the checkpoint before it", file=sys.stderr)
+            continue
+        if tidy:
+            for b in bad:
+                os.replace(b, b.with_name(b.name + ".unreadable"))
+        return path, state
+    if bad:
+        raise CheckpointError(f"none of the {len(bad)} checkpoint(s) in {run_dir} can be read; move them "
+                              "away to start the run over")
+    return None
+
+
+# %% [markdown]
+# Resuming: the first process reads the checkpoint and hands it to the others (a
+# broadcast), so that processes on machines without a shared disk start where it does —
+# after DDP's own first broadcast of the weights, which saw only the fresh model. The
+# position is checked against the settings now in force (`resume_position`, above):
+# another number of processes or `accum_steps` continues the same global order of batches;
+# another `batch_tokens` inside an epoch cannot, and is refused in one line.
+
+# %%
+def resume(run: Run) -> Position:
+    """Restore the newest checkpoint of the run directory (model, optimizer, schedule, scaler, RNGs), if any.
+
+    The first process reads it and hands it to the others, so machines without a shared disk
+    resume in step. Metrics logged after that checkpoint are dropped, so the resumed run logs
+    no step twice.
+    """
+    state, path, error = None, None, None
+    if run.rank == 0:
+        try:
+            found = newest_readable_checkpoint(run.files.dir, run.cfg, run.data.src_vocab, run.data.tgt_vocab,
+                                               run.data.subwords, tidy=run.files.write)
+        except CheckpointError as e:
+            found, error = None, e
+        if found is not None:
+            path, state = found
+    if run.world > 1:
+        box = [state, path, str(error) if error else None]
+        dist.broadcast_object_list(box, src=0)
+        state, path, error = box[0], box[1], box[2] and CheckpointError(box[2])
+    if error:
+        raise error
+    if state is None:
+        run.files.repair_metrics(0)
+        return Position()
+    pos, layout = resume_position(state, run.cfg, path)
+    run.model.load_state_dict(state["model"])
+    run.optimizer.load_state_dict(state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    if state.get("scaler"):
+        run.scaler.load_state_dict(state["scaler"])
+    now = {"world_size": run.world, "accum_steps": run.cfg.accum_steps, "batch_tokens": run.cfg.batch_tokens}
+    ranks = state["rng"].get("ranks")
+    if ranks is not None and len(ranks) == run.world:
+        restore_rng(ranks[run.rank], run.device)
+    elif ranks is None and run.world == 1:
+        restore_rng(state["rng"], run.device)  # an older checkpoint: one process's streams
+    else:
+        seed_process(run.cfg.seed, run.rank, pos.step)
+        run.log(f"the checkpoint holds the random streams of {len(ranks or [0])} process(es); "
+                f"{run.world} continue with fresh streams of their own")
+    run.log(f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, {pos.batch_in_epoch} of its batches done)"
+            + ("" if layout == now else f"; written with {layout}, continuing with {now}"))
+    run.files.repair_metrics(pos.step)
+    return pos
+
+
+# %% [markdown]
+# ### Validation
+#
+# After every epoch: the mean cross-entropy per target token on the validation split,
+# without label smoothing, so that $e^{\text{loss}}$ is the perplexity.
+
+# %%
+@torch.no_grad()
+def evaluate_loss(model: nn.Module, pairs: Sequence, cfg: Config, device) -> float:
+    """Mean cross-entropy per target token (no label smoothing) on ``pairs``."""
+    model.eval()
+    total, ntokens = 0.0, 0
+    lengths = [(len(s), len(t)) for s, t in pairs]
+    for idx in length_batches(lengths, cfg.batch_tokens, shuffle=False):
+        b = make_batch(pairs, idx).to(device)
+        out = model(b.src, b.tgt, b.src_mask, b.tgt_mask)
+        total += float(loss_sum(unwrap(model).generator(out), b.tgt_y, 0.0))
+        ntokens += b.ntokens
+    return total / max(ntokens, 1)
+
+
+
+# %% [markdown]
+# ### How long, and is the run sized for this data?
+#
+# Before long work a run says what it will do: how many updates, and — after its first few
+# updates, timed on this machine — roughly how many minutes of training that is. A preset is
+# sized for a data set and a device (`iwslt14-small` for the full IWSLT14 set on a GPU), so a
+# run also says, in one line, when its model is far larger than its training data, or when it
+# will take hours on this device, and then goes on: the choice stays the user's.
+
+# %%
+OVERSIZED = 50  # parameters per training target token above which a model is "sized for more data"
+LONG_MINUTES = 120  # an estimate above this on a CPU is said out loud
+
+
+@dataclass
+class UpdateClock:
+    """Times updates ``skip+1 … skip+count`` of this process's run and logs one estimate for the rest."""
+
+    remaining: int  # updates this run will take from where it starts
+    device: torch.device
+    log: Callable
+    skip: int = 3  # the first updates are slower (allocation, caches)
+    count: int = 10
+    seen: int = 0
+    t0: float = 0.0
+    minutes: Optional[float] = None  # the estimate, once made
+
+    def tick(self) -> None:
+        """Call after every update."""
+        self.seen += 1
+        if self.seen == self.skip:
+            self.t0 = time.time()
+        elif self.seen == self.skip + self.count:
+            per_update = (time.time() - self.t0) / self.count
+            self.minutes = per_update * (self.remaining - self.seen) / 60
+            self.log(f"estimate: {per_update:.2f} s per update measured here → about {self.minutes:.0f} min for the "
+                     f"remaining {self.remaining - self.seen:,} updates (validation and test decoding come on top)")
+            if self.device.type == "cpu" and self.minutes > LONG_MINUTES:
+                self.log(f"note: about {self.minutes / 60:.1f} h on this CPU — this preset is sized for a GPU; "
+                         "--epochs or --max_steps shortens it, or see the CPU presets in the README")
+
+
+def plan_run(cfg: Config, data: Dataset, world: int, step: int, model: nn.Module) -> tuple[int, list[str]]:
+    """(updates left to take, lines for the log): the run's length and whether the model suits the data."""
+    lengths = [(len(s), len(t)) for s, t in data.splits["train"]]
+    batches = len(length_batches(lengths, cfg.batch_tokens, cfg.seed, 0, rank=0, world_size=world))
+    per_epoch = math.ceil(batches / cfg.accum_steps)
+    total = per_epoch * cfg.epochs if not cfg.max_steps else min(per_epoch * cfg.epochs, cfg.max_steps)
+    tokens = sum(t - 1 for _, t in lengths)  # target tokens predicted per epoch
+    lines = [f"plan: {cfg.epochs} epochs × {per_epoch:,} updates"
+             + (f", at most {cfg.max_steps:,} updates" if cfg.max_steps else "")
+             + f" = {total:,} updates ({max(total - step, 0):,} to go) on {len(lengths):,} training pairs "
+             f"({tokens:,} target tokens per epoch)"]
+    ratio = count_parameters(model) / max(tokens, 1)
+    if ratio > OVERSIZED:
+        lines.append(f"note: the model has {ratio:.0f} parameters per training target token — it is sized for far "
+                     "more data than this and will overfit it; a smaller preset suits this data (see the README)")
+    return max(total - step, 0), lines
+
+
+# %% [markdown]
+# ### One epoch
+#
+# The batches of an epoch are a function of (seed, epoch), so `train_epoch` can start at
+# any update of it. After each update: the progress bar, a metrics record every 50
+# updates, and the two ways training stops early — `max_steps`, or a signal (save, then
+# stop with a message) — and the checkpoint every `checkpoint_minutes` (not at the last
+# update of an epoch, whose own checkpoint follows at once). It returns whether training
+# is finished.
+
+# %%
+def train_epoch(run: Run, pos: Position, stop: StopRequest, progress: bool, t_start: float,
+                clock: Optional[UpdateClock] = None) -> bool:
+    """The updates of epoch ``pos.epoch`` from ``pos.batch_in_epoch`` on, advancing ``pos``; True once ``max_steps`` is reached."""
+    cfg, pairs = run.cfg, run.data.splits["train"]
+    lengths = [(len(s), len(t)) for s, t in pairs]
+    batches = length_batches(lengths, cfg.batch_tokens, cfg.seed, pos.epoch)  # the epoch's global order
+    updates, consumed, end = epoch_updates(batches, pos.batch_in_epoch, run.rank, run.world, cfg.accum_steps)
+    per_epoch = len(epoch_updates(batches, 0, 0, run.world, cfg.accum_steps)[0])
+    bar = tqdm(total=per_epoch, initial=max(per_epoch - len(updates), 0), desc=f"epoch {pos.epoch + 1}/{cfg.epochs}",
+               disable=not (progress and run.rank == 0), dynamic_ncols=True)
+    run.train_model.train()
+    seen, t0, loss_acc, tok_acc = 0, time.time(), 0.0, 0
+    finished = False
+    with bar:
+        for u, micro in enumerate(updates):
+            try:
+                loss, tokens, lr = update(run, [make_batch(pairs, idx).to(run.device) for idx in micro])
+            except TrainingDiverged as e:
+                last = checkpoint_paths(run.files.dir)
+                raise TrainingDiverged(f"{e} at step {pos.step + 1}; stopped. Last good checkpoint: "
+                                       f"{last[-1] if last else 'none (no checkpoint written yet)'}") from None
+            pos.step, pos.batch_in_epoch = pos.step + 1, consumed[u]
+            if clock is not None:
+                clock.tick()
+            seen, loss_acc, tok_acc = seen + tokens, loss_acc + loss, tok_acc + tokens  # all processes
+            tps = seen / max(time.time() - t0, 1e-9)
+            bar.set_postfix(loss=f"{loss / max(tokens, 1):.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
+            bar.update(1)
+            if pos.step % 50 == 0:
+                run.files.log({"step": pos.step, "epoch": pos.epoch + 1, "train_loss": loss_acc / max(tok_acc, 1),
+                               "lr": lr, "tokens_per_s": tps, "elapsed_s": time.time() - t_start})
+                loss_acc, tok_acc = 0.0, 0
+            if cfg.max_steps and pos.step >= cfg.max_steps:
+                finished = True
+                break
+            due = bool(cfg.checkpoint_minutes and u < len(updates) - 1
+                       and time.time() - run.files.saved_at >= cfg.checkpoint_minutes * 60)
+            stop_now, save_now = any_process([stop.signum is not None, due], run.world, run.device)
+            if stop_now:
+                path = run.files.save(run, run.data, pos, run.rank)
+                name = signal.Signals(stop.signum).name if stop.signum else "a signal in another process"
+                raise TrainingInterrupted(f"stopped by {name} after update {pos.step}; checkpoint saved to "
+                                          f"{path or 'the run directory of the first process'}. "
+                                          "Run the same command again to continue from there.")
+            if save_now:
+                run.files.save(run, run.data, pos, run.rank)
+    if pos.batch_in_epoch == end:  # the epoch is complete (also when max_steps ended it there)
+        pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
+    return finished
+
+
+# %% [markdown]
+# ### `train`
+#
+# The function the command line, `make train` and Part 4 of this notebook all call. It
+# sets up a `Run`, resumes if the run directory holds a checkpoint, and then repeats: an
+# epoch, validation, an end-of-epoch checkpoint. Last, it draws the training curve and
+# scores the test set (Part 3).
+
+# %%
+def setup(cfg: Config, data: Dataset, device: torch.device, rank: int, world: int, log: Callable) -> Run:
+    """The model, optimizer, schedule, precision and run directory of a training run.
+
+    The model is initialised from ``cfg.seed`` in every process (the same weights); then each
+    process switches to its own random stream, for dropout.
+    """
+    attention, why_attention = resolve_attention(cfg.attention, device)
+    model = make_model(len(data.src_vocab), len(data.tgt_vocab), cfg, attention=attention).to(device)
+    optimizer, scheduler = make_optimizer(model, cfg)
+    train_model = torch.compile(model) if cfg.compile else model
+    if world > 1:  # no buffer changes while training (the positional encodings are constant): none to broadcast
+        train_model = nn.parallel.DistributedDataParallel(
+            train_model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+        seed_process(cfg.seed, rank)
+    precision, why = resolve_precision(cfg.precision, device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    files = RunFiles(run_dir_for(cfg), cfg.keep_checkpoints, write=rank == 0)
+    log(f"device: {device}" + (f" × {world} processes" if world > 1 else "") + f"; run directory: {files.dir}")
+    log(why)
+    log(why_attention)
+    return Run(cfg=cfg, model=model, train_model=train_model, optimizer=optimizer, scheduler=scheduler,
+               device=device, autocast=autocast, scaler=scaler, world=world, data=data, rank=rank, files=files,
+               log=log)
+
+
+# %% [markdown]
+# At the end of training the test set is translated twice — greedy, and with beam search
+# (§6.1) — optionally with the last checkpoints averaged, and scored; `plot_curves` draws the
+# training and validation loss from the metrics log (next cell).
+
+# %%
+def evaluate_test(model: nn.Module, data: Dataset, cfg: Config, device, run_dir: Optional[Path] = None,
+                  log: Callable = print, progress: bool = True) -> dict:
+    """Decode the test set greedily and with beam search (§6.1), optionally averaging the last checkpoints; BLEU.
+
+    ``bleu`` is the beam-search score (``cfg.beam_size``, ``cfg.length_penalty_alpha``),
+    ``bleu_greedy`` the greedy one.
+    """
+    model = unwrap(model)
+    if cfg.average_last > 1 and run_dir is not None:
+        paths = checkpoint_paths(run_dir)[-cfg.average_last:]
+        model = copy.deepcopy(model)
+        model.load_state_dict(average_checkpoints(paths))
+        log(f"evaluating the average of {len(paths)} checkpoints")
+    model = on_device(model, device)
+    test = data.splits["test"]
+    refs = data.test_refs
+    if cfg.max_eval_sentences:
+        test, refs = test[: cfg.max_eval_sentences], refs[: cfg.max_eval_sentences]
+    kind = CORPORA[data.name].bleu_kind
+    sources = [s for s, _ in test]
+    t0 = time.time()
+    greedy_hyps = detokenize(translate(model, sources, data.tgt_vocab, cfg, device, progress=progress), data.name,
+                             data.subwords)
+    score_greedy = bleu(greedy_hyps, refs, data.name).score
+    log(f"test BLEU ({kind}, sacreBLEU, greedy, {len(test):,} sentences): {score_greedy:.2f}")
+    t1 = time.time()
+    tokens = translate(model, sources, data.tgt_vocab, cfg, device, progress=progress, beam_size=cfg.beam_size,
+                       alpha=cfg.length_penalty_alpha)
+    hyps = detokenize(tokens, data.name, data.subwords)
+    score = bleu(hyps, refs, data.name).score
+    unk_share = sum(t == SPECIALS[UNK] for toks in tokens for t in toks) / max(sum(map(len, tokens)), 1)
+    log(f"test BLEU ({kind}, sacreBLEU, beam {cfg.beam_size}, alpha {cfg.length_penalty_alpha}, "
+        f"{len(test):,} sentences): {score:.2f}; <unk> in {unk_share:.2%} of output tokens")
+    examples = []
+    for i in range(min(cfg.examples_to_show, len(test))):
+        pieces = data.src_vocab.lookup_tokens(test[i][0][1:-1])
+        src = data.subwords.decode([pieces])[0] if data.subwords else " ".join(pieces)
+        examples.append({"source": src, "reference": refs[i], "output": hyps[i]})
+        log(f"  source:    {src}\n  reference: {refs[i]}\n  output:    {hyps[i]}")
+    return {"bleu": score, "bleu_greedy": score_greedy, "bleu_kind": kind, "unk_share": unk_share,
+            "beam_size": cfg.beam_size,
+            "length_penalty_alpha": cfg.length_penalty_alpha, "test_sentences": len(test),
+            "decode_minutes": (time.time() - t0) / 60, "decode_minutes_greedy": (t1 - t0) / 60,
+            "examples": examples}
+
+
+# %% [markdown]
+# `plot_curves` draws the training and validation loss from the metrics log into the run directory.
+
+# %%
+def plot_curves(metrics_path: Path, out: Path) -> Path:
+    """Training and validation loss against step, from the metrics log, saved as a PNG."""
+    import matplotlib.pyplot as mpl
+
+    records = [json.loads(line) for line in Path(metrics_path).read_text().splitlines() if line.strip()]
+    fig, ax = mpl.subplots(figsize=(6, 3.5))
+    tr = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
+    va = [(r["step"], r["valid_loss"]) for r in records if "valid_loss" in r]
+    if tr:
+        ax.plot(*zip(*tr), label="training loss (label-smoothed)")
+    if va:
+        ax.plot(*zip(*va), "o-", label="validation loss")
+    ax.set_xlabel("update")
+    ax.set_ylabel("nats per token")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    mpl.close(fig)
+    return out
+
+
+# %% [markdown]
+# `train` itself: set up, resume, then epochs until `epochs` or `max_steps`, each followed by
+# validation and a checkpoint; last the curve and the test score.
+
+# %%
+def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, progress: bool = True,
+          evaluate: bool = True) -> dict:
+    """Train ``cfg`` (resuming from its run directory when that holds a checkpoint), then score the test set.
+
+    Returns a summary: steps, minutes, BLEU, example translations and where the run's files are.
+    """
+    device, local_rank = resolve_device(cfg.device), int(os.environ.get("LOCAL_RANK", "0"))
+    if device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        device = torch.device("cuda", local_rank)  # one GPU per process
+        torch.cuda.set_device(device)
+    rank, world = _distributed(device)
+    log = log if rank == 0 else (lambda *a, **k: None)
+    torch.manual_seed(cfg.seed)
+    random.seed(cfg.seed)
+    t_start = time.time()
+    if data is None:  # one process per machine downloads and builds the caches; the others then read them
+        if world > 1 and local_rank != 0:
+            _barrier(device)
+        data = load_dataset(cfg, log=log)
+        if world > 1 and local_rank == 0:
+            _barrier(device)
+    run = setup(cfg, data, device, rank, world, log)
+    pos = resume(run)
+    log(f"model: {count_parameters(run.model) / 1e6:.2f}M parameters "
+        f"(N={cfg.N}, d_model={cfg.d_model}, d_ff={cfg.d_ff}, h={cfg.h}, P_drop={cfg.P_drop})")
+    remaining, plan = plan_run(cfg, data, world, pos.step, run.model)
+    for line in plan:
+        log(line)
+    clock = UpdateClock(remaining, device, log)
+    with StopRequest() as stop:
+        finished = bool(cfg.max_steps and pos.step >= cfg.max_steps)
+        while pos.epoch < cfg.epochs and not finished:
+            epoch_number = pos.epoch + 1  # the epoch these updates belong to, counting from 1
+            finished = train_epoch(run, pos, stop, progress, t_start, clock)
+            valid_loss = evaluate_loss(run.model, data.splits["valid"], cfg, device) if rank == 0 else float("nan")
+            ppl = math.exp(min(valid_loss, 50))
+            run.files.log({"step": pos.step, "epoch": epoch_number, "valid_loss": valid_loss, "valid_ppl": ppl,
+                           "elapsed_s": time.time() - t_start})
+            log(f"step {pos.step}: validation loss {valid_loss:.3f} (perplexity {ppl:.2f})")
+            path = run.files.save(run, run.data, pos, run.rank)
+            if world > 1:
+                _barrier(device)
+            if stop.requested(world, device) and pos.epoch < cfg.epochs and not finished:
+                raise TrainingInterrupted(f"stopped after update {pos.step} (end of epoch {pos.epoch}); checkpoint "
+                                          f"saved to {path or 'the run directory of the first process'}. "
+                                          "Run the same command again to continue from there.")
+    summary = {"config": dataclasses.asdict(cfg), "steps": pos.step, "train_minutes": (time.time() - t_start) / 60,
+               "device": str(device), "world_size": world, "precision": resolve_precision(cfg.precision, device)[0],
+               "data": data.origin, "run_dir": str(run.files.dir)}
+    if rank == 0 and run.files.metrics.is_file():
+        summary["curve"] = str(plot_curves(run.files.metrics, run.files.dir / "curve.png"))
+    if evaluate and rank == 0:
+        summary.update(evaluate_test(run.model, data, cfg, device, run.files.dir, log=log, progress=progress))
+        summary["total_minutes"] = (time.time() - t_start) / 60
+        write_atomic(run.files.dir / "results.json", [json.dumps(summary, indent=2)])
+    return summary
+
+
+# %% [markdown]
 # ## The command line
 #
 # `python the_annotated_transformer.py train --config NAME [--field value ...]` trains a
@@ -3751,53 +3800,6 @@ def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
 
 
 # %% [markdown]
-# `main` runs a command and turns every failure into one line: the program's own errors
-# (bad data, a checkpoint that does not fit, a run directory in use) and the operating
-# system's (a missing file, a full disk) with status 2, an interruption with 130, anything
-# unforeseen with 1 — and `--debug` anywhere on the line shows the traceback instead. In a
-# run of several processes, the first one speaks for all of an interruption.
-
-# %%
-def main(argv: Sequence[str]) -> int:
-    """Entry point of the command line: ``train``, ``translate`` or ``evaluate``; returns the exit status."""
-    debug = "--debug" in argv
-    argv = [a for a in argv if a != "--debug"]
-    try:
-        if argv and argv[0] in ("translate", "evaluate"):
-            return run_inference_command(argv[0], argv[1:])
-        command, cfg = config_from_args(argv)
-        if command == "train":
-            summary = train(cfg)
-            if summary.get("bleu") is not None:
-                print(f"done in {summary['total_minutes']:.1f} min: BLEU {summary['bleu']:.2f}; "
-                      f"results in {summary['run_dir']}/results.json")
-    except TrainingInterrupted as e:
-        if not dist.is_initialized() or dist.get_rank() == 0:  # one message, not one per process
-            print(f"interrupted: {e}", file=sys.stderr)
-        return 130
-    except (DataError, CheckpointError, TrainingDiverged, RunDirectoryError, OSError) as e:
-        if debug:
-            raise
-        print(f"error: {e.strerror}: {e.filename}" if isinstance(e, OSError) and e.filename and e.strerror
-              else f"error: {first_line(e)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        print("interrupted", file=sys.stderr)
-        return 130
-    except Exception as e:  # unforeseen: still one line, with the way to see more
-        if debug:
-            raise
-        print(f"error: {type(e).__name__}: {first_line(e)} (run again with --debug to see where)", file=sys.stderr)
-        return 1
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
-
-
-# %% [markdown]
 # ### Translating and scoring with a trained model
 #
 # A checkpoint carries its config, its vocabularies and (with `vocab="bpe"`) its BPE model,
@@ -3843,14 +3845,8 @@ def load_for_inference(checkpoint: Optional[Path] = None, run_dir: Optional[Path
 def encode_sources(lines: Sequence[str], dataset: str, src_vocab: Vocab,
                    subwords: Optional[Subwords] = None) -> list[list[int]]:
     """Raw source sentences → ``<s> ids </s>``, tokenized as in training (§5.1: BPE pieces, or words)."""
-    tokenize = subwords.encode if subwords is not None else make_tokenizer(dataset, "de")
+    tokenize = subwords.encode if subwords is not None else make_tokenizer(dataset, CORPORA[dataset].src)
     return [[BOS] + src_vocab(toks) + [EOS] for toks in tokenize(list(lines))]
-
-
-def bleu_with_signature(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> tuple:
-    """(sacreBLEU score object, signature string) scored as :func:`bleu` does — the BLEU of §6.1."""
-    metric = bleu_metric(dataset)
-    return metric.corpus_score(list(hypotheses), [list(references)]), str(metric.get_signature())
 
 
 
@@ -3871,20 +3867,14 @@ def evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
         if not src:
             raise DataError(f"nothing to score: {args.src} and {args.ref} hold no lines")
         return src, ref
-    if cfg.dataset == "copy":
+    if CORPORA[cfg.dataset].synthetic:
         if args.split != "test":
-            raise DataError(f"the copy task has no split {args.split!r}")
+            raise DataError(f"the {cfg.dataset} task has no split {args.split!r}")
         data = make_copy_data(cfg)
         return [" ".join(data.src_vocab.lookup_tokens(s[1:-1])) for s, _ in data.splits["test"]], data.test_refs
     if args.data_mirror is not None:
         cfg = dataclasses.replace(cfg, data_mirror=args.data_mirror)
-    if cfg.dataset == "multi30k":
-        files = locate_multi30k_test(args.split, cfg)
-    elif args.split == "test":
-        files = locate_dataset(cfg.dataset, cfg).files["test"]
-    else:
-        raise DataError(f"{cfg.dataset} has no split {args.split!r} here; give --src and --ref")
-    pairs, _ = read_parallel(*files)
+    pairs, _ = read_parallel(*locate_test_split(cfg.dataset, args.split, cfg))
     return [s for s, _ in pairs], [t for _, t in pairs]
 
 
@@ -4009,11 +3999,58 @@ def run_inference_command(command: str, argv: Sequence[str]) -> int:
         for h in hyps:
             print(h)
     else:
-        score, signature = bleu_with_signature(hyps, refs, cfg.dataset)
-        print(f"{score}\n{signature}")
+        result = bleu(hyps, refs, cfg.dataset)
+        print(f"{result.text}\n{result.signature}")
     if skipped:
         print(skipped_message(skipped, cfg.max_len), file=sys.stderr)
         return 1
+    return 0
+
+
+# %% [markdown]
+# `main` runs a command and turns every failure into one line: the program's own errors
+# (bad data, a checkpoint that does not fit, a run directory in use) and the operating
+# system's (a missing file, a full disk) with status 2, an interruption with 130, anything
+# unforeseen with 1 — and `--debug` anywhere on the line shows the traceback instead. In a
+# run of several processes, the first one speaks for all of an interruption.
+
+# %%
+def main(argv: Sequence[str]) -> int:
+    """Entry point of the command line: ``train``, ``translate`` or ``evaluate``; returns the exit status."""
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
+    try:
+        if argv and argv[0] in ("translate", "evaluate"):
+            return run_inference_command(argv[0], argv[1:])
+        command, cfg = config_from_args(argv)
+        if command == "train":
+            summary = train(cfg)
+            if summary.get("bleu") is not None:
+                print(f"done in {summary['total_minutes']:.1f} min: BLEU {summary['bleu']:.2f}; "
+                      f"results in {summary['run_dir']}/results.json")
+    except TrainingInterrupted as e:
+        if not dist.is_initialized() or dist.get_rank() == 0:  # one message, not one per process
+            print(f"interrupted: {e}", file=sys.stderr)
+        return 130
+    except (DataError, CheckpointError, TrainingDiverged, RunDirectoryError, OSError) as e:
+        if debug:
+            raise
+        print(f"error: {e.strerror}: {e.filename}" if isinstance(e, OSError) and e.filename and e.strerror
+              else f"error: {first_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # unforeseen: still one line, with the way to see more
+        if debug:
+            raise
+        print(f"error: {type(e).__name__}: {first_line(e)} (run again with --debug to see where)", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

@@ -12,6 +12,7 @@ import random
 import tarfile
 from collections import Counter
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -240,22 +241,24 @@ def test_locate_iwslt14_downloads_and_prepares_the_archive(tmp_path, offline):
 
 def _fake_multi30k_source(folder: Path) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
-    for split, (de, en) in tat.MULTI30K_FILES.items():
+    for split, (de, en) in tat.CORPORA["multi30k"].files.items():
         for name, lang in ((de, "de"), (en, "en")):
             lines = [f"{split} {lang} satz {i}." for i in range(3)]
             (folder / name).write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
-    return {name: sha256_of(folder / name) for pair in tat.MULTI30K_FILES.values() for name in pair}
+    return {name: sha256_of(folder / name) for pair in tat.CORPORA["multi30k"].files.values() for name in pair}
 
 
 def test_locate_multi30k_downloads_the_six_files(tmp_path, offline, monkeypatch):
     src = tmp_path / "remote"
-    monkeypatch.setattr(tat, "MULTI30K_SHA256", _fake_multi30k_source(src))
+    sums = MappingProxyType(_fake_multi30k_source(src))  # the record's pins, for these stand-in files
+    record = dataclasses.replace(tat.CORPORA["multi30k"], sha256=sums)
+    monkeypatch.setattr(tat, "CORPORA", MappingProxyType({**tat.CORPORA, "multi30k": record}))
     data_dir = tmp_path / "data"
     cfg = tat.get_config("tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir))
     source = tat.locate_dataset("multi30k", cfg, url_base=src.as_uri() + "/")
     assert set(source.files) == {"train", "valid", "test"}
     assert "downloaded" in source.origin
-    for split, (de, en) in tat.MULTI30K_FILES.items():
+    for split, (de, en) in tat.CORPORA["multi30k"].files.items():
         assert source.files[split] == (data_dir / "multi30k" / de, data_dir / "multi30k" / en)
         for name in (de, en):
             assert (data_dir / "multi30k" / name).read_bytes() == (src / name).read_bytes()
@@ -319,7 +322,7 @@ def test_mirror_iwslt14_uses_the_training_sample_and_says_so(mirror, tmp_path):
 
 def test_mirror_multi30k_is_found(mirror, tmp_path):
     source = tat.locate_dataset("multi30k", mirror_cfg(mirror, tmp_path, "multi30k"))
-    for split, (de, en) in tat.MULTI30K_FILES.items():
+    for split, (de, en) in tat.CORPORA["multi30k"].files.items():
         assert source.files[split] == (mirror / "multi30k" / de, mirror / "multi30k" / en)
     assert "mirror" in source.origin
     assert list(tmp_path.iterdir()) == []  # nothing downloaded
@@ -451,7 +454,7 @@ def test_overlong_training_pairs_are_filtered_and_counted_but_test_is_kept(tmp_p
              "A very big brown dog runs fast across the green meadow."),
             ("Ein Kind.", "A child.")]
     for split, pairs in (("train", train), ("valid", valid), ("test", test)):
-        de, en = tat.MULTI30K_FILES[split]
+        de, en = tat.CORPORA["multi30k"].files[split]
         _write_gz(folder / de, [p[0] for p in pairs])
         _write_gz(folder / en, [p[1] for p in pairs])
     cfg = tat.get_config("tiny", dataset="multi30k", data_mirror=str(tmp_path / "mirror"),
@@ -592,23 +595,23 @@ def test_multi30k_extra_test_sets_are_found_or_downloaded_without_a_pin(tmp_path
     remote, mirror = tmp_path / "remote", tmp_path / "mirror" / "multi30k"
     remote.mkdir()
     mirror.mkdir(parents=True)
-    for split, names in tat.MULTI30K_EXTRA_TESTS.items():
+    for split, names in tat.CORPORA["multi30k"].extra_tests.items():
         for name in names:
             (remote / name).write_bytes(gzip.compress(f"{split} {name} remote\n".encode()))
     data_dir = tmp_path / "data"
     cfg = tat.get_config("tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir))
-    de, en = tat.locate_multi30k_test("test_2017_flickr", cfg, url_base=remote.as_uri() + "/")
+    de, en = tat.locate_test_split("multi30k", "test_2017_flickr", cfg, url_base=remote.as_uri() + "/")
     assert (de, en) == (data_dir / "multi30k" / "test_2017_flickr.de.gz", data_dir / "multi30k" / "test_2017_flickr.en.gz")
     assert tat.read_lines(en) == ["test_2017_flickr test_2017_flickr.en.gz remote"]
     # a mirror holding the files wins over the data folder and the network
-    for name in tat.MULTI30K_EXTRA_TESTS["test_2018_flickr"]:
+    for name in tat.CORPORA["multi30k"].extra_tests["test_2018_flickr"]:
         (mirror / name).write_bytes(gzip.compress(b"mirror\n"))
     cfg_m = dataclasses.replace(cfg, data_mirror=str(tmp_path / "mirror"))
-    de, en = tat.locate_multi30k_test("test_2018_flickr", cfg_m, url_base=(tmp_path / "nowhere").as_uri() + "/")
+    de, en = tat.locate_test_split("multi30k", "test_2018_flickr", cfg_m, url_base=(tmp_path / "nowhere").as_uri() + "/")
     assert de.parent == mirror and tat.read_lines(de) == ["mirror"]
-    with pytest.raises(DataError, match="unknown Multi30k test split"):
-        tat.locate_multi30k_test("test_2099", cfg)
+    with pytest.raises(DataError, match="has no split 'test_2099'"):
+        tat.locate_test_split("multi30k", "test_2099", cfg)
     with pytest.raises(DataError, match="downloading is off"):
-        tat.locate_multi30k_test("test_2018_flickr", dataclasses.replace(cfg, download=False))
+        tat.locate_test_split("multi30k", "test_2018_flickr", dataclasses.replace(cfg, download=False))
     with pytest.raises(DataError, match="could not download"):
-        tat.locate_multi30k_test("test_2018_flickr", cfg, url_base=(tmp_path / "nowhere").as_uri() + "/")
+        tat.locate_test_split("multi30k", "test_2018_flickr", cfg, url_base=(tmp_path / "nowhere").as_uri() + "/")

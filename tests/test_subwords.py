@@ -29,7 +29,7 @@ def small_mirror(root: Path, test_extra: str = "") -> Path:
     valid = train[:5]
     test = [(f"Ein Hund sieht eine Katze{test_extra}.", "A dog sees a cat."), ("Ein Vogel.", "A bird.")]
     for split, pairs in (("train", train), ("valid", valid), ("test", test)):
-        de, en = tat.MULTI30K_FILES[split]
+        de, en = tat.CORPORA["multi30k"].files[split]
         write_gz(folder / de, [p[0] for p in pairs])
         write_gz(folder / en, [p[1] for p in pairs])
     return root
