@@ -28,15 +28,17 @@
 # * **Part 1 — the model (§3, §4).** Every component, in the paper's order and with the
 #   paper's names (`d_model`, `d_k`, `h`, `N`, `d_ff`, `P_drop`), ending in a model that
 #   runs; then, as an aside, the fast version of attention.
-# * **Part 2 — training (§5).** Vocabulary (byte-pair encoding), batching by length, the
-#   optimizer and its schedule, regularization, and the training loop step by step.
+# * **Part 2 — training (§5).** The data sets, vocabulary (byte-pair encoding), batching
+#   by length, the optimizer and its schedule, regularization, and one update step.
 # * **Part 3 — decoding and inference (§6.1).** Greedy decoding, a key/value cache, beam
 #   search with a length penalty, and BLEU.
-# * **Appendix — machinery.** Finding, downloading and preparing data, caches, checkpoint
-#   files, devices and processes, the command line. Python needs it defined before the runs
-#   of Part 4 use it, so it stands here; skip it on a first reading.
+# * **Appendix — machinery.** Finding, downloading and preparing data; devices and
+#   processes; checkpoint files; running a training job (epochs, resuming, validation,
+#   scoring); the command line. Part 4 runs it, so it is defined before Part 4; skip it
+#   on a first reading.
 # * **Part 4 — real runs.** A synthetic copy task, then German→English translation on
-#   Multi30k, and what the trained model attends to.
+#   Multi30k (with sinusoidal and with learned positions) and IWSLT14, and what the trained
+#   model attends to.
 #
 # The same file is a Python module (`the_annotated_transformer.py`, jupytext percent
 # format). Importing it defines everything and runs nothing: the example cells only run
@@ -55,10 +57,15 @@
 # %% [markdown]
 # ## Prelude
 #
-# Only PyTorch, NumPy, matplotlib, spaCy (tokenizers only), sacreBLEU, sacremoses and tqdm.
-# There is no torchtext here: its development stopped at release 0.18, which only loads
-# against torch 2.3, and the dataset URLs it downloads from are dead. What we needed from it
-# (reading parallel text, a vocabulary, batching by length) takes a few dozen lines below.
+# Only PyTorch, NumPy, sentencepiece (byte-pair encoding), spaCy (tokenizers only),
+# sacreBLEU, sacremoses, tqdm, and matplotlib with seaborn for the figures. There is no
+# torchtext here: its development stopped at release 0.18, which only loads against torch
+# 2.3, and the dataset URLs it downloads from are dead. What we needed from it (reading
+# parallel text, a vocabulary, batching by length) takes a few dozen lines below.
+#
+# `__all__` lists what the module offers to other programs. `NOTEBOOK_PROFILE` sizes the
+# examples when the notebook runs: `full` (the default, what the stored outputs come from)
+# or `smoke` (every example at its smallest, which is how the tests execute the notebook).
 
 # %%
 from __future__ import annotations
@@ -96,6 +103,21 @@ import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
 
+__all__ = [
+    # Part 1 — the model (§3), in the paper's order
+    "EncoderDecoder", "Generator", "Encoder", "EncoderLayer", "SublayerConnection", "Decoder", "DecoderLayer",
+    "subsequent_mask", "padding_mask", "attention", "MultiHeadedAttention", "PositionwiseFeedForward", "Embeddings",
+    "PositionalEncoding", "LearnedPositionalEncoding", "FastMultiHeadedAttention", "ModelConfig", "MODEL_PRESETS",
+    "make_model",
+    # Part 2 — training (§5)
+    "Corpus", "CORPORA", "Config", "PRESETS", "get_config", "Vocab", "Subwords", "Batch", "length_batches", "rate",
+    "make_optimizer", "LabelSmoothing", "loss_sum", "Trainer", "update",
+    # Part 3 — decoding (§6.1)
+    "greedy_decode", "IncrementalDecoder", "beam_search", "translate", "detokenize", "bleu",
+    # Appendix — running it
+    "load_dataset", "Dataset", "save_checkpoint", "load_checkpoint", "average_checkpoints", "train", "evaluate_test",
+    "load_for_inference", "main",
+]
 
 def _examples_enabled() -> bool:
     """True when this file runs as the notebook, or as a script without a sub-command.
@@ -115,6 +137,9 @@ if EXAMPLES:
     import matplotlib.pyplot as plt
 
     torch.manual_seed(0)
+    PROFILE = os.environ.get("NOTEBOOK_PROFILE", "full")  # "smoke": the examples at their smallest (the tests)
+    if PROFILE not in ("full", "smoke"):
+        raise ValueError(f"NOTEBOOK_PROFILE must be 'full' or 'smoke', not {PROFILE!r}")
 
 # %% [markdown]
 # ### In a hosted notebook
@@ -429,6 +454,7 @@ if EXAMPLES:
     ax.set_ylabel("query position i")
     ax.set_title("subsequent_mask(20)")
     plt.show()
+    del fig, ax  # examples leave no names behind, except what a later example uses
 
 # %% [markdown]
 # ## §3.2 Attention
@@ -508,6 +534,7 @@ if EXAMPLES:
         q, k = torch.randn(10_000, d_k), torch.randn(10_000, d_k)
         dots = (q * k).sum(-1)
         print(f"d_k={d_k:4d}  var(q·k)={dots.var():8.1f}  var(q·k/√d_k)={(dots / math.sqrt(d_k)).var():.2f}")
+    del d_k, q, k, dots
 
 # %% [markdown]
 # ### §3.2.2 Multi-Head Attention
@@ -566,18 +593,30 @@ class MultiHeadedAttention(nn.Module):
         batch, _, length, _ = x.shape
         return x.transpose(1, 2).reshape(batch, length, self.h * self.d_k)  # (batch, len, d_model)
 
-    def forward(self, query, key, value, mask=None):
-        """query (batch, len_q, d_model), key/value (batch, len_k, d_model) → (batch, len_q, d_model)."""
-        if mask is not None and mask.dim() == 3:
-            mask = mask.unsqueeze(1)  # (batch, 1, len_q|1, len_k): the same mask for every head
-        q = self.split_heads(self.w_q(query))  # (batch, h, len_q, d_k)
-        k = self.split_heads(self.w_k(key))  # (batch, h, len_k, d_k)
-        v = self.split_heads(self.w_v(value))  # (batch, h, len_k, d_k)
-        return self.w_o(self.merge_heads(self.attend(q, k, v, mask)))
+    def project_q(self, query):
+        r"""$QW^Q_i$ for every head: (batch, len_q, d_model) → (batch, h, len_q, d_k)."""
+        return self.split_heads(self.w_q(query))
+
+    def project_kv(self, key, value):
+        r"""$KW^K_i$ and $VW^V_i$ for every head: (batch, len_k, d_model) → 2 × (batch, h, len_k, d_k)."""
+        return self.split_heads(self.w_k(key)), self.split_heads(self.w_v(value))
 
     def attend(self, q, k, v, mask=None):
         """Eq. 1 on every head at once: q (batch, h, len_q, d_k), k/v (batch, h, len_k, d_k) → (batch, h, len_q, d_k)."""
         return attention(q, k, v, mask=mask, dropout=self.dropout)[0]
+
+    def combine(self, q, k, v, mask=None):
+        r"""$\mathrm{Concat}(\mathrm{head_1}, …, \mathrm{head_h})W^O$ from projected heads → (batch, len_q, d_model)."""
+        return self.w_o(self.merge_heads(self.attend(q, k, v, per_head(mask))))
+
+    def forward(self, query, key, value, mask=None):
+        """query (batch, len_q, d_model), key/value (batch, len_k, d_model) → (batch, len_q, d_model)."""
+        return self.combine(self.project_q(query), *self.project_kv(key, value), mask)
+
+
+def per_head(mask):
+    """A (batch, len_q|1, len_k) mask as (batch, 1, len_q|1, len_k): the same for every head (None stays None)."""
+    return mask.unsqueeze(1) if mask is not None and mask.dim() == 3 else mask  # (batch, 1, len_q|1, len_k)
 
 
 # %% [markdown]
@@ -740,6 +779,7 @@ if EXAMPLES:
     ax.set_title("Positional encoding, a few dimensions (d_model = 20)")
     ax.legend()
     plt.show()
+    del pe, y, fig, ax, dim
 
 # %% [markdown]
 # > We also experimented with using learned positional embeddings […] instead, and found
@@ -814,22 +854,21 @@ class FastMultiHeadedAttention(MultiHeadedAttention):
 
     def forward(self, query, key, value, mask=None):
         """query (batch, len_q, d_model), key/value (batch, len_k, d_model) → (batch, len_q, d_model)."""
-        if mask is not None and mask.dim() == 3:
-            mask = mask.unsqueeze(1)  # (batch, 1, len_q|1, len_k)
-        if query is key and key is value:
+        if query is key and key is value:  # self-attention: the three projections as one product
             weight = torch.cat([self.w_q.weight, self.w_k.weight, self.w_v.weight])  # (3·d_model, d_model)
             bias = torch.cat([self.w_q.bias, self.w_k.bias, self.w_v.bias])
             q, k, v = F.linear(query, weight, bias).chunk(3, dim=-1)  # 3 × (batch, len, d_model)
-        else:
-            q = self.w_q(query)
-            if key is value:
-                weight = torch.cat([self.w_k.weight, self.w_v.weight])  # (2·d_model, d_model)
-                bias = torch.cat([self.w_k.bias, self.w_v.bias])
-                k, v = F.linear(key, weight, bias).chunk(2, dim=-1)  # 2 × (batch, len_k, d_model)
-            else:
-                k, v = self.w_k(key), self.w_v(value)
-        q, k, v = self.split_heads(q), self.split_heads(k), self.split_heads(v)  # (batch, h, len, d_k)
-        return self.w_o(self.merge_heads(self.attend(q, k, v, mask)))
+            return self.combine(self.split_heads(q), self.split_heads(k), self.split_heads(v), mask)
+        return super().forward(query, key, value, mask)
+
+    def project_kv(self, key, value):
+        """Both projections as one product when key and value are one tensor (the encoder output)."""
+        if key is not value:
+            return super().project_kv(key, value)
+        weight = torch.cat([self.w_k.weight, self.w_v.weight])  # (2·d_model, d_model)
+        bias = torch.cat([self.w_k.bias, self.w_v.bias])
+        k, v = F.linear(key, weight, bias).chunk(2, dim=-1)  # 2 × (batch, len_k, d_model)
+        return self.split_heads(k), self.split_heads(v)  # (batch, h, len_k, d_k)
 
     def attend(self, q, k, v, mask=None):
         """Eq. 1 through PyTorch's fused kernel; same shapes as :meth:`MultiHeadedAttention.attend`."""
@@ -951,11 +990,11 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-if EXAMPLES:
+if EXAMPLES and PROFILE == "full":  # two large models: skipped in the smoke profile
     for name in ("base", "big"):
         m = make_model(37000, 37000, MODEL_PRESETS[name])
         print(f"{name}: {count_parameters(m) / 1e6:.1f}M parameters with a shared 37,000-token vocabulary")
-    del m
+    del m, name
 
 # %% [markdown]
 # The paper's Table 3 lists 65M parameters for the base model and 213M for the big one.
@@ -1006,6 +1045,7 @@ if EXAMPLES:
     for n in (16, 64, 256):
         x = torch.randn(8, n, d)
         print(f"{n:3d}   {time_layer(self_attn, x, x, x):10.2f}   {time_layer(lstm, x):14.2f}")
+    del d, self_attn, lstm, n, x
 
 # %% [markdown]
 # # Part 2 — Training
@@ -1081,6 +1121,12 @@ class Corpus:
     synthetic: bool = False  # generated (the copy task), no files
 
 
+# %% [markdown]
+# The three records. Multi30k's files are published one by one and pinned; IWSLT14 is
+# published as the raw TED archive, which `prepare_iwslt14` (Appendix) turns into the
+# standard layout, and a folder holding only its training sample still trains (Part 4).
+
+# %%
 CORPORA = MappingProxyType({c.name: c for c in (
     Corpus("copy", synthetic=True),
     Corpus("multi30k",  # raw, cased image captions; test = test2016 (flickr)
@@ -1680,6 +1726,7 @@ if EXAMPLES:
     ax.set_title("Eq. 3")
     ax.legend()
     plt.show()
+    del fig, ax, steps, d_model, warmup
 
 # %% [markdown]
 # ## §5.4 Regularization
@@ -1768,6 +1815,7 @@ if EXAMPLES:
     ax2.set_ylabel("loss")
     ax2.set_title("label smoothing penalises over-confidence")
     plt.show()
+    del ls, fig, ax1, ax2, xs, losses, x, p
 
 # %% [markdown]
 # ### One update
@@ -1856,14 +1904,15 @@ def update(run: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]:
 # ## A first run: greedy decoding with an untrained model
 #
 # Decoding is auto-regressive (§3): encode the source once, start the target with the
-# start symbol, and repeatedly append the most probable next token. `greedy_decode` does
-# this for a whole batch at once and stops when every sentence has produced the end symbol
-# or the length limit is reached (§6.1 uses input length + 50). The start symbol and the
-# padding symbol are never chosen: their scores are set to $-\infty$ before the argmax
-# (`ban_tokens`), since neither can occur inside a target sentence. The loop itself is
-# `greedy_search`, given a function from prefixes to next-token scores, so that the faster
-# decoder of Part 3 reuses it unchanged. An untrained model produces noise, but every piece
-# above has now run end to end.
+# start symbol, and repeatedly append the most probable next token. A *decoder state*
+# feeds one token per sentence and returns the scores of the next one; the readable one,
+# `FullRecomputeDecoder`, runs the decoder over the whole prefix each time. `greedy_search`
+# is the loop around any such state: it takes the argmax for a whole batch at once and stops
+# when every sentence has produced the end symbol or the length limit is reached (§6.1 uses
+# input length + 50). The start symbol and the padding symbol are never chosen: their scores
+# are set to $-\infty$ before the argmax (`ban_tokens`), since neither can occur inside a
+# target sentence. An untrained model produces noise, but every piece above has now run end
+# to end.
 
 # %%
 def ban_tokens(scores, tokens: Sequence[int]):
@@ -1876,6 +1925,36 @@ def ban_tokens(scores, tokens: Sequence[int]):
     return scores
 
 
+class FullRecomputeDecoder:
+    """Auto-regressive decoding state (§3) that recomputes the whole prefix at every step — the readable decoder.
+
+    ``step`` feeds one token per row and returns the next token's log-probabilities;
+    ``reorder`` keeps some rows (beam search). Works with any model that has ``decode`` and
+    ``generator``.
+    """
+
+    def __init__(self, model, memory, src_mask):
+        self.model, self.memory, self.src_mask = model, memory, src_mask
+        self.ys = None  # (batch, t): tokens fed so far
+
+    def step(self, tokens):
+        """tokens (batch,) → log-probabilities of the next token (batch, vocab)."""
+        col = tokens.unsqueeze(1)  # (batch, 1)
+        self.ys = col if self.ys is None else torch.cat([self.ys, col], dim=1)  # (batch, t + 1)
+        out = self.model.decode(self.memory, self.src_mask, self.ys,
+                                subsequent_mask(self.ys.size(1), device=self.ys.device))
+        return self.model.generator(out[:, -1])
+
+    def reorder(self, index):
+        """Keep rows ``index`` (new_batch,) of the prefix."""
+        self.ys = self.ys.index_select(0, index)
+
+
+# %% [markdown]
+# `greedy_decode` is that loop around the readable state; the cached state below plugs into
+# the same loop.
+
+# %%
 @torch.no_grad()
 def greedy_decode(model: EncoderDecoder, src, src_mask, max_len: int, start_symbol: int,
                   end_symbol: Optional[int] = None, pad: Optional[int] = None):
@@ -1886,28 +1965,23 @@ def greedy_decode(model: EncoderDecoder, src, src_mask, max_len: int, start_symb
     symbol) afterwards, and decoding stops early once all have finished. ``start_symbol``
     and ``pad`` are never generated.
     """
-    memory = model.encode(src, src_mask)
-
-    def next_scores(ys):  # the whole prefix through the decoder; scores for the last position
-        out = model.decode(memory, src_mask, ys, subsequent_mask(ys.size(1), device=src.device))
-        return model.generator(out[:, -1])  # (batch, vocab)
-
-    return greedy_search(next_scores, src.size(0), max_len, start_symbol, end_symbol, pad, src.device)
+    state = FullRecomputeDecoder(model, model.encode(src, src_mask), src_mask)
+    return greedy_search(state, src.size(0), max_len, start_symbol, end_symbol, pad, src.device)
 
 
-def greedy_search(next_scores: Callable, batch: int, max_len: int, start_symbol: int,
+def greedy_search(state, batch: int, max_len: int, start_symbol: int,
                   end_symbol: Optional[int], pad: Optional[int], device):
-    """The loop of greedy decoding (§3): append the argmax of ``next_scores(prefix)`` until all end.
+    """The loop of greedy decoding (§3): feed each newest token to ``state`` and append the argmax, until all end.
 
-    ``next_scores`` maps the prefixes (batch, len) to next-token scores (batch, vocab); the
-    readable decoder recomputes the prefix, the cached one (Part 3) feeds only its last token.
+    ``state.step(tokens (batch,))`` returns next-token scores (batch, vocab):
+    :class:`FullRecomputeDecoder` or the cached :class:`IncrementalDecoder`.
     """
     ys = torch.full((batch, 1), start_symbol, dtype=torch.long, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     fill = end_symbol if pad is None else pad
     banned = [start_symbol] + ([pad] if pad is not None else [])
     for _ in range(max_len - 1):
-        next_word = ban_tokens(next_scores(ys), banned).argmax(dim=-1)  # (batch,)
+        next_word = ban_tokens(state.step(ys[:, -1]), banned).argmax(dim=-1)  # (batch,)
         if end_symbol is not None:
             next_word = torch.where(done, torch.full_like(next_word, fill), next_word)
             done |= next_word == end_symbol
@@ -1918,10 +1992,11 @@ def greedy_search(next_scores: Callable, batch: int, max_len: int, start_symbol:
 
 
 if EXAMPLES:
-    test_model = make_model(11, 11, MODEL_PRESETS["tiny"]).eval()
-    src = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
-    print("untrained model's output:", greedy_decode(test_model, src, torch.ones(1, 1, 10, dtype=torch.bool),
-                                                    max_len=10, start_symbol=0)[0].tolist())
+    untrained = make_model(11, 11, MODEL_PRESETS["tiny"]).eval()
+    print("untrained model's output:", greedy_decode(untrained, torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]),
+                                                    torch.ones(1, 1, 10, dtype=torch.bool), max_len=10,
+                                                    start_symbol=0)[0].tolist())
+    del untrained
 
 # %% [markdown]
 # ### Incremental decoding with a key/value cache
@@ -1956,11 +2031,11 @@ class IncrementalDecoder:
 
     def __init__(self, model: EncoderDecoder, memory, src_mask):
         self.model = model
-        self.src_mask = src_mask.unsqueeze(1)  # (batch, 1, 1, src_len): same for every head and step
+        self.src_mask = src_mask  # (batch, 1, src_len)
         self.cross = []  # per layer: (k, v), each (batch, h, src_len, d_k)
         for layer in model.decoder.layers:
             a = layer.src_attn
-            self.cross.append((a.split_heads(a.w_k(memory)), a.split_heads(a.w_v(memory))))
+            self.cross.append(a.project_kv(memory, memory))
         self.self_kv: list = [None] * len(model.decoder.layers)  # per layer: (k, v), (batch, h, t, d_k)
         self.length = 0  # positions fed so far
 
@@ -1977,17 +2052,17 @@ class IncrementalDecoder:
 
     def _self_attn(self, i: int, a: MultiHeadedAttention, y):
         """Masked self-attention of the newest position over all positions so far (no mask needed)."""
-        q, k, v = a.split_heads(a.w_q(y)), a.split_heads(a.w_k(y)), a.split_heads(a.w_v(y))  # (batch, h, 1, d_k)
+        q, (k, v) = a.project_q(y), a.project_kv(y, y)  # (batch, h, 1, d_k) each
         if self.self_kv[i] is not None:
             k = torch.cat([self.self_kv[i][0], k], dim=2)  # (batch, h, t + 1, d_k)
             v = torch.cat([self.self_kv[i][1], v], dim=2)  # (batch, h, t + 1, d_k)
         self.self_kv[i] = (k, v)
-        return a.w_o(a.merge_heads(a.attend(q, k, v)))
+        return a.combine(q, k, v)
 
     def _src_attn(self, i: int, a: MultiHeadedAttention, y):
         """Encoder-decoder attention of the newest position, with the cached projections of ``memory``."""
         k, v = self.cross[i]
-        return a.w_o(a.merge_heads(a.attend(a.split_heads(a.w_q(y)), k, v, self.src_mask)))
+        return a.combine(a.project_q(y), k, v, self.src_mask)
 
     def reorder(self, index):
         """Keep rows ``index`` (new_batch,) of the self-attention cache.
@@ -2011,7 +2086,7 @@ def greedy_decode_cached(model: EncoderDecoder, src, src_mask, max_len: int, sta
     """Batched greedy decoding (§3) with :class:`IncrementalDecoder`; the tokens of :func:`greedy_decode`."""
     memory = model.encode(src, src_mask)
     state = IncrementalDecoder(model, memory, src_mask)
-    return greedy_search(lambda ys: state.step(ys[:, -1]), src.size(0), max_len, start_symbol, end_symbol,
+    return greedy_search(state, src.size(0), max_len, start_symbol, end_symbol,
                          pad, src.device)
 
 
@@ -2028,7 +2103,7 @@ if EXAMPLES:
     timing_src = torch.randint(4, 1000, (32, 20))
     timing_mask = torch.ones(32, 1, 20, dtype=torch.bool)
     print("output length   full recompute (s)   cached (s)   speed-up   same tokens")
-    for length in (10, 25, 50, 100):
+    for length in (10, 25, 50, 100) if PROFILE == "full" else (10,):
         t0 = time.perf_counter()
         full = greedy_decode(timing_model, timing_src, timing_mask, length + 1, start_symbol=0)
         t1 = time.perf_counter()
@@ -2036,7 +2111,7 @@ if EXAMPLES:
         t2 = time.perf_counter()
         print(f"{length:13d}   {t1 - t0:18.3f}   {t2 - t1:10.3f}   {(t1 - t0) / (t2 - t1):8.1f}×   "
               f"{torch.equal(full, fast)}")
-    del timing_model
+    del timing_model, timing_src, timing_mask, length, t0, t1, t2, full, fast
 
 # %% [markdown]
 # ### Decoding and score
@@ -2079,30 +2154,6 @@ def length_penalty(length, alpha: float):
     including </s>. $\alpha = 0$ gives $lp = 1$: the raw log-probability.
     """
     return ((5.0 + length) / 6.0) ** alpha
-
-
-class FullRecomputeDecoder:
-    """The interface of :class:`IncrementalDecoder` for any model with ``decode`` and ``generator`` (§3).
-
-    Recomputes the whole prefix at every step: the readable reference for beam search,
-    and usable with stand-in models in tests.
-    """
-
-    def __init__(self, model, memory, src_mask):
-        self.model, self.memory, self.src_mask = model, memory, src_mask
-        self.ys = None  # (batch, t): tokens fed so far
-
-    def step(self, tokens):
-        """tokens (batch,) → log-probabilities of the next token (batch, vocab)."""
-        col = tokens.unsqueeze(1)  # (batch, 1)
-        self.ys = col if self.ys is None else torch.cat([self.ys, col], dim=1)  # (batch, t + 1)
-        out = self.model.decode(self.memory, self.src_mask, self.ys,
-                                subsequent_mask(self.ys.size(1), device=self.ys.device))
-        return self.model.generator(out[:, -1])
-
-    def reorder(self, index):
-        """Keep rows ``index`` (new_batch,) of the prefix."""
-        self.ys = self.ys.index_select(0, index)
 
 
 @torch.no_grad()
@@ -2195,13 +2246,6 @@ def beam_search(model, src, src_mask, max_new_tokens, start_symbol: int, end_sym
 # wastes little padding) and returns token lists without `<s>` and cut at `</s>`: greedily
 # with `beam_size=1`, otherwise with beam search; with the key/value cache whenever the
 # model is an `EncoderDecoder`. The result does not depend on how sentences are batched.
-# Then ids become text — BPE pieces are joined back by sentencepiece; a word-level
-# vocabulary's Multi30k output is detokenized with sacremoses — and sacreBLEU scores it: on
-# Multi30k against the raw, cased references with sacreBLEU's default tokenizer; on IWSLT14
-# the text stays tokenized and lowercased and is scored against the prepared references with
-# `tokenize="none"`, the way published IWSLT14 numbers are computed (sacreBLEU's warning that
-# the text looks tokenized is switched off there, since it is meant to be).
-#
 # Decoding runs on the device it is asked for, whatever device the model was built on
 # (a model read from a checkpoint is on the CPU): `on_device` moves the model there.
 
@@ -2263,6 +2307,16 @@ def translate(model: EncoderDecoder, sources: Sequence[list[int]], tgt_vocab: Vo
     return out
 
 
+# %% [markdown]
+# Then ids become text and sacreBLEU scores it, each data set as its record says. BPE
+# pieces are joined back by sentencepiece; a word-level vocabulary's Multi30k output is
+# detokenized with sacremoses. Multi30k is scored against the raw, cased references with
+# sacreBLEU's default tokenizer; IWSLT14 stays tokenized and lowercased and is scored
+# against the prepared references with `tokenize="none"`, the way published IWSLT14 numbers
+# are computed (sacreBLEU's warning that the text looks tokenized is switched off there,
+# since it is meant to be).
+
+# %%
 def detokenize(tokens_list: Sequence[list[str]], dataset: str, subwords: Optional[Subwords] = None) -> list[str]:
     """Token lists → strings in the form ``dataset``'s references have (its record says); BPE pieces are decoded."""
     if subwords is not None:
@@ -2284,12 +2338,7 @@ class Bleu(NamedTuple):
 
 
 def bleu(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> Bleu:
-    """Corpus BLEU (§6.1's metric) with sacreBLEU, tokenized as ``dataset``'s record says — the one BLEU here.
-
-    Raw text (Multi30k) with sacreBLEU's default tokenizer, cased; text that is already
-    tokenized (IWSLT14, the copy task) as it is (``tokenize="none"``; sacreBLEU's warning about
-    tokenized text is switched off there, since it is meant to be).
-    """
+    """Corpus BLEU (§6.1's metric) with sacreBLEU, tokenized as ``dataset``'s record says — the one BLEU here."""
     import sacrebleu
 
     tokenize = CORPORA[dataset].bleu_tokenize
@@ -2350,12 +2399,13 @@ def download(url: str, dest: Path, sha256: Optional[str] = None, desc: Optional[
 
 
 # %% [markdown]
-# `prepare_iwslt14` follows the widely used fairseq recipe for the raw TED archive: drop the
+# IWSLT14 is published as the raw TED archive; we follow the widely used fairseq recipe: drop the
 # metadata lines of the training talks (URL, talk id, keywords, speaker, …) and keep the
 # text of titles and descriptions; take the `<seg>` lines of the evaluation XML files;
 # Moses-tokenize (sacremoses) with `&apos;`/`&quot;` escaping; drop pairs with an empty or
 # over-175-token side or a length ratio above 1.5; lowercase; hold out every 23rd training
 # pair as the validation set; the test set is dev2010 + dev2012 + tst2010 + tst2011 + tst2012.
+# First, the two kinds of file in the archive: a training file's text lines, and an XML file's segments.
 
 # %%
 _IWSLT_META = re.compile(r"^\s*<(url|talkid|keywords|speaker|reviewer|translator|doc|/doc)\b")
@@ -2381,8 +2431,8 @@ def _iwslt_xml_segments(text: str) -> list[str]:
 
 
 # %% [markdown]
-# `prepare_iwslt14` itself: read the archive's members, tokenize, filter, hold out every
-# 23rd training pair for validation, and write the three splits.
+# Then the recipe, `prepare_iwslt14`: read the archive's members, tokenize, filter, hold out
+# every 23rd training pair for validation, and write the three splits.
 
 # %%
 def prepare_iwslt14(archive: Path, out_dir: Path, src: str = "de", tgt: str = "en") -> dict:
@@ -2438,9 +2488,8 @@ def prepare_iwslt14(archive: Path, out_dir: Path, src: str = "de", tgt: str = "e
 
 
 # %% [markdown]
-# `locate_dataset` decides where a data set comes from and says so. Offline, with no mirror
-# and nothing downloaded before, it fails once, with a message that names both ways to get
-# the data.
+# Finding a data set yields a `DataSource`: its files, and a sentence saying where they came
+# from, which the run log repeats.
 
 # %%
 @dataclass(frozen=True)
@@ -2453,8 +2502,8 @@ class DataSource:
 
 
 # %% [markdown]
-# Downloading: Multi30k's six files as published (checked against the pinned sums), or the
-# raw IWSLT14 archive, which `prepare_iwslt14` turns into the standard layout. A corrupt
+# Downloading, as the record says: files as published (Multi30k's six, checked against the
+# pinned sums), or an archive to prepare (IWSLT14's, through `prepare_iwslt14`). A corrupt
 # archive is removed so that the next attempt downloads it again.
 
 # %%
@@ -2480,7 +2529,8 @@ def fetch_dataset(name: str, data_dir: Path, url_base: Optional[str] = None) -> 
 
 # %% [markdown]
 # `locate_dataset` tries the mirror, then the data folder, then downloading, and says which
-# one it used.
+# one it used. Offline, with no mirror and nothing downloaded before, it fails once, with a
+# message that names both ways to get the data.
 
 # %%
 def locate_dataset(name: str, cfg: Config, url_base: Optional[str] = None) -> DataSource:
@@ -2644,9 +2694,9 @@ def make_tokenizer(dataset: str, lang: str) -> Callable[[list[str]], list[list[s
 # %% [markdown]
 # ### Putting a data set together
 #
-# `load_dataset` returns everything training needs: the vocabularies, the id sequences of
-# each split (each with `<s>` … `</s>` around it), the raw test references for BLEU, and the
-# counts it skipped or filtered. The copy task of Part 4 comes through the same function.
+# A `Dataset` is everything training needs: the vocabularies, the id sequences of each split
+# (each with `<s>` … `</s>` around it), the raw test references for BLEU, and the counts of
+# what was skipped or filtered. The copy task of Part 4 is generated straight into one.
 
 # %%
 @dataclass
@@ -2730,12 +2780,25 @@ def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = N
                    subwords)
 
 # %% [markdown]
-# ### Devices, precision, processes and signals
+# ## A.2 Devices, precision, processes and signals
 #
-# Small pieces the loop needs from its surroundings: which device, which precision pays off
-# there (above; `fast_fp16` is the older GPUs' half of it), whether several processes train
-# together (`torchrun` sets `WORLD_SIZE`), and a way to turn Ctrl-C into "save and stop
-# after this update".
+# Small pieces a run needs from its surroundings: which device, which precision pays off
+# there, whether several processes train together (`torchrun` sets `WORLD_SIZE`), and a
+# way to turn Ctrl-C into "save and stop after this update".
+#
+# **A precision the hardware computes fast.** bf16 autocast roughly doubles the matrix
+# throughput of a CPU with native bf16 instructions (AVX-512 BF16 or AMX) and of GPUs from
+# compute capability 8.0 (A100, H100, RTX 30xx and later); where bf16 is only *emulated* —
+# most AVX2 CPUs, and the T4 and V100 — it runs many times slower than float32. Those GPUs
+# have fast fp16 instead, whose narrow range needs a **gradient scaler**: the loss is
+# multiplied by a large factor before the backward pass so that small gradients do not
+# round to zero, the gradients are divided by it before the step, and an update whose
+# gradients overflowed is skipped while the factor shrinks. So `precision="auto"` (the
+# default) picks bf16 where it is native, fp16 with the scaler on older GPUs with fast fp16,
+# float32 elsewhere, and the run log says which and why; `fp32`, `bf16` and `fp16` override
+# it (the former `bf16` switch still works and maps onto them). The loss is summed in
+# float32 under either autocast, and masked attention scores are $-\infty$, which fp16
+# represents, so masks stay exact.
 
 # %%
 def resolve_device(name: str) -> torch.device:
@@ -2947,10 +3010,25 @@ def free_space(folder: Path) -> str:
 # %% [markdown]
 # ## A.3 Checkpoint files
 #
-# What a checkpoint holds and why is told in Part 2 (the training loop); here is the file
-# format: a plain dictionary of tensors and numbers written with `torch.save` through the
-# atomic writer, read back with `torch.load(weights_only=True)` and checked against the
-# config, the vocabularies and the BPE model it must match.
+# A checkpoint holds the model, optimizer, scheduler and gradient-scaler states, the step and
+# the position in the epoch, every process's random-number states, the config and the
+# vocabulary. It is written to a
+# temporary file and renamed, so a crash never leaves a half-written checkpoint; the last
+# `keep_checkpoints` are kept, for averaging (§6.1 averages the last 5). Loading uses
+# `torch.load(weights_only=True)`, which never runs code from the file. Resuming restores
+# everything, so that N steps, a stop and N more steps give exactly the parameters of 2N
+# steps in one go (a test checks it).
+#
+# A checkpoint is written at the end of every epoch and, inside long epochs, every
+# `checkpoint_minutes` (10 by default — the interval at which §6.1 says the paper wrote its
+# checkpoints). Ctrl-C (SIGINT) or SIGTERM does not kill training mid-update: the current
+# update finishes, a checkpoint is saved, and the run stops with a message saying that the
+# same command continues it (a second Ctrl-C stops at once). On resuming, the records the
+# metrics log received after the checkpoint are dropped, so no step is logged twice.
+#
+# The file is a plain dictionary of tensors and numbers, written with `torch.save` through
+# `atomic_file` (Part 2) and checked on loading against the config, the vocabularies and
+# the BPE model it must match.
 
 # %%
 class CheckpointError(RuntimeError):
@@ -3092,52 +3170,16 @@ def average_checkpoints(paths: Sequence[Path]) -> dict:
 
 
 # %% [markdown]
-# ## The training loop
+# ## A.4 Running a training job
 #
-# One **update** is one optimizer step: it may accumulate the gradients of several batches
-# (`accum_steps`), which is how one machine reaches the paper's ~25,000 tokens per batch.
-# The loss of each batch is divided by the number of target tokens in the *whole* update
-# (over all accumulated batches, and over all processes in a distributed run), so an update
-# computes the same gradient however it is split. The schedule advances once per update.
-#
-# Around that core: optional gradient clipping, bf16 or fp16 autocast, `torch.compile` (an option;
-# compiling is slow on a CPU, so the tests leave it out), several processes through `torchrun` with
-# `DistributedDataParallel` (NCCL on GPUs, Gloo on CPUs), `tqdm` progress bars with loss,
-# learning rate and tokens per second, a validation loss every epoch, a JSONL metrics log, a
-# training-curve figure, and checkpoints.
-#
-# **A precision the hardware computes fast.** bf16 autocast roughly doubles the matrix
-# throughput of a CPU with native bf16 instructions (AVX-512 BF16 or AMX) and of GPUs from
-# compute capability 8.0 (A100, H100, RTX 30xx and later); where bf16 is only *emulated* —
-# most AVX2 CPUs, and the T4 and V100 — it runs many times slower than float32. Those GPUs
-# have fast fp16 instead, whose narrow range needs a **gradient scaler**: the loss is
-# multiplied by a large factor before the backward pass so that small gradients do not
-# round to zero, the gradients are divided by it before the step, and an update whose
-# gradients overflowed is skipped while the factor shrinks. So `precision="auto"` (the
-# default) picks bf16 where it is native, fp16 with the scaler on older GPUs with fast fp16,
-# float32 elsewhere, and the run log says which and why; `fp32`, `bf16` and `fp16` override
-# it (the former `bf16` switch still works and maps onto them). The loss is summed in
-# float32 under either autocast, and masked attention scores are $-\infty$, which fp16
-# represents, so masks stay exact.
-#
-# ### Checkpoints
-#
-# A checkpoint holds the model, optimizer, scheduler and gradient-scaler states, the step and
-# the position in the epoch, every process's random-number states, the config and the
-# vocabulary. It is written to a
-# temporary file and renamed, so a crash never leaves a half-written checkpoint; the last
-# `keep_checkpoints` are kept, for averaging (§6.1 averages the last 5). Loading uses
-# `torch.load(weights_only=True)`, which never runs code from the file. Resuming restores
-# everything, so that N steps, a stop and N more steps give exactly the parameters of 2N
-# steps in one go (a test checks it).
-#
-# A checkpoint is written at the end of every epoch and, inside long epochs, every
-# `checkpoint_minutes` (10 by default — the interval at which §6.1 says the paper wrote its
-# checkpoints). Ctrl-C (SIGINT) or SIGTERM does not kill training mid-update: the current
-# update finishes, a checkpoint is saved, and the run stops with a message saying that the
-# same command continues it (a second Ctrl-C stops at once). On resuming, records the
-# metrics log received after the checkpoint are dropped, so no step is logged twice.
-
+# Part 2's `update` is the core. Around it a run needs: epochs of length-batched updates
+# (`accum_steps` batches each, which is how one machine reaches the paper's ~25,000 tokens
+# per update), optional gradient clipping, the precision of A.2, `torch.compile` (an option;
+# compiling is slow on a CPU, so the tests leave it out), several processes through
+# `torchrun` with `DistributedDataParallel` (NCCL on GPUs, Gloo on CPUs), `tqdm` progress
+# bars with loss, learning rate and tokens per second, a validation loss every epoch, a
+# JSONL metrics log, a training-curve figure, checkpoints (A.3), resuming, and at the end
+# the test set translated and scored with Part 3's decoding.
 # %% [markdown]
 # ### Checkpoint and metrics bookkeeping; resuming
 #
@@ -3557,12 +3599,11 @@ def train_epoch(run: Run, pos: Position, stop: StopRequest, progress: bool, t_st
 
 
 # %% [markdown]
-# ### `train`
+# ### Setting up, scoring, and `train`
 #
-# The function the command line, `make train` and Part 4 of this notebook all call. It
-# sets up a `Run`, resumes if the run directory holds a checkpoint, and then repeats: an
-# epoch, validation, an end-of-epoch checkpoint. Last, it draws the training curve and
-# scores the test set (Part 3).
+# `setup` builds a run's objects: the model (the same initial weights in every process),
+# the optimizer and its schedule, the precision, DDP when several processes train, and the
+# run directory.
 
 # %%
 def setup(cfg: Config, data: Dataset, device: torch.device, rank: int, world: int, log: Callable) -> Run:
@@ -3645,7 +3686,7 @@ def evaluate_test(model: nn.Module, data: Dataset, cfg: Config, device, run_dir:
 
 
 # %% [markdown]
-# `plot_curves` draws the training and validation loss from the metrics log into the run directory.
+# The curve: training and validation loss from the metrics log, drawn into the run directory.
 
 # %%
 def plot_curves(metrics_path: Path, out: Path) -> Path:
@@ -3670,8 +3711,9 @@ def plot_curves(metrics_path: Path, out: Path) -> Path:
 
 
 # %% [markdown]
-# `train` itself: set up, resume, then epochs until `epochs` or `max_steps`, each followed by
-# validation and a checkpoint; last the curve and the test score.
+# `train` is the function the command line, `make train` and Part 4 all call: set up, resume
+# if the run directory holds a checkpoint, then epochs until `epochs` or `max_steps`, each
+# followed by validation and a checkpoint; last the curve and the test score.
 
 # %%
 def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, progress: bool = True,
@@ -3733,7 +3775,7 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
 
 
 # %% [markdown]
-# ## The command line
+# ## A.5 The command line
 #
 # `python the_annotated_transformer.py train --config NAME [--field value ...]` trains a
 # preset with any config field overridden (`--max_steps 200`, `--device cuda`,
@@ -4058,17 +4100,13 @@ def main(argv: Sequence[str]) -> int:
 # # Part 4 — Real runs
 #
 # Runs of the same `train` function: a synthetic task that needs no data, then real
-# German→English translation on Multi30k and on IWSLT14. Their size comes from one setting, `NOTEBOOK_PROFILE`:
-# `full` (the default) is what produced the outputs stored in this notebook, on a 2-core
-# CPU; `smoke` runs a few steps of each, which is how the test suite executes the whole
-# notebook quickly. The notebook scores the full runs of the command line when they are in
+# German→English translation on Multi30k and on IWSLT14. Their size comes from the Prelude's
+# `NOTEBOOK_PROFILE`: `full` (the default) is what produced the outputs stored in this
+# notebook, on a 2-core CPU; `smoke` runs a few steps of each. The notebook scores the full runs of the command line when they are in
 # `runs/` (the stored outputs do), and trains otherwise.
 
 # %%
 if EXAMPLES:
-    PROFILE = os.environ.get("NOTEBOOK_PROFILE", "full")
-    if PROFILE not in ("full", "smoke"):
-        raise ValueError(f"NOTEBOOK_PROFILE must be 'full' or 'smoke', not {PROFILE!r}")
     # The notebook's own run folders (relative, so stored outputs name no machine's paths); a fresh
     # start each time the notebook runs, since `train` would otherwise resume what is there.
     NOTEBOOK_RUNS = Path(os.environ.get("NOTEBOOK_RUNS", "runs/notebook"))
@@ -4106,6 +4144,7 @@ if EXAMPLES:
     pieces = bpe.encode([sentence])[0]
     print(f"{len(bpe.vocab):,} pieces; {sentence!r} →\n{pieces}")
     print("decoded back:", bpe.decode([pieces])[0])
+    del m30k_train, _, bpe, sentence, pieces
 
 # %% [markdown]
 # ## A real example: Multi30k German→English
@@ -4200,9 +4239,8 @@ def attention_maps(model: EncoderDecoder, src, tgt) -> dict:
         layers = []
         for i in range(len(model.decoder.layers if kind != "encoder" else model.encoder.layers)):
             a, (query, key, _value, mask) = modules[(kind, i)], inputs[(kind, i)]
-            q, k = a.split_heads(a.w_q(query)), a.split_heads(a.w_k(key))  # (1, h, len, d_k)
-            mask = mask.unsqueeze(1) if mask.dim() == 3 else mask  # (1, 1, len_q|1, len_k)
-            layers.append(attention(q, k, k, mask)[1][0])  # (h, len_q, len_k)
+            q, (k, v) = a.project_q(query), a.project_kv(key, key)  # (1, h, len, d_k) each
+            layers.append(attention(q, k, v, per_head(mask))[1][0])  # the weights of Eq. 1: (h, len_q, len_k)
         maps[kind] = torch.stack(layers)  # (N, h, len_q, len_k)
     return maps
 

@@ -1,7 +1,8 @@
-"""The notebook and the module: in sync, quoting the paper exactly, quiet on import, executable."""
+"""The notebook and the module: in sync, read top to bottom, quoting the paper exactly, quiet on import, executable."""
 import os
 import re
 import subprocess
+import symtable
 import sys
 from pathlib import Path
 
@@ -31,6 +32,45 @@ def test_no_code_cell_is_longer_than_60_lines_and_each_follows_prose():
     bare = [i for i, (a, b) in enumerate(zip(nb.cells, nb.cells[1:]), start=1)
             if a.cell_type == "code" and b.cell_type == "code"]
     assert not bare, f"code cells with no prose before them: {bare}"
+
+
+def globals_read_and_bound(source: str) -> tuple[set, set]:
+    """(module-level names a cell reads — in its own code or inside its functions and classes —,
+    module-level names it binds)."""
+    top = symtable.symtable(source, "cell", "exec")
+    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    read = {s.get_name() for s in top.get_symbols() if s.is_referenced()}
+    tables = list(top.get_children())
+    while tables:
+        t = tables.pop()
+        read |= {s.get_name() for s in t.get_symbols() if s.is_global() and s.is_referenced()}
+        tables += t.get_children()
+    return read, bound
+
+
+def later_names(sources: list[str]) -> list[tuple[int, str, int]]:
+    """(cell, name, cell that first binds it) for every name a cell reads before any cell has bound it."""
+    first = {}
+    scanned = [globals_read_and_bound(src) for src in sources]
+    for i, (_, bound) in enumerate(scanned):
+        for name in bound:
+            first.setdefault(name, i)
+    return sorted((i, name, first[name]) for i, (read, _) in enumerate(scanned) for name in read
+                  if first.get(name, -1) > i)
+
+
+def test_the_forward_reference_check_catches_a_name_used_before_its_cell():
+    cells_ = ["def f():\n    return helper(1)\n", "def helper(x):\n    return x\n", "y = f()\n"]
+    assert later_names(cells_) == [(0, "helper", 1)]
+    # locals, parameters and names of the same cell are not forward references
+    assert later_names(["def g(helper):\n    return helper\n", "helper = 1\n"]) == []
+    assert later_names(["class A:\n    b: 'B' = None\n\nclass B(A):\n    pass\n"]) == []
+
+
+def test_every_cell_uses_only_names_defined_in_it_or_above():
+    sources = [c.source for c in jupytext.read(PY).cells if c.cell_type == "code"]
+    late = later_names(sources)
+    assert not late, "names used before the cell that defines them (cell, name, defined in cell): " + str(late)
 
 
 def test_jupytext_pairs_the_two_files():
