@@ -63,8 +63,7 @@
 # 2.3, and the dataset URLs it downloads from are dead. What we needed from it (reading
 # parallel text, a vocabulary, batching by length) takes a few dozen lines below.
 #
-# `__all__` lists what the module offers to other programs. `NOTEBOOK_PROFILE` sizes the
-# examples when the notebook runs: `full` (the default, what the stored outputs come from)
+# `NOTEBOOK_PROFILE` sizes the examples when the notebook runs: `full` (the default, what the stored outputs come from)
 # or `smoke` (every example at its smallest, which is how the tests execute the notebook).
 
 # %%
@@ -103,21 +102,6 @@ import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
 
-__all__ = [
-    # Part 1 — the model (§3), in the paper's order
-    "EncoderDecoder", "Generator", "Encoder", "EncoderLayer", "SublayerConnection", "Decoder", "DecoderLayer",
-    "subsequent_mask", "padding_mask", "attention", "MultiHeadedAttention", "PositionwiseFeedForward", "Embeddings",
-    "PositionalEncoding", "LearnedPositionalEncoding", "FastMultiHeadedAttention", "ModelConfig", "MODEL_PRESETS",
-    "make_model",
-    # Part 2 — training (§5)
-    "Corpus", "CORPORA", "Config", "PRESETS", "get_config", "Vocab", "Subwords", "Batch", "length_batches", "rate",
-    "make_optimizer", "LabelSmoothing", "loss_sum", "Trainer", "update",
-    # Part 3 — decoding (§6.1)
-    "greedy_decode", "IncrementalDecoder", "beam_search", "translate", "detokenize", "bleu",
-    # Appendix — running it
-    "load_dataset", "Dataset", "save_checkpoint", "load_checkpoint", "average_checkpoints", "train", "evaluate_test",
-    "load_for_inference", "main",
-]
 
 def _examples_enabled() -> bool:
     """True when this file runs as the notebook, or as a script without a sub-command.
@@ -140,6 +124,26 @@ if EXAMPLES:
     PROFILE = os.environ.get("NOTEBOOK_PROFILE", "full")  # "smoke": the examples at their smallest (the tests)
     if PROFILE not in ("full", "smoke"):
         raise ValueError(f"NOTEBOOK_PROFILE must be 'full' or 'smoke', not {PROFILE!r}")
+
+# %% [markdown]
+# What the module offers to other programs, part by part:
+
+# %%
+__all__ = [
+    # Part 1 — the model (§3), in the paper's order
+    "EncoderDecoder", "Generator", "Encoder", "EncoderLayer", "SublayerConnection", "Decoder", "DecoderLayer",
+    "subsequent_mask", "padding_mask", "attention", "MultiHeadedAttention", "PositionwiseFeedForward", "Embeddings",
+    "PositionalEncoding", "LearnedPositionalEncoding", "FastMultiHeadedAttention", "ModelConfig", "MODEL_PRESETS",
+    "make_model",
+    # Part 2 — training (§5)
+    "Corpus", "CORPORA", "Config", "PRESETS", "get_config", "Vocab", "Subwords", "Batch", "length_batches", "rate",
+    "make_optimizer", "LabelSmoothing", "loss_sum", "Trainer", "update",
+    # Part 3 — decoding (§6.1)
+    "greedy_decode", "IncrementalDecoder", "beam_search", "translate", "detokenize", "bleu",
+    # Appendix — running it
+    "load_dataset", "Dataset", "save_checkpoint", "load_checkpoint", "average_checkpoints", "train", "evaluate_test",
+    "load_for_inference", "main",
+]
 
 # %% [markdown]
 # ### In a hosted notebook
