@@ -615,3 +615,38 @@ def test_multi30k_extra_test_sets_are_found_or_downloaded_without_a_pin(tmp_path
         tat.locate_test_split("multi30k", "test_2018_flickr", dataclasses.replace(cfg, download=False))
     with pytest.raises(DataError, match="could not download"):
         tat.locate_test_split("multi30k", "test_2018_flickr", cfg, url_base=(tmp_path / "nowhere").as_uri() + "/")
+
+
+# --------------------------------------------------------------------------------------
+# A data set is one record: a new one needs nothing but its entry in CORPORA
+# --------------------------------------------------------------------------------------
+
+def test_a_new_data_set_is_one_record(tmp_path, offline, monkeypatch):
+    remote, mirror = tmp_path / "remote", tmp_path / "mirror" / "toy-fr-en"
+    mirror.mkdir(parents=True)
+    remote.mkdir()
+    sentences = {"fr": ["Le chat dort.", "Un homme lit un livre.", "Les enfants jouent dehors."],
+                 "en": ["The cat sleeps.", "A man reads a book.", "The children play outside."]}
+    files = {"train": ("train.fr", "train.en"), "valid": ("dev.fr", "dev.en"), "test": ("test.fr", "test.en")}
+    for split, (fr, en) in files.items():
+        (mirror / fr).write_text("\n".join(sentences["fr"]) + "\n", encoding="utf-8")
+        (mirror / en).write_text("\n".join(sentences["en"]) + "\n", encoding="utf-8")
+    (remote / "test_2020.fr").write_text("Le chien court.\n", encoding="utf-8")
+    (remote / "test_2020.en").write_text("The dog runs.\n", encoding="utf-8")
+    record = tat.Corpus("toy-fr-en", src="fr", tgt="en", files=MappingProxyType(files), url=remote.as_uri() + "/",
+                        extra_tests=MappingProxyType({"test_2020": ("test_2020.fr", "test_2020.en")}),
+                        words="spacy", detokenize="moses", bleu_tokenize="13a", bleu_kind="detokenized cased")
+    monkeypatch.setattr(tat, "CORPORA", MappingProxyType({**tat.CORPORA, record.name: record}))
+    cfg = tat.get_config("tiny", dataset="toy-fr-en", vocab="words", min_freq=1, data_mirror=str(mirror.parent),
+                         data_dir=str(tmp_path / "data"))
+    data = tat.load_dataset(cfg, log=lambda *a: None)
+    assert data.name == "toy-fr-en" and data.test_refs == sentences["en"]
+    assert "chat" in data.src_vocab.stoi and "." in data.src_vocab.stoi  # spaCy's French rules split the period
+    # the way back and the score follow the record: Moses detokenization, then sacreBLEU's 13a, cased
+    words = [data.tgt_vocab.lookup_tokens(t[1:-1]) for _, t in data.splits["test"]]
+    assert tat.detokenize(words, "toy-fr-en") == sentences["en"]
+    assert tat.bleu(sentences["en"], sentences["en"], "toy-fr-en").signature.count("tok:13a") == 1
+    assert tat.bleu([s.lower() for s in sentences["en"]], sentences["en"], "toy-fr-en").score < 100
+    # an extra test split: looked for in the mirror and the data folder, then downloaded from the record's url
+    fr, en = tat.locate_test_split("toy-fr-en", "test_2020", cfg)
+    assert tat.read_lines(en) == ["The dog runs."] and fr.parent == tmp_path / "data" / "toy-fr-en"
