@@ -1824,7 +1824,10 @@ if EXAMPLES:
 # %% [markdown]
 # ### One update
 #
-# `update` takes the micro-batches of one update and applies one optimizer step. Each
+# One update is one optimizer step, and it may accumulate the gradients of several batches
+# (`accum_steps`): that is how one machine reaches the paper's ~25,000 tokens per batch.
+# `update` takes the micro-batches of one update and the `Trainer` (the model, the
+# optimizer and its schedule, the precision) and applies one optimizer step. Each
 # batch's summed loss is divided by the number of target tokens in the *whole* update —
 # counted over every micro-batch and, in a distributed run, every process (the
 # `all_reduce`) — and multiplied by the number of processes, because DDP *averages*
@@ -1855,7 +1858,7 @@ class Trainer:
     world: int = 1  # processes training together (DistributedDataParallel)
 
 
-def update(run: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]:
+def update(trainer: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]:
     """One optimizer update over the micro-batches ``micro`` — §5.3.
 
     Returns (summed label-smoothed loss, real target tokens, learning rate applied) over the
@@ -1864,32 +1867,32 @@ def update(run: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]:
     on the device until one transfer at the end: one host synchronisation per update.
     """
     ntokens = torch.stack([(b.tgt_y != PAD).sum() for b in micro]).sum().float()  # counted where the batches are
-    if run.world > 1:
+    if trainer.world > 1:
         dist.all_reduce(ntokens)
-    total = torch.zeros((), device=run.device)
+    total = torch.zeros((), device=trainer.device)
     for j, b in enumerate(micro):
         last = j == len(micro) - 1
-        no_sync = run.train_model.no_sync() if (run.world > 1 and not last) else nullcontext()
-        with no_sync, run.autocast():
-            out = run.train_model(b.src, b.tgt, b.src_mask, b.tgt_mask)
-            loss = loss_sum(run.model.generator(out), b.tgt_y, run.cfg.eps_ls)
-        run.scaler.scale(loss * run.world / ntokens).backward()
+        no_sync = trainer.train_model.no_sync() if (trainer.world > 1 and not last) else nullcontext()
+        with no_sync, trainer.autocast():
+            out = trainer.train_model(b.src, b.tgt, b.src_mask, b.tgt_mask)
+            loss = loss_sum(trainer.model.generator(out), b.tgt_y, trainer.cfg.eps_ls)
+        trainer.scaler.scale(loss * trainer.world / ntokens).backward()
         total += loss.detach()
-    if run.world > 1:
+    if trainer.world > 1:
         dist.all_reduce(total)  # a NaN anywhere makes the sum NaN everywhere: all processes stop together
     total, tokens = torch.stack([total, ntokens]).tolist()  # the update's one host synchronisation
     if not math.isfinite(total):
         raise TrainingDiverged(f"loss is {total}")
-    if run.cfg.clip_grad:
-        run.scaler.unscale_(run.optimizer)  # clip the true gradients, not the scaled ones
-        nn.utils.clip_grad_norm_(run.model.parameters(), run.cfg.clip_grad)
-    lr = run.optimizer.param_groups[0]["lr"]  # set by the scheduler for this update
-    run.scaler.step(run.optimizer)  # fp16: skipped when a gradient overflowed (the scale then shrinks)
-    run.scaler.update()
+    if trainer.cfg.clip_grad:
+        trainer.scaler.unscale_(trainer.optimizer)  # clip the true gradients, not the scaled ones
+        nn.utils.clip_grad_norm_(trainer.model.parameters(), trainer.cfg.clip_grad)
+    lr = trainer.optimizer.param_groups[0]["lr"]  # set by the scheduler for this update
+    trainer.scaler.step(trainer.optimizer)  # fp16: skipped when a gradient overflowed (the scale then shrinks)
+    trainer.scaler.update()
     with warnings.catch_warnings():  # after a skipped fp16 step torch warns of a schedule stepped first; by design
         warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
-        run.scheduler.step()
-    run.optimizer.zero_grad(set_to_none=True)
+        trainer.scheduler.step()
+    trainer.optimizer.zero_grad(set_to_none=True)
     return total, round(tokens), lr
 
 
@@ -3176,9 +3179,8 @@ def average_checkpoints(paths: Sequence[Path]) -> dict:
 # %% [markdown]
 # ## A.4 Running a training job
 #
-# Part 2's `update` is the core. Around it a run needs: epochs of length-batched updates
-# (`accum_steps` batches each, which is how one machine reaches the paper's ~25,000 tokens
-# per update), optional gradient clipping, the precision of A.2, `torch.compile` (an option;
+# Part 2's `update` is the core. Around it a run needs: epochs of length-batched updates,
+# optional gradient clipping, the precision of A.2, `torch.compile` (an option;
 # compiling is slow on a CPU, so the tests leave it out), several processes through
 # `torchrun` with `DistributedDataParallel` (NCCL on GPUs, Gloo on CPUs), `tqdm` progress
 # bars with loss, learning rate and tokens per second, a validation loss every epoch, a
