@@ -2975,8 +2975,9 @@ class StopRequest:
 
 
 # %% [markdown]
-# Reading back a metrics log that a crash may have torn, and the short forms of an error
-# and of the free disk space that the messages quote.
+# Three small helpers for the files of A.3 and A.4: reading back a metrics log that a crash
+# may have torn, and the short forms of an error and of the free disk space that their
+# messages quote.
 
 # %%
 
