@@ -45,6 +45,13 @@ def tiny_cfg(run_dir, **overrides):
     return tat.get_config("copy", **settings)
 
 
+def tiny_data(cfg):
+    """200 / 40 / 20 copy pairs of 10 symbols (12 ids with <s> and </s>)."""
+    import the_annotated_transformer as tat
+
+    return tat.make_copy_data(cfg, sizes=(200, 40, 20))
+
+
 def run(cfg, data, **kwargs) -> dict:
     """Train ``cfg`` on ``data`` quietly, without the test-set evaluation unless asked."""
     import the_annotated_transformer as tat

@@ -1,4 +1,5 @@
-"""The command line: trains a preset end to end, translates and scores with it, and fails with one clear message."""
+"""The command line: trains a preset end to end, translates and scores with it, fails with one clear message,
+and parses its options into a configuration."""
 import json
 import os
 import re
@@ -9,10 +10,15 @@ import time
 from pathlib import Path
 
 import pytest
+import sacrebleu
 import torch
+
+import the_annotated_transformer as tat
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "the_annotated_transformer.py"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def run(args, tmp_path, **env):
@@ -70,6 +76,8 @@ def test_ctrl_c_saves_and_the_same_command_continues(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "resumed from" in result.stdout and f"checkpoint-{stopped:08d}.pt" in result.stdout
     assert json.loads((tmp_path / "run" / "results.json").read_text())["steps"] == stopped + 2
+
+
 # --- translate and evaluate (§6.1 decoding with a trained model) ----------------------------
 
 @pytest.fixture(scope="module")
@@ -102,8 +110,6 @@ def test_translate_reads_arguments_a_file_or_stdin_and_prints_one_line_each(copy
 
 
 def test_translate_one_checkpoint_or_the_average_of_the_last(copy_run, tmp_path):
-    import the_annotated_transformer as tat
-
     last = sorted(copy_run.glob("checkpoint-*.pt"))[-1]
     sentences = ["1 2 3 4 5 6 7 8 9 10", "3 3 2"]
     one = run(["translate", "--checkpoint", str(last), "--beam", "1", *sentences], tmp_path)
@@ -118,15 +124,37 @@ def test_translate_one_checkpoint_or_the_average_of_the_last(copy_run, tmp_path)
 
 
 def test_evaluate_scores_files_and_prints_the_sacrebleu_signature(copy_run, tmp_path):
-    src = ["1 2 3 4", "5 6 7 8 9", "10 1"]
+    # Copy-task sentences and their true targets: a copy task's reference is its source. Nothing here comes
+    # from the model; its hypotheses come from `translate` with the same decoding options as `evaluate`.
+    src = ["1 2 3 4", "5 6 7 8 9", "10 1", "3 3 2 7 9 1", "4 8 2 6 10 5 7 1 9 3"]
+    refs = list(src)
     translated = run(["translate", "--run_dir", str(copy_run), "--beam", "2", "--alpha", "0.6", *src], tmp_path)
+    assert translated.returncode == 0, translated.stderr
+    hyps = translated.stdout.split("\n")[:-1]
+    assert len(hyps) == len(src)
     (tmp_path / "src.txt").write_text("\n".join(src) + "\n")
-    (tmp_path / "ref.txt").write_text(translated.stdout)  # scoring the model's own output: BLEU 100
-    result = run(["evaluate", "--run_dir", str(copy_run), "--beam", "2", "--src", str(tmp_path / "src.txt"),
-                  "--ref", str(tmp_path / "ref.txt")], tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("BLEU = 100.00")
-    assert "nrefs:1|case:mixed|eff:no|tok:none" in result.stdout
+    # The same references misaligned by one line: real target sentences, but of other sources.
+    shifted = refs[1:] + refs[:1]
+    assert hyps != shifted
+    printed = {}
+    for name, references in (("ref.txt", refs), ("shifted.txt", shifted)):
+        (tmp_path / name).write_text("\n".join(references) + "\n")
+        result = run(["evaluate", "--run_dir", str(copy_run), "--beam", "2", "--alpha", "0.6",
+                      "--src", str(tmp_path / "src.txt"), "--ref", str(tmp_path / name)], tmp_path)
+        assert result.returncode == 0, result.stderr
+        score_line, signature_line = result.stdout.splitlines()
+        # sacreBLEU itself, on the same hypotheses and references, scored on the copy task's tokenized text
+        metric = sacrebleu.BLEU(tokenize="none", force=True)
+        expected = metric.corpus_score(hyps, [references])
+        assert score_line == str(expected), (name, hyps)
+        assert f"ref_len = {sum(len(r.split()) for r in references)}" in score_line
+        assert signature_line == str(metric.get_signature())
+        assert "nrefs:1|case:mixed|eff:no|tok:none" in signature_line
+        score = float(re.match(r"BLEU = (\d+\.\d\d) ", score_line).group(1))
+        assert score == pytest.approx(expected.score, abs=0.005)
+        assert (score == 100.0) == (hyps == references), (name, score, hyps)  # 100 only for exact copies
+        printed[name] = score_line
+    assert printed["shifted.txt"] != printed["ref.txt"], "the score does not depend on which reference is whose"
 
 
 def test_evaluate_defaults_to_the_test_split_and_fails_clearly(copy_run, tmp_path):
@@ -147,3 +175,46 @@ def test_training_reports_greedy_and_beam_bleu(copy_run):
     assert results["beam_size"] == 4 and results["length_penalty_alpha"] == 0.6
     assert 0 <= results["bleu"] <= 100 and 0 <= results["bleu_greedy"] <= 100
     assert results["bleu_kind"] == "tokenized"
+
+
+# --- parsing the command line, in this process (precision and device options: test_devices.py) ---
+
+def test_command_line_overrides_the_preset():
+    command, cfg = tat.config_from_args(
+        ["train", "--config", "copy", "--max_steps", "7", "--P_drop", "0.2", "--precision", "bf16"])
+    assert command == "train"
+    assert cfg.max_steps == 7 and isinstance(cfg.max_steps, int)
+    assert cfg.P_drop == 0.2 and cfg.precision == "bf16"
+    assert cfg.run_dir == "runs/copy"
+    assert cfg == tat.get_config("copy", max_steps=7, P_drop=0.2, precision="bf16", run_dir="runs/copy")
+    assert tat.config_from_args(["train", "--config", "copy", "--bf16", "auto"])[1].precision == "auto"
+
+
+def test_command_line_spellings_and_types():
+    _, cfg = tat.config_from_args(["train", "--config", "tiny", "--max-steps", "3", "--betas", "0.8,0.9",
+                                   "--run_dir", "somewhere", "--bf16", "off"])
+    assert (cfg.max_steps, cfg.betas, cfg.run_dir, cfg.precision) == (3, (0.8, 0.9), "somewhere", "fp32")
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--config", "no-such-preset"],
+    ["train", "--config", "copy", "--bf16", "maybe"],
+    ["train", "--config", "copy", "--no_such_field", "1"],
+    ["evaluate", "--config", "copy"],
+])
+def test_command_line_errors(argv, capsys):
+    with pytest.raises(SystemExit) as err:
+        tat.config_from_args(argv)
+    assert err.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_unknown_preset_error_lists_presets():
+    with pytest.raises(KeyError, match="copy"):
+        tat.get_config("no-such-preset")
+
+
+def test_main_reports_an_unusable_checkpoint(tmp_path, capsys):
+    (tmp_path / "checkpoint-00000001.pt").write_bytes(b"not a checkpoint")
+    assert tat.main(["train", "--config", "copy", "--device", "cpu", "--run_dir", str(tmp_path)]) == 2
+    assert "truncated" in capsys.readouterr().err

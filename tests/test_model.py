@@ -5,15 +5,16 @@ import math
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-import the_annotated_transformer as T
+import the_annotated_transformer as tat
 
-TINY = T.PRESETS["tiny"]
+TINY = tat.PRESETS["tiny"]
 
 
 def tiny_model(**overrides):
     torch.manual_seed(0)
-    return T.make_model(13, 13, TINY, **overrides)
+    return tat.make_model(13, 13, TINY, **overrides)
 
 
 def random_batch(vocab=13, batch=3, src_len=7, tgt_len=6, seed=0):
@@ -24,8 +25,8 @@ def random_batch(vocab=13, batch=3, src_len=7, tgt_len=6, seed=0):
 
 
 def masks(src, tgt):
-    src_mask = (src != T.PAD).unsqueeze(-2)  # (batch, 1, src_len)
-    tgt_mask = T.Batch.make_std_mask(tgt, T.PAD)  # (batch, tgt_len, tgt_len)
+    src_mask = (src != tat.PAD).unsqueeze(-2)  # (batch, 1, src_len)
+    tgt_mask = tat.Batch.make_std_mask(tgt, tat.PAD)  # (batch, tgt_len, tgt_len)
     return src_mask, tgt_mask
 
 
@@ -33,28 +34,28 @@ def masks(src, tgt):
 
 @pytest.mark.parametrize("preset", ["tiny", "base"])
 def test_every_component_has_the_documented_shape(preset):
-    cfg = T.PRESETS[preset]
+    cfg = tat.PRESETS[preset]
     b, n, m, d = 2, 5, 4, cfg.d_model
     x, mem = torch.randn(b, n, d), torch.randn(b, m, d)
     src_mask = torch.ones(b, 1, m, dtype=torch.bool)
-    tgt_mask = T.subsequent_mask(n).expand(b, n, n)
-    mha = T.MultiHeadedAttention(cfg.h, d, 0.0)
+    tgt_mask = tat.subsequent_mask(n).expand(b, n, n)
+    mha = tat.MultiHeadedAttention(cfg.h, d, 0.0)
     assert mha(x, mem, mem, src_mask).shape == (b, n, d)
     assert not hasattr(mha, "attn")  # the forward pass keeps no attention weights
-    assert T.FastMultiHeadedAttention(cfg.h, d, 0.0)(x, x, x, tgt_mask).shape == (b, n, d)
-    assert T.PositionwiseFeedForward(d, cfg.d_ff)(x).shape == (b, n, d)
-    assert T.Embeddings(d, 11)(torch.randint(0, 11, (b, n))).shape == (b, n, d)
-    assert T.PositionalEncoding(d, 0.0)(x).shape == (b, n, d)
-    assert T.SublayerConnection(d, 0.0)(x, lambda y: y * 2).shape == (b, n, d)
-    enc_layer = T.EncoderLayer(d, T.MultiHeadedAttention(cfg.h, d), T.PositionwiseFeedForward(d, cfg.d_ff), 0.1)
+    assert tat.FastMultiHeadedAttention(cfg.h, d, 0.0)(x, x, x, tgt_mask).shape == (b, n, d)
+    assert tat.PositionwiseFeedForward(d, cfg.d_ff)(x).shape == (b, n, d)
+    assert tat.Embeddings(d, 11)(torch.randint(0, 11, (b, n))).shape == (b, n, d)
+    assert tat.PositionalEncoding(d, 0.0)(x).shape == (b, n, d)
+    assert tat.SublayerConnection(d, 0.0)(x, lambda y: y * 2).shape == (b, n, d)
+    enc_layer = tat.EncoderLayer(d, tat.MultiHeadedAttention(cfg.h, d), tat.PositionwiseFeedForward(d, cfg.d_ff), 0.1)
     assert enc_layer(mem, src_mask).shape == (b, m, d)
-    dec_layer = T.DecoderLayer(d, T.MultiHeadedAttention(cfg.h, d), T.MultiHeadedAttention(cfg.h, d),
-                               T.PositionwiseFeedForward(d, cfg.d_ff), 0.1)
+    dec_layer = tat.DecoderLayer(d, tat.MultiHeadedAttention(cfg.h, d), tat.MultiHeadedAttention(cfg.h, d),
+                                 tat.PositionwiseFeedForward(d, cfg.d_ff), 0.1)
     assert dec_layer(x, mem, src_mask, tgt_mask).shape == (b, n, d)
-    assert T.Encoder(enc_layer, 2)(mem, src_mask).shape == (b, m, d)
-    assert T.Decoder(dec_layer, 2)(x, mem, src_mask, tgt_mask).shape == (b, n, d)
-    assert T.Generator(d, 11)(x).shape == (b, n, 11)
-    model = T.make_model(11, 11, cfg, N=1)
+    assert tat.Encoder(enc_layer, 2)(mem, src_mask).shape == (b, m, d)
+    assert tat.Decoder(dec_layer, 2)(x, mem, src_mask, tgt_mask).shape == (b, n, d)
+    assert tat.Generator(d, 11)(x).shape == (b, n, 11)
+    model = tat.make_model(11, 11, cfg, N=1)
     src, tgt = torch.randint(4, 11, (b, m)), torch.randint(4, 11, (b, n))
     out = model(src, tgt, *masks(src, tgt))
     assert out.shape == (b, n, d)
@@ -63,7 +64,7 @@ def test_every_component_has_the_documented_shape(preset):
 
 
 def test_clones_are_independent_copies():
-    layers = T.clones(nn.Linear(3, 3), 4)
+    layers = tat.clones(nn.Linear(3, 3), 4)
     assert len(layers) == 4
     assert len({id(layer.weight) for layer in layers}) == 4
     assert all(torch.equal(layers[0].weight, layer.weight) for layer in layers)
@@ -72,7 +73,7 @@ def test_clones_are_independent_copies():
 # --- attention and masks ----------------------------------------------------------------
 
 def test_subsequent_mask_allows_exactly_the_past_and_present():
-    mask = T.subsequent_mask(5)
+    mask = tat.subsequent_mask(5)
     assert mask.dtype == torch.bool and mask.shape == (1, 5, 5)
     for i in range(5):
         for j in range(5):
@@ -81,34 +82,41 @@ def test_subsequent_mask_allows_exactly_the_past_and_present():
 
 def test_attention_is_equation_1_and_rows_sum_to_one():
     torch.manual_seed(0)
-    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 3)
-    out, p = T.attention(q, k, v)
-    expected_p = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(8), dim=-1)
-    torch.testing.assert_close(p, expected_p)
-    torch.testing.assert_close(out, expected_p @ v)
-    torch.testing.assert_close(p.sum(-1), torch.ones(2, 4, 5))
+    q, k, v = (torch.randn(2, 4, 5, 8, dtype=torch.float64), torch.randn(2, 4, 7, 8, dtype=torch.float64),
+               torch.randn(2, 4, 7, 3, dtype=torch.float64))
+    out, p = tat.attention(q, k, v)
+    # PyTorch's own scaled dot-product attention (scale 1/sqrt(d_k) by default) is the reference.
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), rtol=1e-12, atol=1e-12)
+    # With the identity as values, its output is the weight matrix itself.
+    eye = torch.eye(7, dtype=torch.float64).expand(2, 4, 7, 7)
+    torch.testing.assert_close(p, F.scaled_dot_product_attention(q, k, eye), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(p.sum(-1), torch.ones(2, 4, 5, dtype=torch.float64))
+    # Only the products q·k matter: q scaled up and k scaled down by the same factor give the same weights,
+    # q scaled alone does not.
+    torch.testing.assert_close(tat.attention(q * 8 ** 0.5, k / 8 ** 0.5, v)[1], p, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(tat.attention(q * 8 ** 0.5, k, v)[1], p)
 
 
 def test_masked_keys_get_exactly_zero_weight_and_true_means_may_attend():
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 3, 4), torch.randn(1, 5, 4), torch.randn(1, 5, 2)
     mask = torch.tensor([[[True, False, True, False, True]]])
-    out, p = T.attention(q, k, v, mask)
+    out, p = tat.attention(q, k, v, mask)
     assert torch.all(p[..., 1] == 0) and torch.all(p[..., 3] == 0)
     assert torch.all(p[..., [0, 2, 4]] > 0)
     torch.testing.assert_close(p.sum(-1), torch.ones(1, 3))
     # Same result as attending over the allowed keys only.
-    out_kept, _ = T.attention(q, k[:, [0, 2, 4]], v[:, [0, 2, 4]])
+    out_kept, _ = tat.attention(q, k[:, [0, 2, 4]], v[:, [0, 2, 4]])
     torch.testing.assert_close(out, out_kept)
 
 
 def test_a_fully_masked_row_gives_zeros_not_nan():
     q, k, v = torch.randn(1, 2, 4), torch.randn(1, 3, 4), torch.randn(1, 3, 4)
     mask = torch.tensor([[[True, True, False], [False, False, False]]])
-    out, p = T.attention(q, k, v, mask)
+    out, p = tat.attention(q, k, v, mask)
     assert not torch.isnan(out).any() and not torch.isnan(p).any()
     assert torch.all(p[0, 1] == 0) and torch.all(out[0, 1] == 0)
-    for cls in (T.MultiHeadedAttention, T.FastMultiHeadedAttention):
+    for cls in (tat.MultiHeadedAttention, tat.FastMultiHeadedAttention):
         mha = cls(2, 4, 0.0)
         assert not torch.isnan(mha(q, k, k, mask)).any()
 
@@ -116,7 +124,7 @@ def test_a_fully_masked_row_gives_zeros_not_nan():
 def test_multi_head_attention_is_h_independent_heads_concatenated_then_projected():
     torch.manual_seed(0)
     h, d = 4, 16
-    mha = T.MultiHeadedAttention(h, d, 0.0).eval()
+    mha = tat.MultiHeadedAttention(h, d, 0.0).eval()
     x, y = torch.randn(2, 3, d), torch.randn(2, 5, d)
     d_k = d // h
     heads = []
@@ -125,7 +133,7 @@ def test_multi_head_attention_is_h_independent_heads_concatenated_then_projected
         qi = x @ mha.w_q.weight[rows].T + mha.w_q.bias[rows]
         ki = y @ mha.w_k.weight[rows].T + mha.w_k.bias[rows]
         vi = y @ mha.w_v.weight[rows].T + mha.w_v.bias[rows]
-        heads.append(T.attention(qi, ki, vi)[0])
+        heads.append(tat.attention(qi, ki, vi)[0])
     expected = mha.w_o(torch.cat(heads, dim=-1))
     torch.testing.assert_close(mha(x, y, y), expected)
 
@@ -133,11 +141,11 @@ def test_multi_head_attention_is_h_independent_heads_concatenated_then_projected
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_fast_path_equals_readable_path(norm_first):
     readable = tiny_model(norm_first=norm_first).double().eval()
-    fast = T.make_model(13, 13, TINY, norm_first=norm_first, attention="fast").double().eval()
+    fast = tat.make_model(13, 13, TINY, norm_first=norm_first, attention="fast").double().eval()
     fast.load_state_dict(readable.state_dict())
-    assert isinstance(fast.encoder.layers[0].self_attn, T.FastMultiHeadedAttention)
+    assert isinstance(fast.encoder.layers[0].self_attn, tat.FastMultiHeadedAttention)
     src, tgt = random_batch()
-    src[0, -2:] = T.PAD  # padding exercises the source mask
+    src[0, -2:] = tat.PAD  # padding exercises the source mask
     out_r = readable(src, tgt, *masks(src, tgt))
     out_f = fast(src, tgt, *masks(src, tgt))
     torch.testing.assert_close(out_f, out_r, rtol=1e-10, atol=1e-10)
@@ -157,46 +165,83 @@ def test_layer_norm_formula_matches_nn_layernorm():
     nn.init.normal_(ln.weight)
     nn.init.normal_(ln.bias)
     x = torch.randn(4, 6, 10) * 3 + 1
-    torch.testing.assert_close(T.layer_norm_formula(x, ln.weight, ln.bias, ln.eps), ln(x))
+    torch.testing.assert_close(tat.layer_norm_formula(x, ln.weight, ln.bias, ln.eps), ln(x))
 
 
 def test_sublayer_connection_is_post_norm_by_default_and_pre_norm_as_option():
     torch.manual_seed(0)
-    x = torch.randn(2, 3, 8)
-    f = nn.Linear(8, 8)
-    post = T.SublayerConnection(8, 0.0)
-    torch.testing.assert_close(post(x, f), post.norm(x + f(x)))
-    pre = T.SublayerConnection(8, 0.0, norm_first=True)
-    torch.testing.assert_close(pre(x, f), x + f(pre.norm(x)))
+    x = torch.randn(2, 3, 8, dtype=torch.float64) * 3 + 1  # positions far from mean 0, variance 1
+    f = nn.Linear(8, 8).double()
+    post = tat.SublayerConnection(8, 0.0).double()
+    # With the initial gain 1 and bias 0, LayerNorm(x + Sublayer(x)) has mean 0 and variance 1 at every position
+    # (variance s / (s + eps) for a sum of variance s).
+    out = post(x, f)
+    s2 = (x + f(x)).var(-1, unbiased=False)
+    torch.testing.assert_close(out.mean(-1), torch.zeros(2, 3, dtype=torch.float64), rtol=0, atol=1e-12)
+    torch.testing.assert_close(out.var(-1, unbiased=False), s2 / (s2 + 1e-5), rtol=1e-12, atol=1e-12)
+    # With a learned gain and bias: LayerNorm(x + Sublayer(x)), as F.layer_norm computes it with the module's own
+    # gain and bias.
+    with torch.no_grad():
+        nn.init.normal_(post.norm.weight)
+        nn.init.normal_(post.norm.bias)
+    expected = F.layer_norm(x + f(x), (8,), post.norm.weight, post.norm.bias, eps=1e-5)
+    torch.testing.assert_close(post(x, f), expected, rtol=1e-12, atol=1e-12)
+    # Pre-norm: the output minus its input is the sub-layer applied to the normalised input; the sum itself is
+    # not normalised.
+    pre = tat.SublayerConnection(8, 0.0, norm_first=True).double()
+    with torch.no_grad():
+        nn.init.normal_(pre.norm.weight)
+        nn.init.normal_(pre.norm.bias)
+    out = pre(x, f)
+    torch.testing.assert_close(out - x, f(F.layer_norm(x, (8,), pre.norm.weight, pre.norm.bias, eps=1e-5)),
+                               rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(out, F.layer_norm(out, (8,)))
 
 
 def test_feed_forward_is_equation_2():
-    torch.manual_seed(0)
-    ff = T.PositionwiseFeedForward(6, 10)
-    x = torch.randn(2, 3, 6)
-    expected = torch.clamp(x @ ff.w_1.weight.T + ff.w_1.bias, min=0) @ ff.w_2.weight.T + ff.w_2.bias
-    torch.testing.assert_close(ff(x), expected)
+    # Eq. 2, max(0, xW1 + b1)W2 + b2, with d_model = 2, d_ff = 3 and small whole numbers, worked out by hand.
+    ff = tat.PositionwiseFeedForward(2, 3).double()
+    with torch.no_grad():
+        ff.w_1.weight.copy_(torch.tensor([[1.0, -1.0], [2.0, 0.0], [0.0, 1.0]]))  # nn.Linear stores W1 transposed
+        ff.w_1.bias.copy_(torch.tensor([0.0, -1.0, 0.5]))
+        ff.w_2.weight.copy_(torch.tensor([[1.0, 1.0, 1.0], [-1.0, 0.0, 2.0]]))
+        ff.w_2.bias.copy_(torch.tensor([0.5, 0.0]))
+    x = torch.tensor([[[3.0, 1.0], [-1.0, 2.0], [0.0, 0.0]]], dtype=torch.float64)
+    # x = (3, 1):  xW1 + b1 = (2, 5, 1.5), all kept;       W2 rows: 2 + 5 + 1.5 + 0.5 = 9,  -2 + 0 + 3 = 1
+    # x = (-1, 2): xW1 + b1 = (-3, -3, 2.5) → (0, 0, 2.5); 2.5 + 0.5 = 3,                  2 · 2.5 = 5
+    # x = (0, 0):  xW1 + b1 = (0, -1, 0.5) → (0, 0, 0.5);  0.5 + 0.5 = 1,                  2 · 0.5 = 1
+    expected = torch.tensor([[[9.0, 1.0], [3.0, 5.0], [1.0, 1.0]]], dtype=torch.float64)
+    torch.testing.assert_close(ff(x), expected, rtol=0, atol=1e-12)
     # Applied to each position separately and identically.
+    torch.manual_seed(0)
+    ff = tat.PositionwiseFeedForward(6, 10)
+    x = torch.randn(2, 3, 6)
     torch.testing.assert_close(ff(x[:, 1:2]), ff(x)[:, 1:2])
+    torch.testing.assert_close(ff(x[1:, 2:]), ff(x)[1:, 2:])
 
 
 def test_embeddings_are_scaled_by_sqrt_d_model():
-    emb = T.Embeddings(16, 10)
-    ids = torch.tensor([[1, 2, 3]])
-    torch.testing.assert_close(emb(ids), emb.lut.weight[ids] * 4.0)
+    ids = torch.tensor([[1, 2, 3], [0, 9, 1]])
+    for d_model, sqrt_d_model in ((16, 4.0), (64, 8.0), (2, 1.4142135623730951)):
+        emb = tat.Embeddings(d_model, 10)
+        ramp = torch.linspace(-1.0, 1.0, d_model)
+        with torch.no_grad():
+            emb.lut.weight.copy_(torch.arange(10.0).unsqueeze(1) * ramp)  # token k's vector: k · ramp
+        expected = sqrt_d_model * ids.unsqueeze(-1).float() * ramp
+        torch.testing.assert_close(emb(ids), expected)
 
 
 @pytest.mark.parametrize("pos,i", [(0, 0), (1, 0), (7, 3), (50, 10), (123, 31)])
 def test_positional_encoding_is_the_closed_form(pos, i):
     d_model = 64
-    pe = T.PositionalEncoding(d_model, 0.0).pe[0]
+    pe = tat.PositionalEncoding(d_model, 0.0).pe[0]
     assert pe[pos, 2 * i].item() == pytest.approx(math.sin(pos / 10000 ** (2 * i / d_model)), abs=1e-6)
     assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(pos / 10000 ** (2 * i / d_model)), abs=1e-6)
 
 
 def test_pe_at_pos_plus_k_is_a_linear_function_of_pe_at_pos():
     d_model, k = 32, 5
-    pe = T.PositionalEncoding(d_model, 0.0).pe[0].double()
+    pe = tat.PositionalEncoding(d_model, 0.0).pe[0].double()
     # Positions spread over the whole range, so that the slowest sinusoids vary too.
     fit, check = torch.arange(0, 4900, 7), torch.arange(3, 4900, 11)
     # Least squares: PE[pos + k] = PE[pos] @ M, fitted on some positions ...
@@ -210,21 +255,21 @@ def test_pe_at_pos_plus_k_is_a_linear_function_of_pe_at_pos():
 # --- the whole model --------------------------------------------------------------------
 
 def test_weight_sharing_is_one_tensor():
-    three_way = T.make_model(20, 20, TINY)
+    three_way = tat.make_model(20, 20, TINY)
     w = three_way.generator.proj.weight
     assert w is three_way.tgt_embed[0].lut.weight is three_way.src_embed[0].lut.weight
-    two_way = T.make_model(20, 30, TINY, shared_vocab=False)
+    two_way = tat.make_model(20, 30, TINY, shared_vocab=False)
     assert two_way.generator.proj.weight is two_way.tgt_embed[0].lut.weight
     assert two_way.src_embed[0].lut.weight is not two_way.tgt_embed[0].lut.weight
-    untied = T.make_model(20, 20, TINY, tie_weights=False)
+    untied = tat.make_model(20, 20, TINY, tie_weights=False)
     assert untied.generator.proj.weight is not untied.tgt_embed[0].lut.weight
-    assert T.count_parameters(untied) - T.count_parameters(three_way) == 2 * 20 * TINY.d_model
+    assert tat.count_parameters(untied) - tat.count_parameters(three_way) == 2 * 20 * TINY.d_model
     with pytest.raises(ValueError):
-        T.make_model(20, 30, TINY)  # a shared vocabulary needs one size
+        tat.make_model(20, 30, TINY)  # a shared vocabulary needs one size
 
 
 def test_base_model_has_the_papers_parameter_count():
-    n = T.count_parameters(T.make_model(37000, 37000, T.PRESETS["base"]))
+    n = tat.count_parameters(tat.make_model(37000, 37000, tat.PRESETS["base"]))
     assert abs(n - 65e6) / 65e6 < 0.05, n
 
 
@@ -244,7 +289,7 @@ def test_appending_source_padding_leaves_the_output_unchanged():
     model = tiny_model().eval()
     src, tgt = random_batch()
     out = model(src, tgt, *masks(src, tgt))
-    padded = torch.cat([src, torch.full((src.size(0), 4), T.PAD)], dim=1)
+    padded = torch.cat([src, torch.full((src.size(0), 4), tat.PAD)], dim=1)
     torch.testing.assert_close(model(padded, tgt, *masks(padded, tgt)), out)
 
 
@@ -265,7 +310,7 @@ def test_eval_mode_is_deterministic_and_train_mode_applies_dropout():
 
 def test_dropout_sits_exactly_where_section_5_4_puts_it():
     cfg = TINY
-    model = T.make_model(13, 13, cfg)
+    model = tat.make_model(13, 13, cfg)
     active = {name for name, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0}
     expected = {"src_embed.1.dropout", "tgt_embed.1.dropout"}  # sums of embeddings and PE
     expected |= {f"encoder.layers.{i}.sublayer.{j}.dropout" for i in range(cfg.N) for j in range(2)}
@@ -315,24 +360,24 @@ def _torch_transformer_like(model, cfg, norm_first):
 def test_matches_torch_nn_transformer_with_copied_weights(norm_first):
     cfg = dataclasses.replace(TINY, N=2, d_model=16, d_ff=24, h=4)
     torch.manual_seed(0)
-    model = T.make_model(13, 13, cfg, norm_first=norm_first).double().eval()
+    model = tat.make_model(13, 13, cfg, norm_first=norm_first).double().eval()
     ref = _torch_transformer_like(model, cfg, norm_first)
     src, tgt = random_batch(src_len=9, tgt_len=6)
-    src[1, -3:] = T.PAD
+    src[1, -3:] = tat.PAD
     src_mask, tgt_mask = masks(src, tgt)
     ours = model(src, tgt, src_mask, tgt_mask)
     with torch.no_grad():
         theirs = ref(model.src_embed(src), model.tgt_embed(tgt),
-                     tgt_mask=~T.subsequent_mask(tgt.size(1))[0],  # torch: True = blocked
-                     src_key_padding_mask=src == T.PAD, memory_key_padding_mask=src == T.PAD)
+                     tgt_mask=~tat.subsequent_mask(tgt.size(1))[0],  # torch: True = blocked
+                     src_key_padding_mask=src == tat.PAD, memory_key_padding_mask=src == tat.PAD)
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
 
 
 def test_untrained_model_decodes_end_to_end():
     model = tiny_model().eval()
     src = torch.tensor([[4, 5, 6, 7, 8]])
-    out = T.greedy_decode(model, src, torch.ones(1, 1, 5, dtype=torch.bool), max_len=7, start_symbol=T.BOS)
-    assert out.shape == (1, 7) and out[0, 0] == T.BOS
+    out = tat.greedy_decode(model, src, torch.ones(1, 1, 5, dtype=torch.bool), max_len=7, start_symbol=tat.BOS)
+    assert out.shape == (1, 7) and out[0, 0] == tat.BOS
     assert out.min() >= 0 and out.max() < 13
 
 
@@ -341,15 +386,15 @@ def test_untrained_model_decodes_end_to_end():
     ("cpu", "fast", "fast"), ("cuda", "readable", "readable"), (None, "auto", "readable"),
 ])
 def test_attention_auto_takes_the_fused_path_on_cuda_only(device, setting, path):
-    chosen, line = T.resolve_attention(setting, None if device is None else torch.device(device))
+    chosen, line = tat.resolve_attention(setting, None if device is None else torch.device(device))
     assert chosen == path
     assert line.startswith(f"attention: {path} path (") and ("auto" in line) == (setting == "auto")
 
 
 def test_attention_setting_is_checked_and_builds_its_class():
     with pytest.raises(ValueError, match="auto, readable or fast"):
-        T.resolve_attention("flash")
-    for setting, cls in (("readable", T.MultiHeadedAttention), ("fast", T.FastMultiHeadedAttention),
-                         ("auto", T.MultiHeadedAttention)):
-        model = T.make_model(11, 11, TINY, attention=setting)
+        tat.resolve_attention("flash")
+    for setting, cls in (("readable", tat.MultiHeadedAttention), ("fast", tat.FastMultiHeadedAttention),
+                         ("auto", tat.MultiHeadedAttention)):
+        model = tat.make_model(11, 11, TINY, attention=setting)
         assert type(model.encoder.layers[0].self_attn) is cls
