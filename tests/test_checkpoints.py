@@ -262,3 +262,22 @@ def test_non_finite_loss_before_any_checkpoint_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(tat, "loss_sum", lambda *a, **k: torch.tensor(float("nan"), requires_grad=True))
     with pytest.raises(tat.TrainingDiverged, match="no checkpoint"):
         run(cfg, tiny_data(cfg))
+
+
+def test_checkpoint_records_the_positional_encoding(tmp_path):
+    cfg = tiny_cfg(tmp_path / "learned", positional="learned", max_len=64)
+    data = tat.make_copy_data(cfg)
+    run(cfg, data)
+    path = tat.checkpoint_paths(tmp_path / "learned")[-1]
+    state = tat.load_checkpoint(path, cfg, data.src_vocab, data.tgt_vocab)
+    model = tat.make_model(len(data.src_vocab), len(data.tgt_vocab), cfg)
+    model.load_state_dict(state["model"])  # strict: both learned tables are in the file
+    with pytest.raises(tat.CheckpointError, match="positional: checkpoint 'learned' vs now 'sinusoid'"):
+        tat.load_checkpoint(path, dataclasses.replace(cfg, positional="sinusoid"))
+    # A checkpoint written before the setting existed holds a sinusoidal model.
+    state["config"].pop("positional")
+    older = tmp_path / "older.pt"
+    torch.save(state, older)
+    with pytest.raises(tat.CheckpointError, match="positional: checkpoint 'sinusoid' vs now 'learned'"):
+        tat.load_checkpoint(older, cfg)
+    assert tat.load_checkpoint(older, dataclasses.replace(cfg, positional="sinusoid"))["step"] == state["step"]

@@ -398,3 +398,61 @@ def test_attention_setting_is_checked_and_builds_its_class():
                          ("auto", tat.MultiHeadedAttention)):
         model = tat.make_model(11, 11, TINY, attention=setting)
         assert type(model.encoder.layers[0].self_attn) is cls
+
+
+# --- §3.5's alternative: learned positional embeddings (Table 3, row (E)) -------------------
+
+def learned_model(**overrides):
+    torch.manual_seed(0)
+    return tat.make_model(13, 13, tat.MODEL_PRESETS["tiny"], positional="learned", P_drop=0.0, **overrides).eval()
+
+
+def test_learned_positions_add_one_trained_vector_per_position():
+    model = learned_model()
+    sinusoid = tat.make_model(13, 13, tat.MODEL_PRESETS["tiny"])
+    cfg = tat.MODEL_PRESETS["tiny"]
+    assert tat.count_parameters(model) - tat.count_parameters(sinusoid) == 2 * cfg.max_len * cfg.d_model
+    table = model.tgt_embed[1]
+    assert isinstance(table, tat.LearnedPositionalEncoding) and table.weight.requires_grad
+    x = torch.randn(2, 5, cfg.d_model)
+    for offset in (0, 3):  # what is added is exactly rows offset … offset+4 of the table
+        torch.testing.assert_close(table(x, offset=offset) - x, table.weight[offset:offset + 5].expand(2, 5, -1))
+
+
+def test_learned_positions_train_only_the_rows_of_positions_seen():
+    model = learned_model()
+    src = torch.randint(4, 13, (3, 6))
+    tgt = torch.randint(4, 13, (3, 4))
+    out = model(src, tgt, tat.padding_mask(src, tat.PAD), tat.subsequent_mask(4))
+    out.sum().backward()
+    grad = model.src_embed[1].weight.grad
+    assert grad[:6].abs().sum(dim=1).gt(0).all() and grad[6:].abs().sum() == 0
+    assert model.tgt_embed[1].weight.grad[:4].abs().sum(dim=1).gt(0).all()
+
+
+def test_learned_positions_keep_causality_and_padding_invariance():
+    model = learned_model()
+    src = torch.randint(4, 13, (2, 7))
+    tgt = torch.randint(4, 13, (2, 6))
+    mask = tat.subsequent_mask(6)
+    out = model(src, tgt, tat.padding_mask(src, tat.PAD), mask)
+    changed = tgt.clone()
+    changed[:, 4:] = torch.randint(4, 13, (2, 2))  # only the future of position 3 differs
+    torch.testing.assert_close(model(src, changed, tat.padding_mask(src, tat.PAD), mask)[:, :4], out[:, :4])
+    padded = torch.cat([src, torch.full((2, 3), tat.PAD)], dim=1)
+    torch.testing.assert_close(model(padded, tgt, tat.padding_mask(padded, tat.PAD), mask), out)
+
+
+def test_cached_decoding_equals_full_recompute_with_learned_positions():
+    model = learned_model()
+    src = torch.randint(4, 13, (4, 8))
+    src[1, 5:] = tat.PAD
+    mask = tat.padding_mask(src, tat.PAD)
+    full = tat.greedy_decode(model, src, mask, 12, tat.BOS, tat.EOS, tat.PAD)
+    cached = tat.greedy_decode_cached(model, src, mask, 12, tat.BOS, tat.EOS, tat.PAD)
+    assert torch.equal(full, cached)
+
+
+def test_positional_setting_is_checked():
+    with pytest.raises(ValueError, match="positional must be one of sinusoid, learned"):
+        tat.get_config("tiny", positional="rotary")
