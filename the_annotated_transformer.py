@@ -1855,7 +1855,7 @@ class Trainer:
     device: torch.device
     autocast: Callable  # a context manager factory: bf16 or fp16 autocast, or nothing
     scaler: torch.amp.GradScaler  # scales the fp16 loss so small gradients survive; disabled otherwise
-    world: int = 1  # processes training together (DistributedDataParallel)
+    world: int  # processes training together (DistributedDataParallel)
 
 
 def update(trainer: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]:
@@ -3366,10 +3366,10 @@ class RunFiles:
 class Run(Trainer):
     """The objects of one training run, handed explicitly from step to step (our addition)."""
 
-    data: Dataset = None
-    rank: int = 0
-    files: RunFiles = None
-    log: Callable = print
+    data: Dataset
+    rank: int  # this process's place among the `world` (0 writes the files)
+    files: RunFiles
+    log: Callable
 
 
 # %% [markdown]
