@@ -4232,11 +4232,11 @@ if EXAMPLES:
         learned_cfg = dataclasses.replace(m30k_cfg, positional="learned", run_dir=str(NOTEBOOK_RUNS / "learned"))
         pair = {"sinusoid": (m30k_summary, Path(m30k_cfg.run_dir)),
                 "learned": (train(learned_cfg, data=m30k_data, progress=False), Path(learned_cfg.run_dir))}
-    print("positional   BLEU beam   BLEU greedy   valid ppl best / last   updates   train min")
+    print("positional   BLEU beam   BLEU greedy   valid ppl best / last   updates")
     for name, (summary, run_dir) in pair.items():
         best, last = valid_ppl(run_dir)
         print(f"{name:10s}   {summary['bleu']:9.2f}   {summary['bleu_greedy']:11.2f}   {best:10.2f} / {last:5.2f}"
-              f"   {summary['steps']:7d}   {summary['train_minutes']:9.1f}")
+              f"   {summary['steps']:7d}")
     del pair, valid_ppl
 
 # %% [markdown]
