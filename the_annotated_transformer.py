@@ -1216,7 +1216,8 @@ def _config_rules(c: "Config") -> list:
 
 
 # %% [markdown]
-# `device_problem` is the device check, shared with `translate` and `evaluate`.
+# `device_problem` is the device check, shared with `translate` and `evaluate`; the former
+# `bf16` switch is read into `precision`, so that a run has one spelling of it.
 
 # %%
 def device_problem(name: str) -> Optional[str]:
@@ -1237,6 +1238,19 @@ def device_problem(name: str) -> Optional[str]:
     elif device.type not in ("cpu", "cuda", "mps"):
         return f"device {name!r}: only cpu, cuda and mps are supported"
     return None
+
+
+def precision_from_former_switch(bf16, precision: str) -> str:
+    """The precision a run asks for, given the former ``bf16`` switch ("", auto, true, false) — our addition."""
+    value = {True: "true", False: "false"}.get(bf16, str(bf16).lower())
+    if value not in ("", "auto", "true", "false"):
+        raise ValueError(f"bf16 must be auto, true or false, not {bf16!r} (the setting is now --precision)")
+    if not value:
+        return precision
+    meant = {"auto": "auto", "true": "bf16", "false": "fp32"}[value]
+    if precision not in ("auto", meant):
+        raise ValueError(f"bf16={value} contradicts precision={precision}; use --precision alone")
+    return meant
 
 
 # %% [markdown]
@@ -1295,15 +1309,8 @@ class Config(ModelConfig):
     examples_to_show: int = 5
 
     def __post_init__(self):  # bf16, the former switch, sets precision and is cleared: one spelling per run
-        value = {True: "true", False: "false"}.get(self.bf16, str(self.bf16).lower())
-        if value not in ("", "auto", "true", "false"):
-            raise ValueError(f"bf16 must be auto, true or false, not {self.bf16!r} (the setting is now --precision)")
-        if value:
-            meant = {"auto": "auto", "true": "bf16", "false": "fp32"}[value]
-            if self.precision not in ("auto", meant):
-                raise ValueError(f"bf16={value} contradicts precision={self.precision}; use --precision alone")
-            object.__setattr__(self, "precision", meant)
-            object.__setattr__(self, "bf16", "")
+        object.__setattr__(self, "precision", precision_from_former_switch(self.bf16, self.precision))
+        object.__setattr__(self, "bf16", "")
         problems = [f"{name} {words}, not {getattr(self, name)!r}" for name, ok, words in _config_rules(self) if not ok]
         if problems:
             raise ValueError("; ".join(problems))
@@ -2792,7 +2799,16 @@ def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = N
 # Small pieces a run needs from its surroundings: which device, which precision pays off
 # there, whether several processes train together (`torchrun` sets `WORLD_SIZE`), and a
 # way to turn Ctrl-C into "save and stop after this update".
-#
+
+# %%
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` → CUDA when available, else CPU; anything else as given."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+# %% [markdown]
 # **A precision the hardware computes fast.** bf16 autocast roughly doubles the matrix
 # throughput of a CPU with native bf16 instructions (AVX-512 BF16 or AMX) and of GPUs from
 # compute capability 8.0 (A100, H100, RTX 30xx and later); where bf16 is only *emulated* —
@@ -2808,13 +2824,6 @@ def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = N
 # represents, so masks stay exact.
 
 # %%
-def resolve_device(name: str) -> torch.device:
-    """``"auto"`` → CUDA when available, else CPU; anything else as given."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def native_bf16(device: torch.device) -> tuple[bool, str]:
     """Whether ``device`` computes in bf16 natively (not emulated), with the reason in words (our addition).
 
