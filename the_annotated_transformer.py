@@ -1211,6 +1211,7 @@ def _config_rules(c: "Config") -> list:
          "must be a finite number, 0 or more"),
         ("eval_batch_size", c.eval_batch_size >= 1, "must be at least 1"),
         ("max_eval_sentences", c.max_eval_sentences >= 0, "must be 0 (all) or more"),
+        ("max_valid_sentences", c.max_valid_sentences >= 0, "must be 0 (all) or more"),
         ("examples_to_show", c.examples_to_show >= 0, "must be 0 or more"),
     ]
 
@@ -1306,6 +1307,7 @@ class Config(ModelConfig):
     length_penalty_alpha: float = 0.6  # GNMT length penalty α (§6.1); 0 = raw log-probability
     eval_batch_size: int = 128  # sentences per decoding batch
     max_eval_sentences: int = 0  # decode only the first N test sentences; 0 = all
+    max_valid_sentences: int = 0  # the validation loss of each epoch on the first N validation pairs; 0 = all
     examples_to_show: int = 5
 
     def __post_init__(self):  # bf16, the former switch, sets precision and is cleared: one spelling per run
@@ -2578,7 +2580,8 @@ def locate_dataset(name: str, cfg: Config, url_base: Optional[str] = None) -> Da
         files = complete(folder)
         if files and files.pop("train-is-sample", False):
             sample = sample or DataSource(
-                name, files, origin + f" (training *sample* {corpus.sample}: the full train files are not there)")
+                name, files, origin + f" (the training *sample* {'/'.join(corpus.files[corpus.sample])}: "
+                                      f"the full {'/'.join(corpus.files['train'])} are not there)")
         elif files:
             return DataSource(name, files, origin)
     if sample is not None:
@@ -3766,7 +3769,8 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
         while pos.epoch < cfg.epochs and not finished:
             epoch_number = pos.epoch + 1  # the epoch these updates belong to, counting from 1
             finished = train_epoch(run, pos, stop, progress, t_start, clock)
-            valid_loss = evaluate_loss(run.model, data.splits["valid"], cfg, device) if rank == 0 else float("nan")
+            valid = data.splits["valid"][: cfg.max_valid_sentences or None]
+            valid_loss = evaluate_loss(run.model, valid, cfg, device) if rank == 0 else float("nan")
             ppl = math.exp(min(valid_loss, 50))
             run.files.log({"step": pos.step, "epoch": epoch_number, "valid_loss": valid_loss, "valid_ppl": ppl,
                            "elapsed_s": time.time() - t_start})

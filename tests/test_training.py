@@ -365,3 +365,21 @@ def test_default_preset_follows_the_machine(monkeypatch, cuda, preset):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     assert tat.default_preset() == preset
     assert tat.config_from_args(["train"])[1] == dataclasses.replace(tat.get_config(preset), run_dir=f"runs/{preset}")
+
+
+@pytest.mark.parametrize("limit, expected", [(0, 160), (7, 7)])
+def test_validation_takes_the_first_max_valid_sentences_pairs(tmp_path, monkeypatch, limit, expected):
+    seen = []
+    real = tat.evaluate_loss
+
+    def evaluate_loss(model, pairs, cfg, device):
+        seen.append(list(pairs))
+        return real(model, pairs, cfg, device)
+
+    monkeypatch.setattr(tat, "evaluate_loss", evaluate_loss)
+    cfg = tiny_cfg(tmp_path, max_valid_sentences=limit)
+    data = tat.make_copy_data(cfg)
+    run(cfg, data)
+    assert seen and all(pairs == data.splits["valid"][:expected] for pairs in seen)
+    with pytest.raises(ValueError, match="max_valid_sentences must be 0"):
+        tiny_cfg(tmp_path, max_valid_sentences=-1)
