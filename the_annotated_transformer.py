@@ -1349,7 +1349,7 @@ PRESETS = MappingProxyType({
                             weight_decay=1e-4, epochs=50, min_freq=3, clip_grad=0.0, average_last=5),
     "iwslt14-sample": Config(N=3, d_model=256, d_ff=1024, h=4, P_drop=0.1, attn_dropout=0.1, ffn_dropout=0.1,
                              dataset="iwslt14", bpe_size=4000, batch_tokens=2048, warmup=1000, lr_factor=0.7,
-                             epochs=30, clip_grad=1.0, average_last=5),
+                             epochs=30, clip_grad=1.0, average_last=5, max_valid_sentences=1000),
 })
 
 
