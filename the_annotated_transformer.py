@@ -1120,9 +1120,13 @@ class Corpus:
     extra_tests: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # further test splits, looked for only when asked
     words: str = "whitespace"  # word-level tokenizer: "spacy" (its rules, for raw text) or "whitespace"
     detokenize: str = "join"  # words back to text: "moses" (sacremoses, for raw text) or "join" (with spaces)
-    bleu_tokenize: str = "none"  # sacreBLEU's tokenizer: "13a" for raw text, "none" for tokenized text
-    bleu_kind: str = "tokenized"  # how its BLEU is described in logs and results
+    bleu_tokenize: str = "none"  # sacreBLEU's tokenizer: "13a" for raw, cased text; "none" for tokenized text
     synthetic: bool = False  # generated (the copy task), no files
+
+    @property
+    def bleu_kind(self) -> str:
+        """How its BLEU is described in logs and results, from how it is tokenized for scoring."""
+        return "tokenized" if self.bleu_tokenize == "none" else "detokenized cased"
 
 
 # %% [markdown]
@@ -1147,7 +1151,7 @@ CORPORA = MappingProxyType({c.name: c for c in (
            extra_tests=MappingProxyType({  # the 2017 and 2018 shared tasks' test sets; no checksum known
                "test_2017_flickr": ("test_2017_flickr.de.gz", "test_2017_flickr.en.gz"),
                "test_2018_flickr": ("test_2018_flickr.de.gz", "test_2018_flickr.en.gz")}),
-           words="spacy", detokenize="moses", bleu_tokenize="13a", bleu_kind="detokenized cased"),
+           words="spacy", detokenize="moses", bleu_tokenize="13a"),
     Corpus("iwslt14",  # TED talks, fairseq's layout: Moses-tokenized, lowercased (REPRODUCTION_NOTES.md)
            files=MappingProxyType({"train": ("train.de", "train.en"), "valid": ("valid.de", "valid.en"),
                                    "test": ("test.de", "test.en"),

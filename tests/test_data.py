@@ -635,7 +635,7 @@ def test_a_new_data_set_is_one_record(tmp_path, offline, monkeypatch):
     (remote / "test_2020.en").write_text("The dog runs.\n", encoding="utf-8")
     record = tat.Corpus("toy-fr-en", src="fr", tgt="en", files=MappingProxyType(files), url=remote.as_uri() + "/",
                         extra_tests=MappingProxyType({"test_2020": ("test_2020.fr", "test_2020.en")}),
-                        words="spacy", detokenize="moses", bleu_tokenize="13a", bleu_kind="detokenized cased")
+                        words="spacy", detokenize="moses", bleu_tokenize="13a")
     monkeypatch.setattr(tat, "CORPORA", MappingProxyType({**tat.CORPORA, record.name: record}))
     cfg = tat.get_config("tiny", dataset="toy-fr-en", vocab="words", min_freq=1, data_mirror=str(mirror.parent),
                          data_dir=str(tmp_path / "data"))
