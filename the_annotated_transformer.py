@@ -133,7 +133,8 @@ __all__ = [
     # Part 1 — the model (§3), in the paper's order
     "EncoderDecoder", "Generator", "Encoder", "EncoderLayer", "SublayerConnection", "Decoder", "DecoderLayer",
     "subsequent_mask", "padding_mask", "attention", "MultiHeadedAttention", "PositionwiseFeedForward", "Embeddings",
-    "PositionalEncoding", "LearnedPositionalEncoding", "FastMultiHeadedAttention", "ModelConfig", "MODEL_PRESETS",
+    "PositionalEncoding", "LearnedPositionalEncoding", "FastMultiHeadedAttention", "FastDropout", "use_fast_dropout",
+    "ModelConfig", "MODEL_PRESETS",
     "make_model",
     # Part 2 — training (§5)
     "Corpus", "CORPORA", "Config", "PRESETS", "get_config", "Vocab", "Subwords", "Batch", "length_batches", "rate",
@@ -898,6 +899,47 @@ def resolve_attention(setting: str, device: Optional[torch.device] = None) -> tu
 
 
 # %% [markdown]
+# Dropout has a cost of its own on a CPU. `nn.Dropout` draws its mask with
+# `bernoulli_`, one random number per element; in the same profile those draws were 6.5% of a
+# float32 step and 12% of a bf16 one (about 3 ms for each of the 17 dropouts of a
+# `multi30k-small` step), more than all the attention products. `FastDropout` draws the same
+# kind of mask from a quarter of the random numbers: each 64-bit draw gives four 15-bit
+# uniform integers, and an element is kept when its integer is at least $\mathrm{round}(P_{drop}
+# \cdot 2^{15})$. The dropout probability is therefore rounded to a multiple of $2^{-15}$
+# (0.1 becomes 0.100006) and kept elements are scaled by $1/(1-P_{drop})$ of that rounded value,
+# so the expected output is still exactly the input. Forward and backward of one dropout on a
+# (2,600, 256) tensor: 3.6 ms with `nn.Dropout`, 1.1 ms with `FastDropout`. On a GPU it is
+# `nn.Dropout` (PyTorch's fused kernel is faster there). `ModelConfig.fast_dropout` (on by
+# default) lets `make_model` swap it in for every `nn.Dropout` of the model.
+
+# %%
+class FastDropout(nn.Dropout):
+    r"""Dropout — §5.4, with a cheaper random mask on the CPU (four keep/drop decisions per 64-bit draw).
+
+    Drops an element with probability $p' = \mathrm{round}(p \cdot 2^{15}) / 2^{15}$
+    ($|p' - p| \le 2^{-16}$) and scales the kept ones by $1/(1-p')$. Off the CPU, and in eval
+    mode, it is :class:`torch.nn.Dropout`.
+    """
+
+    def forward(self, x):
+        threshold = round(self.p * 2**15)  # drop when a uniform 15-bit integer is below this
+        if not self.training or threshold == 0 or threshold >= 2**15 or x.device.type != "cpu":
+            return super().forward(x)
+        words = torch.empty((x.numel() + 3) // 4, dtype=torch.int64, device=x.device).random_()  # 63 random bits each
+        bits = words.view(torch.int16)[: x.numel()].view(x.shape) & 0x7FFF  # (x.shape) uniform in [0, 2^15)
+        return x * (bits >= threshold).to(x.dtype).mul_(2**15 / (2**15 - threshold))
+
+
+def use_fast_dropout(model: nn.Module) -> nn.Module:
+    """Replace every ``nn.Dropout`` in ``model`` by a :class:`FastDropout` of the same probability."""
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child) is nn.Dropout:
+                setattr(parent, name, FastDropout(child.p))
+    return model
+
+
+# %% [markdown]
 # ## The full model
 #
 # §3's Figure 1, assembled. The model's sizes are named as in the paper and collected in one
@@ -929,6 +971,7 @@ class ModelConfig:
     attention: str = field(default="auto", metadata=SAME_WEIGHTS)  # "readable", "fast" (aside after §4) or "auto"
     max_len: int = 5000  # longest sequence the positional encoding covers
     positional: str = "sinusoid"  # "sinusoid" (§3.5) or "learned" (§3.5's alternative, Table 3 row (E))
+    fast_dropout: bool = field(default=True, metadata=SAME_WEIGHTS)  # FastDropout on a CPU (aside after §3.5)
 
     @property
     def d_k(self) -> int:
@@ -980,6 +1023,8 @@ def make_model(src_vocab: int, tgt_vocab: int, config: Optional[ModelConfig] = N
     for p in model.parameters():
         if p.dim() > 1:
             nn.init.xavier_uniform_(p)
+    if cfg.fast_dropout:
+        use_fast_dropout(model)
     if cfg.tie_weights:
         model.generator.proj.weight = model.tgt_embed[0].lut.weight
         if cfg.shared_vocab:

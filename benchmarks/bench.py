@@ -191,13 +191,16 @@ class TorchTransformer(nn.Module):
 
 
 def build_model(kind: str, src_vocab: int, tgt_vocab: int, cfg: tat.Config) -> nn.Module:
-    """``"fast"`` / ``"readable"`` (our model) or ``"torch"`` (nn.Transformer), random weights."""
+    """``"fast"`` / ``"readable"`` (our model; ``"readable/nn.Dropout"`` without ``FastDropout``) or
+    ``"torch"`` (nn.Transformer), random weights."""
     if kind == "torch":
         return TorchTransformer(src_vocab, tgt_vocab, cfg)
-    return tat.make_model(src_vocab, tgt_vocab, cfg, attention=kind)
+    path, _, dropout = kind.partition("/")
+    return tat.make_model(src_vocab, tgt_vocab, cfg, attention=path, fast_dropout=dropout != "nn.Dropout")
 
 
 MODEL_NAMES = MappingProxyType({"fast": "ours, fast path", "readable": "ours, readable path",
+                                "readable/nn.Dropout": "ours, readable path, nn.Dropout",
                                 "torch": "torch.nn.Transformer", "fast+compile": "ours, fast path, compiled",
                                 "readable+compile": "ours, readable path, compiled"})
 
@@ -537,7 +540,8 @@ def plot(report: dict, path: Path) -> Path:
     res = report["training"]["results"]
     labels = [f"{r['name']}\n{r['precision']}" for r in res]
     ax.barh(range(len(res)), [r["tokens_per_s"] for r in res], color=[
-        {"fast": "tab:blue", "readable": "tab:cyan", "torch": "tab:orange", "fast+compile": "tab:purple",
+        {"fast": "tab:blue", "readable": "tab:cyan", "readable/nn.Dropout": "tab:gray", "torch": "tab:orange",
+         "fast+compile": "tab:purple",
          "readable+compile": "tab:pink"}[r["model"]] for r in res])
     ax.set_yticks(range(len(res)), labels, fontsize=7)
     ax.invert_yaxis()

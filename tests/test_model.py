@@ -456,3 +456,58 @@ def test_cached_decoding_equals_full_recompute_with_learned_positions():
 def test_positional_setting_is_checked():
     with pytest.raises(ValueError, match="positional must be one of sinusoid, learned"):
         tat.get_config("tiny", positional="rotary")
+
+
+# FastDropout (the aside after §3.5): the same random function as nn.Dropout, drawn more cheaply.
+
+@pytest.mark.parametrize("p", [0.1, 0.3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_dropout_drops_with_probability_p_and_keeps_the_expectation(p, dtype):
+    torch.manual_seed(0)
+    n = 400_000
+    x = torch.full((n,), 2.0, dtype=dtype)
+    y = tat.FastDropout(p).train()(x)
+    dropped = float((y == 0).float().mean())
+    assert abs(dropped - p) < 5 * math.sqrt(p * (1 - p) / n)  # five standard deviations of a binomial share
+    kept = y[y != 0]
+    assert torch.all(kept == kept[0])  # one scale for every kept element
+    # the scale is 1 / (1 - p') for the probability rounded to 2^-15: the mean stays 2 (bf16 rounds the scale)
+    assert abs(float(kept[0]) * (1 - round(p * 2**15) / 2**15) - 2.0) < (1e-6 if dtype == torch.float32 else 1e-2)
+    assert abs(float(y.float().mean()) - 2.0) < 0.02
+
+
+def test_fast_dropout_masks_are_independent_across_positions_and_calls():
+    torch.manual_seed(0)
+    drop = tat.FastDropout(0.5).train()
+    a = drop(torch.ones(200_000)) == 0
+    b = drop(torch.ones(200_000)) == 0
+    assert abs(float((a & b).float().mean()) - 0.25) < 0.01  # two calls: independent masks
+    assert abs(float((a[:-1] & a[1:]).float().mean()) - 0.25) < 0.01  # neighbours (within one 64-bit draw) too
+    for j in range(4):  # each of the four 15-bit slices of a draw drops half
+        assert abs(float(a.view(-1, 4)[:, j].float().mean()) - 0.5) < 0.01
+
+
+def test_fast_dropout_gradient_is_its_mask_and_scale_and_eval_is_identity():
+    torch.manual_seed(0)
+    drop = tat.FastDropout(0.2).train()
+    x = torch.randn(3, 5, 7, requires_grad=True)
+    y = drop(x)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, y.detach() / x.detach())  # d(x·m·s)/dx = m·s = y/x
+    assert torch.equal(drop.eval()(x), x)
+    torch.manual_seed(3)
+    first = tat.FastDropout(0.2).train()(x)
+    torch.manual_seed(3)
+    assert torch.equal(tat.FastDropout(0.2).train()(x), first)  # seeded: reproducible
+
+
+def test_make_model_swaps_every_dropout_for_fast_dropout_unless_asked_not_to():
+    fast = tat.make_model(13, 13, TINY, attn_dropout=0.1, ffn_dropout=0.1)
+    plain = tat.make_model(13, 13, TINY, attn_dropout=0.1, ffn_dropout=0.1, fast_dropout=False)
+    names = lambda m, cls: {n for n, mod in m.named_modules() if type(mod) is cls}  # noqa: E731
+    assert names(fast, nn.Dropout) == set() and names(plain, tat.FastDropout) == set()
+    assert names(fast, tat.FastDropout) == names(plain, nn.Dropout)  # the same places
+    assert len(names(plain, nn.Dropout)) == 2 + TINY.N * (2 + 1 + 1) + TINY.N * (3 + 2 + 1)
+    plain.load_state_dict(fast.state_dict())
+    src, tgt = random_batch()
+    torch.testing.assert_close(fast.eval()(src, tgt, *masks(src, tgt)), plain.eval()(src, tgt, *masks(src, tgt)))
