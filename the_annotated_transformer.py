@@ -899,7 +899,7 @@ def resolve_attention(setting: str, device: Optional[torch.device] = None) -> tu
 
 
 # %% [markdown]
-# Dropout has a cost of its own on a CPU. `nn.Dropout` draws its mask with
+# Dropout (§5.4) has a cost of its own on a CPU. `nn.Dropout` draws its mask with
 # `bernoulli_`, one random number per element; in the same profile those draws were 6.5% of a
 # float32 step and 12% of a bf16 one (about 3 ms for each of the 17 dropouts of a
 # `multi30k-small` step), more than all the attention products. `FastDropout` draws the same
