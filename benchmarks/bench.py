@@ -191,16 +191,17 @@ class TorchTransformer(nn.Module):
 
 
 def build_model(kind: str, src_vocab: int, tgt_vocab: int, cfg: tat.Config) -> nn.Module:
-    """``"fast"`` / ``"readable"`` (our model; ``"readable/nn.Dropout"`` without ``FastDropout``) or
-    ``"torch"`` (nn.Transformer), random weights."""
+    """``"fast"`` / ``"readable"`` (our model as the preset builds it; ``"readable/FastDropout"`` with
+    ``fast_dropout=True``) or ``"torch"`` (nn.Transformer), random weights."""
     if kind == "torch":
         return TorchTransformer(src_vocab, tgt_vocab, cfg)
     path, _, dropout = kind.partition("/")
-    return tat.make_model(src_vocab, tgt_vocab, cfg, attention=path, fast_dropout=dropout != "nn.Dropout")
+    return tat.make_model(src_vocab, tgt_vocab, cfg, attention=path,
+                          fast_dropout=cfg.fast_dropout or dropout == "FastDropout")
 
 
 MODEL_NAMES = MappingProxyType({"fast": "ours, fast path", "readable": "ours, readable path",
-                                "readable/nn.Dropout": "ours, readable path, nn.Dropout",
+                                "readable/FastDropout": "ours, readable path, FastDropout",
                                 "torch": "torch.nn.Transformer", "fast+compile": "ours, fast path, compiled",
                                 "readable+compile": "ours, readable path, compiled"})
 
@@ -540,7 +541,7 @@ def plot(report: dict, path: Path) -> Path:
     res = report["training"]["results"]
     labels = [f"{r['name']}\n{r['precision']}" for r in res]
     ax.barh(range(len(res)), [r["tokens_per_s"] for r in res], color=[
-        {"fast": "tab:blue", "readable": "tab:cyan", "readable/nn.Dropout": "tab:gray", "torch": "tab:orange",
+        {"fast": "tab:blue", "readable": "tab:cyan", "readable/FastDropout": "tab:gray", "torch": "tab:orange",
          "fast+compile": "tab:purple",
          "readable+compile": "tab:pink"}[r["model"]] for r in res])
     ax.set_yticks(range(len(res)), labels, fontsize=7)

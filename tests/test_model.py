@@ -501,9 +501,9 @@ def test_fast_dropout_gradient_is_its_mask_and_scale_and_eval_is_identity():
     assert torch.equal(tat.FastDropout(0.2).train()(x), first)  # seeded: reproducible
 
 
-def test_make_model_swaps_every_dropout_for_fast_dropout_unless_asked_not_to():
-    fast = tat.make_model(13, 13, TINY, attn_dropout=0.1, ffn_dropout=0.1)
-    plain = tat.make_model(13, 13, TINY, attn_dropout=0.1, ffn_dropout=0.1, fast_dropout=False)
+def test_make_model_swaps_every_dropout_for_fast_dropout_when_asked():
+    fast = tat.make_model(13, 13, TINY, attn_dropout=0.1, ffn_dropout=0.1, fast_dropout=True)
+    plain = tat.make_model(13, 13, TINY, attn_dropout=0.1, ffn_dropout=0.1)  # the default: nn.Dropout
     names = lambda m, cls: {n for n, mod in m.named_modules() if type(mod) is cls}  # noqa: E731
     assert names(fast, nn.Dropout) == set() and names(plain, tat.FastDropout) == set()
     assert names(fast, tat.FastDropout) == names(plain, nn.Dropout)  # the same places
@@ -511,3 +511,19 @@ def test_make_model_swaps_every_dropout_for_fast_dropout_unless_asked_not_to():
     plain.load_state_dict(fast.state_dict())
     src, tgt = random_batch()
     torch.testing.assert_close(fast.eval()(src, tgt, *masks(src, tgt)), plain.eval()(src, tgt, *masks(src, tgt)))
+
+
+def test_fast_dropout_off_the_cpu_is_nn_dropout(monkeypatch):
+    calls = []
+    plain = F.dropout
+
+    def counting_dropout(x, p=0.5, training=True, inplace=False):
+        calls.append((x.device.type, p, training))
+        return plain(x, p, training, inplace)
+
+    monkeypatch.setattr(F, "dropout", counting_dropout)  # what nn.Dropout.forward calls
+    drop = tat.FastDropout(0.1).train()
+    y = drop(torch.empty(4, 8, device="meta"))  # any device but the CPU (CUDA where it exists)
+    assert y.device.type == "meta" and calls == [("meta", 0.1, True)]
+    drop(torch.ones(4, 8))  # on the CPU: the packed-bit mask, not F.dropout
+    assert len(calls) == 1
