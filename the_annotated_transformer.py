@@ -900,7 +900,7 @@ def resolve_attention(setting: str, device: Optional[torch.device] = None) -> tu
 
 # %% [markdown]
 # Dropout (§5.4) has a cost of its own on a CPU. `nn.Dropout` draws its mask with
-# `bernoulli_`, one random number per element; in the same profile those draws were 6.5% of a
+# `bernoulli_`, one random number per element; in the same profile those draws were about 6% of a
 # float32 step and 12% of a bf16 one (about 3 ms for each of the 17 dropouts of a
 # `multi30k-small` step), more than all the attention products. `FastDropout` draws the same
 # kind of mask from a quarter of the random numbers: each 64-bit draw gives four 15-bit
@@ -908,8 +908,9 @@ def resolve_attention(setting: str, device: Optional[torch.device] = None) -> tu
 # \cdot 2^{15})$. The dropout probability is therefore rounded to a multiple of $2^{-15}$
 # (0.1 becomes 0.100006) and kept elements are scaled by $1/(1-P_{drop})$ of that rounded value,
 # so the expected output is still exactly the input (in float32; in bf16 the scale is rounded, as
-# `nn.Dropout` rounds it). Forward and backward of one dropout on a
-# (2,600, 256) tensor: 3.6 ms with `nn.Dropout`, 1.1 ms with `FastDropout`. Training steps of
+# `nn.Dropout` rounds it). Profiled the same way (`benchmarks/profile_step.py --paths
+# readable,readable/FastDropout`), a mask cost 2.5 ms a call in `bernoulli_` and 0.38 ms in
+# `FastDropout`'s `random_`. Training steps of
 # `multi30k-small` were 1.05× (float32) and 1.10× (bf16) faster with it in `make bench`, those
 # of `iwslt14-sample` (which also drops out attention weights and FFN activations) 1.17× and
 # 1.4×. Its runs scored 40.6 BLEU on Multi30k and 6.3 on IWSLT14 against the presets' 41.8 and
@@ -974,7 +975,7 @@ class ModelConfig:
     attn_dropout: float = field(default=0.0, metadata=SAME_WEIGHTS)  # on attention weights (not in the paper)
     tie_weights: bool = True  # §3.4 weight sharing
     shared_vocab: bool = True  # one vocabulary for both languages: three-way sharing (§3.4, §5.1)
-    attention: str = field(default="auto", metadata=SAME_WEIGHTS)  # "readable", "fast" (aside after §4) or "auto"
+    attention: str = field(default="auto", metadata=SAME_WEIGHTS)  # "readable", "fast" (aside after §3.5) or "auto"
     max_len: int = 5000  # longest sequence the positional encoding covers
     positional: str = "sinusoid"  # "sinusoid" (§3.5) or "learned" (§3.5's alternative, Table 3 row (E))
     fast_dropout: bool = field(default=False, metadata=SAME_WEIGHTS)  # FastDropout on a CPU (aside after §3.5)
