@@ -9,6 +9,13 @@ ARGS ?=
 NB := annotated_transformer.ipynb
 SRC := the_annotated_transformer.py
 
+# glibc's malloc gives large freed blocks back to the system, so every CPU training step would get
+# fresh pages for its largest tensors; these keep freed memory for reuse (the notebook's A.2 and
+# the_annotated_transformer.GLIBC_MALLOC_SETTINGS, which a test keeps equal to these). Other C
+# libraries ignore them; a value already in the environment wins.
+export MALLOC_MMAP_MAX_ ?= 0
+export MALLOC_TRIM_THRESHOLD_ ?= 17179869184
+
 .PHONY: install test sync notebook lab html train translate evaluate bench clean help
 
 help:

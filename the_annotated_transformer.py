@@ -77,6 +77,7 @@ import hashlib
 import json
 import math
 import os
+import platform
 import random
 import re
 import shutil
@@ -138,11 +139,11 @@ __all__ = [
     "make_model",
     # Part 2 — training (§5)
     "Corpus", "CORPORA", "Config", "PRESETS", "get_config", "Vocab", "Subwords", "Batch", "length_batches", "rate",
-    "make_optimizer", "LabelSmoothing", "loss_sum", "Trainer", "update",
+    "make_optimizer", "LabelSmoothing", "loss_sum", "fused_loss_sum", "Trainer", "update",
     # Part 3 — decoding (§6.1)
     "greedy_decode", "IncrementalDecoder", "beam_search", "translate", "detokenize", "bleu",
     # Appendix — running it
-    "load_dataset", "Dataset", "save_checkpoint", "load_checkpoint", "average_checkpoints", "train", "evaluate_test",
+    "load_dataset", "Dataset", "GLIBC_MALLOC_SETTINGS", "allocator_note", "save_checkpoint", "load_checkpoint", "average_checkpoints", "train", "evaluate_test",
     "load_for_inference", "main",
 ]
 
@@ -1824,7 +1825,9 @@ if EXAMPLES:
 # Kullback–Leibler divergence $\mathrm{KL}(q \,\|\, p)$ summed over the non-padding positions.
 # Since $\mathrm{KL}(q\|p) = H(q, p) - H(q)$ and $H(q)$ does not depend on the model, this is
 # the smoothed cross-entropy that `F.cross_entropy(..., label_smoothing=ε)` computes, less a
-# constant; a test checks exactly that relation, and training uses the library call.
+# constant; a test checks exactly that relation. The training loss, `loss_sum`, is that
+# cross-entropy written out from the generator's log-probabilities (a test checks it against
+# the library call, value and gradient).
 
 # %%
 class LabelSmoothing(nn.Module):
@@ -1887,6 +1890,57 @@ if EXAMPLES:
     del ls, fig, ax1, ax2, xs, losses, x, p
 
 # %% [markdown]
+# *The fast version of the loss (our addition).* The readable loss above takes the
+# generator's log-probabilities, so autograd walks back through five separate steps over
+# the (tokens, vocabulary) matrix: the gather of the targets, the mean over classes, their
+# sum, the log-softmax and, under bf16 autocast, the cast of the logits to float32. Each
+# step reads and writes the whole matrix (2,400 × 8,000 numbers in a `multi30k-small`
+# batch), which is why the loss cost more than any layer's matrix products in a bf16
+# profile. Done by hand, the gradient with respect to the logits $z$ is one line,
+# $\partial L / \partial z_{ik} = w_i\,(p_{ik} - q_{ik})$ with $p = \mathrm{softmax}(z_i)$,
+# $q$ the smoothed target of §5.4 and $w_i$ zero at padding; `fused_loss_sum` computes the
+# same value as `loss_sum(generator(x))` with that gradient written directly (the target
+# column in float32, so no cancellation is lost to bf16). A test checks values and
+# gradients against the readable pair; training uses the fused one.
+
+# %%
+class _FusedLossSum(torch.autograd.Function):
+    r"""Label-smoothed cross-entropy from logits with its gradient written out — §5.4 (our fast version)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, eps_ls: float, pad: int):
+        log_probs = torch.log_softmax(logits.float(), dim=-1)  # (tokens, K) float32, as loss_sum
+        keep = target != pad  # (tokens,)
+        nll = -log_probs.gather(1, target.unsqueeze(1)).squeeze(1)  # (tokens,)
+        uniform = -log_probs.mean(dim=1)  # (tokens,)
+        ctx.save_for_backward(log_probs, target, keep)
+        ctx.eps_ls, ctx.dtype = eps_ls, logits.dtype
+        return (((1.0 - eps_ls) * nll + eps_ls * uniform) * keep).sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        log_probs, target, keep = ctx.saved_tensors
+        eps, K = ctx.eps_ls, log_probs.size(1)
+        w = (keep * grad_loss).unsqueeze(1)  # (tokens, 1): the upstream gradient, 0 at padding
+        p = log_probs.exp_()  # (tokens, K) softmax(z), in place of the saved log-probabilities
+        at_target = (p.gather(1, target.unsqueeze(1)) - (1.0 - eps) - eps / K) * w  # (tokens, 1), float32
+        grad = torch.empty_like(p, dtype=ctx.dtype)  # (tokens, K) in the logits' dtype, written once:
+        torch.addcmul(-(eps / K) * w, p, w, out=grad)  # w·(p − ε/K) everywhere, computed in float32 ...
+        grad.scatter_(1, target.unsqueeze(1), at_target.to(ctx.dtype))  # ... and w·(p − q) at the target
+        return grad, None, None, None
+
+
+def fused_loss_sum(logits: torch.Tensor, target: torch.Tensor, eps_ls: float, pad: int = PAD) -> torch.Tensor:
+    r"""``loss_sum(F.log_softmax(logits, -1), target, eps_ls)`` with the log-softmax fused in — §5.4, fast version.
+
+    ``logits`` (..., K) are the generator's pre-softmax scores (``generator.proj(x)``), any
+    float dtype; the loss is computed in float32, as ``loss_sum`` does, and the gradient is
+    returned in ``logits``' dtype.
+    """
+    return _FusedLossSum.apply(logits.reshape(-1, logits.size(-1)), target.reshape(-1), float(eps_ls), pad)
+
+
+# %% [markdown]
 # ### One update
 #
 # One update is one optimizer step, and it may accumulate the gradients of several batches
@@ -1940,7 +1994,7 @@ def update(trainer: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]
         no_sync = trainer.train_model.no_sync() if (trainer.world > 1 and not last) else nullcontext()
         with no_sync, trainer.autocast():
             out = trainer.train_model(b.src, b.tgt, b.src_mask, b.tgt_mask)
-            loss = loss_sum(trainer.model.generator(out), b.tgt_y, trainer.cfg.eps_ls)
+            loss = fused_loss_sum(trainer.model.generator.proj(out), b.tgt_y, trainer.cfg.eps_ls)
         trainer.scaler.scale(loss * trainer.world / ntokens).backward()
         total += loss.detach()
     if trainer.world > 1:
@@ -2939,6 +2993,38 @@ def resolve_precision(setting: str, device: torch.device) -> tuple[str, str]:
 
 
 # %% [markdown]
+# **Memory that is freed and asked for again.** On a CPU, PyTorch takes each tensor's
+# memory from the C library's `malloc` and gives it back when the tensor dies. glibc (the C
+# library of most Linux systems) serves a block of more than 32 MB (and, until it adapts,
+# of more than 128 KB) with a fresh mapping from the operating system and unmaps it when it
+# is freed, so a training step that makes the same large tensors every time (the
+# (tokens × vocabulary) logits and their gradient: 77 MB in float32 for a `multi30k-small`
+# batch) pays every time for the system to hand over and zero fresh pages. In a
+# micro-benchmark, copying such a tensor took 21 ms that way and 3 ms with the memory
+# reused. Two of glibc's settings, read from the environment when a process starts, make it
+# keep freed memory for reuse: `MALLOC_MMAP_MAX_=0` (no separate mappings) and a large
+# `MALLOC_TRIM_THRESHOLD_` (do not give the top of the heap back). The `Makefile` sets both
+# for everything it runs; a CPU run started another way says in its log when they are not
+# set. A process then keeps its largest footprint until it ends, which is what a training
+# run does anyway. Other C libraries (macOS, musl) ignore the variables.
+
+# %%
+GLIBC_MALLOC_SETTINGS = MappingProxyType({"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2 ** 34)})
+
+
+def allocator_note(device: torch.device, environ=None) -> str:
+    """A line for the log on how freed CPU memory is reused (our addition); "" off the CPU or off glibc."""
+    environ = os.environ if environ is None else environ
+    if device.type != "cpu" or not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return ""
+    settings = " ".join(f"{k}={v}" for k, v in GLIBC_MALLOC_SETTINGS.items())
+    if all(environ.get(k) == v for k, v in GLIBC_MALLOC_SETTINGS.items()):
+        return f"memory: glibc keeps freed memory for reuse ({settings})"
+    return (f"memory: glibc's defaults, so large tensors get fresh pages every step; {settings} in the "
+            "environment (as `make` sets them) made CPU training steps faster (README: Performance)")
+
+
+# %% [markdown]
 # Several processes. The backend follows the device the run trains on — not whether CUDA
 # exists: `--device cpu` on a GPU machine is a Gloo run — and every tensor handed to a
 # collective lives on that device (NCCL takes CUDA tensors only). Each process keeps its own
@@ -3703,6 +3789,8 @@ def setup(cfg: Config, data: Dataset, device: torch.device, rank: int, world: in
     log(f"device: {device}" + (f" × {world} processes" if world > 1 else "") + f"; run directory: {files.dir}")
     log(why)
     log(why_attention)
+    if allocator_note(device):
+        log(allocator_note(device))
     return Run(cfg=cfg, model=model, train_model=train_model, optimizer=optimizer, scheduler=scheduler,
                device=device, autocast=autocast, scaler=scaler, world=world, data=data, rank=rank, files=files,
                log=log)

@@ -168,18 +168,14 @@ class TorchTransformer(nn.Module):
                                               custom_decoder=decoder)
         self.src_embed = nn.Sequential(tat.Embeddings(d, src_vocab), tat.PositionalEncoding(d, cfg.P_drop, cfg.max_len))
         self.tgt_embed = nn.Sequential(tat.Embeddings(d, tgt_vocab), tat.PositionalEncoding(d, cfg.P_drop, cfg.max_len))
-        self.proj = nn.Linear(d, tgt_vocab)
+        self.generator = tat.Generator(d, tgt_vocab)
         for p in self.parameters():
             if p.dim() > 1:
                 nn.init.xavier_uniform_(p)
         if cfg.tie_weights:
-            self.proj.weight = self.tgt_embed[0].lut.weight
+            self.generator.proj.weight = self.tgt_embed[0].lut.weight
             if cfg.shared_vocab and src_vocab == tgt_vocab:
                 self.src_embed[0].lut.weight = self.tgt_embed[0].lut.weight
-
-    def generator(self, x: torch.Tensor) -> torch.Tensor:
-        """(batch, len, d_model) → log-probabilities (batch, len, vocab)."""
-        return F.log_softmax(self.proj(x), dim=-1)
 
     def forward(self, src, tgt, src_mask=None, tgt_mask=None):
         """Decoder output (batch, tgt_len, d_model); padding is read from the ids (``tat.PAD``)."""
@@ -215,12 +211,18 @@ def make_adam(model: nn.Module, cfg: tat.Config) -> torch.optim.Optimizer:
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tat.Batch, cfg: tat.Config,
-               bf16: bool, generator: Optional[Callable] = None) -> None:
-    """One full training update: forward, label-smoothed loss, backward, clipping, Adam step."""
+               bf16: bool, generator: Optional[nn.Module] = None, readable_loss: bool = False) -> None:
+    """One full training update, as ``tat.update`` does it: forward, the fused label-smoothed loss
+    (``readable_loss``: the generator's log-softmax and ``tat.loss_sum`` instead), backward, clipping,
+    Adam step."""
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
     with ctx:
         out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
-        loss = tat.loss_sum((generator or model.generator)(out), batch.tgt_y, cfg.eps_ls)
+        generator = generator or model.generator
+        if readable_loss:
+            loss = tat.loss_sum(generator(out), batch.tgt_y, cfg.eps_ls)
+        else:
+            loss = tat.fused_loss_sum(generator.proj(out), batch.tgt_y, cfg.eps_ls)
     (loss / batch.ntokens).backward()
     if cfg.clip_grad:
         nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)

@@ -4,9 +4,10 @@ Run from the repository root (needs the Multi30k data; set ``DATA_MIRROR`` when 
 
     python benchmarks/profile_step.py                 # multi30k-small, both paths, float32 and bf16
     python benchmarks/profile_step.py --steps 4 --top 12
+    python benchmarks/profile_step.py --paths readable --loss readable,fused   # the loss before/after
 
 For each (attention path, precision) it times ``--steps`` full training steps (forward,
-label-smoothed loss, backward, clipping, Adam) on the same length-bucketed Multi30k batches
+label-smoothed loss, backward, clipping, fused Adam) on the same length-bucketed Multi30k batches
 after two warm-up steps, prints the target tokens/s, then profiles the same steps and prints
 the operators with the most self CPU time. bf16 rows appear only where the CPU computes
 bf16 natively (see ``native_bf16`` in the module).
@@ -36,6 +37,7 @@ def main(argv) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--paths", default="fast,readable")
+    parser.add_argument("--loss", default="fused", help="fused (what training uses), readable, or both: readable,fused")
     args = parser.parse_args(argv)
     cfg = tat.get_config(args.config)
     data = tat.load_dataset(cfg, log=lambda *a: None)
@@ -46,20 +48,23 @@ def main(argv) -> int:
     native, _ = tat.native_bf16(torch.device("cpu"))
     for path in args.paths.split(","):
         for bf16 in ([False, True] if native else [False]):
-            torch.manual_seed(1)
-            model = bench.build_model(path, len(data.src_vocab), len(data.tgt_vocab), cfg).train()
-            opt = torch.optim.Adam(model.parameters(), lr=1e-4, betas=tuple(cfg.betas), eps=cfg.adam_eps)
-            for b in batches[:2]:
-                bench.train_step(model, opt, b, cfg, bf16)
-            t0 = time.perf_counter()
-            for b in batches:
-                bench.train_step(model, opt, b, cfg, bf16)
-            dt = time.perf_counter() - t0
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for loss in args.loss.split(","):
+                readable_loss = {"readable": True, "fused": False}[loss]
+                torch.manual_seed(1)
+                model = bench.build_model(path, len(data.src_vocab), len(data.tgt_vocab), cfg).train()
+                opt = bench.make_adam(model, cfg)
+                for b in batches[:2]:
+                    bench.train_step(model, opt, b, cfg, bf16, readable_loss=readable_loss)
+                t0 = time.perf_counter()
                 for b in batches:
-                    bench.train_step(model, opt, b, cfg, bf16)
-            print(f"\n### {path} path, {'bf16' if bf16 else 'float32'}: {tokens / dt:,.0f} target tokens/s")
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+                    bench.train_step(model, opt, b, cfg, bf16, readable_loss=readable_loss)
+                dt = time.perf_counter() - t0
+                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                    for b in batches:
+                        bench.train_step(model, opt, b, cfg, bf16, readable_loss=readable_loss)
+                print(f"\n### {path} path, {'bf16' if bf16 else 'float32'}, {loss} loss: "
+                      f"{tokens / dt:,.0f} target tokens/s")
+                print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     return 0
 
 

@@ -124,15 +124,15 @@ def test_training_log_says_which_precision_and_why(tmp_path, machine):
 
 def spy_on_loss(monkeypatch) -> list:
     """Record (autocast on, its dtype, loss) for every training loss computed."""
-    real, seen = tat.loss_sum, []
+    real, seen = tat.fused_loss_sum, []
 
-    def spy(log_probs, target, eps_ls, pad=PAD):
-        loss = real(log_probs, target, eps_ls, pad)
+    def spy(logits, target, eps_ls, pad=PAD):
+        loss = real(logits, target, eps_ls, pad)
         if torch.is_grad_enabled():
             seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), float(loss.detach())))
         return loss
 
-    monkeypatch.setattr(tat, "loss_sum", spy)
+    monkeypatch.setattr(tat, "fused_loss_sum", spy)
     return seen
 
 
@@ -205,6 +205,10 @@ def test_forward_loss_and_backward_run_on_the_meta_device():
     assert loss.device == META and all(p.grad is not None and p.grad.device == META for p in model.parameters())
     kl = tat.LabelSmoothing(14, PAD, 0.1)(model.generator(out).reshape(-1, 14), batch.tgt_y.reshape(-1))
     assert kl.device == META
+    out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)  # a new graph: the first one was freed
+    fused = tat.fused_loss_sum(model.generator.proj(out), batch.tgt_y, 0.1)  # what training calls
+    fused.backward()
+    assert fused.device == META and model.generator.proj.weight.grad.device == META
 
 
 def test_label_smoothing_builds_its_distribution_on_the_targets_device():
@@ -313,3 +317,17 @@ def test_the_iwslt_preset_is_fairseqs_recipe():
     assert cfg.average_last == 5
     plain, _ = tat.make_optimizer(torch.nn.Linear(3, 3), tat.get_config("base"))
     assert type(plain) is torch.optim.Adam, "the paper's presets keep plain Adam"
+
+
+def test_allocator_note_says_whether_glibc_keeps_freed_memory(monkeypatch):
+    cpu, settings = torch.device("cpu"), dict(tat.GLIBC_MALLOC_SETTINGS)
+    monkeypatch.setattr(tat.sys, "platform", "linux")
+    monkeypatch.setattr(tat.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    assert tat.allocator_note(cpu, settings).startswith("memory: glibc keeps freed memory for reuse")
+    missing = tat.allocator_note(cpu, {"MALLOC_MMAP_MAX_": "0"})
+    assert "glibc's defaults" in missing and "MALLOC_TRIM_THRESHOLD_=17179869184" in missing
+    assert tat.allocator_note(torch.device("meta"), {}) == ""  # off the CPU (CUDA has its own allocator)
+    monkeypatch.setattr(tat.platform, "libc_ver", lambda: ("", ""))  # musl, or not known
+    assert tat.allocator_note(cpu, {}) == ""
+    monkeypatch.setattr(tat.sys, "platform", "darwin")
+    assert tat.allocator_note(cpu, {}) == ""

@@ -46,3 +46,20 @@ def test_notebook_target_stores_outputs_without_execution_timestamps(tmp_path):
     ran = nbformat.read(nb_path, as_version=4)
     assert ran.cells[1].outputs[0]["text"] == "42\n"
     assert [c.metadata.get("execution") for c in ran.cells] == [None, None, None]
+
+
+def test_make_runs_everything_with_the_allocator_settings_the_module_records():
+    """Every recipe gets glibc's keep-freed-memory settings, the values of tat.GLIBC_MALLOC_SETTINGS."""
+    import sys
+    sys.path.insert(0, str(ROOT))
+    import the_annotated_transformer as tat
+    env = {k: v for k, v in os.environ.items() if k not in tat.GLIBC_MALLOC_SETTINGS}
+    out = subprocess.run(["make", "-n", "--no-print-directory", "-p", "help"], cwd=ROOT, capture_output=True,
+                         text=True, check=True, env=env).stdout
+    exported = dict(line.split(" = ", 1) for line in out.splitlines()
+                    if line.split(" = ", 1)[0] in tat.GLIBC_MALLOC_SETTINGS and " = " in line)
+    assert exported == dict(tat.GLIBC_MALLOC_SETTINGS)
+    # exported, so the programs make starts see them
+    shown = subprocess.run(["make", "--no-print-directory", "-s", "-f", "-", "show"], cwd=ROOT, capture_output=True, text=True,
+                           env=env, input="include Makefile\nshow:\n\t@printenv MALLOC_MMAP_MAX_ MALLOC_TRIM_THRESHOLD_\n")
+    assert shown.stdout.split() == list(tat.GLIBC_MALLOC_SETTINGS.values()), shown.stderr
