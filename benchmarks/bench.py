@@ -130,6 +130,7 @@ def machine_info() -> dict:
         "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
         "bf16_native": bf16,
         "bf16_reason": why,
+        "allocator": tat.allocator_note(torch.device("cpu")) or "not glibc",
         "load_average_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
@@ -211,18 +212,18 @@ def make_adam(model: nn.Module, cfg: tat.Config) -> torch.optim.Optimizer:
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tat.Batch, cfg: tat.Config,
-               bf16: bool, generator: Optional[nn.Module] = None, readable_loss: bool = False) -> None:
-    """One full training update, as ``tat.update`` does it: forward, the fused label-smoothed loss
-    (``readable_loss``: the generator's log-softmax and ``tat.loss_sum`` instead), backward, clipping,
-    Adam step."""
+               bf16: bool, generator: Optional[nn.Module] = None, fused_loss: Optional[bool] = None) -> None:
+    """One full training update, as ``tat.update`` does it: forward, the label-smoothed loss (the
+    generator's log-softmax and ``tat.loss_sum``, or ``tat.fused_loss_sum`` from the logits when
+    ``fused_loss``, by default ``cfg.fused_loss``), backward, clipping, Adam step."""
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
     with ctx:
         out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
         generator = generator or model.generator
-        if readable_loss:
-            loss = tat.loss_sum(generator(out), batch.tgt_y, cfg.eps_ls)
-        else:
+        if cfg.fused_loss if fused_loss is None else fused_loss:
             loss = tat.fused_loss_sum(generator.proj(out), batch.tgt_y, cfg.eps_ls)
+        else:
+            loss = tat.loss_sum(generator(out), batch.tgt_y, cfg.eps_ls)
     (loss / batch.ntokens).backward()
     if cfg.clip_grad:
         nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
@@ -703,6 +704,7 @@ def main(argv: Sequence[str]) -> int:
         cfg = dataclasses.replace(cfg, shared_vocab=True)
     machine = machine_info()
     log(f"{machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}; {machine['bf16_reason']}")
+    log(machine["allocator"])
     t_start = time.time()
     data = tat.load_dataset(cfg, log=log)
     report = {"command": display_command(argv), "mode": st.mode, "dataset": args.dataset,

@@ -124,15 +124,15 @@ def test_training_log_says_which_precision_and_why(tmp_path, machine):
 
 def spy_on_loss(monkeypatch) -> list:
     """Record (autocast on, its dtype, loss) for every training loss computed."""
-    real, seen = tat.fused_loss_sum, []
+    real, seen = tat.loss_sum, []
 
-    def spy(logits, target, eps_ls, pad=PAD):
-        loss = real(logits, target, eps_ls, pad)
+    def spy(log_probs, target, eps_ls, pad=PAD):
+        loss = real(log_probs, target, eps_ls, pad)
         if torch.is_grad_enabled():
             seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), float(loss.detach())))
         return loss
 
-    monkeypatch.setattr(tat, "fused_loss_sum", spy)
+    monkeypatch.setattr(tat, "loss_sum", spy)
     return seen
 
 
@@ -206,7 +206,7 @@ def test_forward_loss_and_backward_run_on_the_meta_device():
     kl = tat.LabelSmoothing(14, PAD, 0.1)(model.generator(out).reshape(-1, 14), batch.tgt_y.reshape(-1))
     assert kl.device == META
     out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)  # a new graph: the first one was freed
-    fused = tat.fused_loss_sum(model.generator.proj(out), batch.tgt_y, 0.1)  # what training calls
+    fused = tat.fused_loss_sum(model.generator.proj(out), batch.tgt_y, 0.1)  # what training calls with fused_loss
     fused.backward()
     assert fused.device == META and model.generator.proj.weight.grad.device == META
 

@@ -330,6 +330,19 @@ def test_fused_loss_gives_the_readable_loss_and_gradient(dtype, eps):
         torch.testing.assert_close(row_sums, torch.zeros_like(row_sums), atol=1e-5, rtol=0)
 
 
+def test_fused_loss_setting_trains_with_the_fused_loss_and_the_same_gradient(tmp_path, recorded_grads, monkeypatch):
+    calls = []
+    real = tat.fused_loss_sum
+    monkeypatch.setattr(tat, "fused_loss_sum", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for fused in (False, True):
+        cfg = tiny_cfg(tmp_path / f"fused-{fused}", P_drop=0.0, eps_ls=0.1, batch_tokens=60, accum_steps=2,
+                       max_steps=1, fused_loss=fused)
+        run(cfg, varlen_data(cfg))
+        assert len(calls) == (2 if fused else 0)  # one call per micro-batch, and only when asked
+    readable, fused = recorded_grads
+    assert_same_grads(fused, readable)
+
+
 def test_training_under_bf16_autocast_gets_the_readable_gradients(tmp_path):
     cfg = tiny_cfg(tmp_path / "unused")
     torch.manual_seed(0)
