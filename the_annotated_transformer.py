@@ -1896,8 +1896,8 @@ if EXAMPLES:
 # the (tokens, vocabulary) matrix: the gather of the targets, the mean over classes, their
 # sum, the log-softmax and, under bf16 autocast, the cast of the logits to float32. Each
 # step reads and writes the whole matrix (2,400 × 8,000 numbers in a `multi30k-small`
-# batch), which is why the loss cost more than any layer's matrix products in a bf16
-# profile. Done by hand, the gradient with respect to the logits $z$ is one line,
+# batch): together about a quarter of a bf16 step in a profile by input shape
+# (`benchmarks/profile_step.py --by-shape`). Done by hand, the gradient with respect to the logits $z$ is one line,
 # $\partial L / \partial z_{ik} = w_i\,(p_{ik} - q_{ik})$ with $p = \mathrm{softmax}(z_i)$,
 # $q$ the smoothed target of §5.4 and $w_i$ zero at padding; `fused_loss_sum` computes the
 # same value as `loss_sum(generator(x))` with that gradient written directly (the target
@@ -3010,9 +3010,9 @@ def resolve_precision(setting: str, device: torch.device) -> tuple[str, str]:
 # of more than 128 KB) with a fresh mapping from the operating system and unmaps it when it
 # is freed, so a training step that makes the same large tensors every time (the
 # (tokens × vocabulary) logits and their gradient: 77 MB in float32 for a `multi30k-small`
-# batch) pays every time for the system to hand over and zero fresh pages. In a
-# micro-benchmark, copying such a tensor took 21 ms that way and 3 ms with the memory
-# reused. Two of glibc's settings, read from the environment when a process starts, make it
+# batch) pays every time for the system to hand over and zero fresh pages. A whole
+# `multi30k-small` step ran 1.22× faster in bf16 and 1.10× in float32 with the memory
+# reused (`benchmarks/profile_step.py`, run with and without the settings below). Two of glibc's settings, read from the environment when a process starts, make it
 # keep freed memory for reuse: `MALLOC_MMAP_MAX_=0` (no separate mappings) and a large
 # `MALLOC_TRIM_THRESHOLD_` (do not give the top of the heap back). The `Makefile` sets both
 # for everything it runs; a CPU run started another way says in its log when they are not
@@ -3031,8 +3031,8 @@ def allocator_note(device: torch.device, environ=None) -> str:
     settings = " ".join(f"{k}={v}" for k, v in GLIBC_MALLOC_SETTINGS.items())
     if all(environ.get(k) == v for k, v in GLIBC_MALLOC_SETTINGS.items()):
         return f"memory: glibc keeps freed memory for reuse ({settings})"
-    return (f"memory: glibc's defaults, so large tensors get fresh pages every step; {settings} in the "
-            "environment (as `make` sets them) made CPU training steps faster (README: Performance)")
+    return (f"memory: not {settings} (what `make` sets), so with glibc's defaults large tensors get fresh "
+            "pages every step; setting them made CPU training steps faster (README: Performance)")
 
 
 # %% [markdown]
@@ -3800,8 +3800,9 @@ def setup(cfg: Config, data: Dataset, device: torch.device, rank: int, world: in
     log(f"device: {device}" + (f" × {world} processes" if world > 1 else "") + f"; run directory: {files.dir}")
     log(why)
     log(why_attention)
-    if allocator_note(device):
-        log(allocator_note(device))
+    note = allocator_note(device)
+    if note:
+        log(note)
     return Run(cfg=cfg, model=model, train_model=train_model, optimizer=optimizer, scheduler=scheduler,
                device=device, autocast=autocast, scaler=scaler, world=world, data=data, rank=rank, files=files,
                log=log)

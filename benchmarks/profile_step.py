@@ -37,6 +37,7 @@ def main(argv) -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--paths", default="fast,readable")
+    parser.add_argument("--by-shape", action="store_true", help="also group the operators by their input shapes")
     parser.add_argument("--loss", default="readable",
                         help="readable (the presets' loss), fused (Config.fused_loss), or both: readable,fused")
     args = parser.parse_args(argv)
@@ -60,12 +61,16 @@ def main(argv) -> int:
                 for b in batches:
                     bench.train_step(model, opt, b, cfg, bf16, fused_loss=fused)
                 dt = time.perf_counter() - t0
-                with profile(activities=[ProfilerActivity.CPU]) as prof:
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=args.by_shape) as prof:
                     for b in batches:
                         bench.train_step(model, opt, b, cfg, bf16, fused_loss=fused)
                 print(f"\n### {path} path, {'bf16' if bf16 else 'float32'}, {loss} loss: "
                       f"{tokens / dt:,.0f} target tokens/s")
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+                if args.by_shape:
+                    print(prof.key_averages(group_by_input_shape=True).table(
+                        sort_by="self_cpu_time_total", row_limit=4 * args.top, max_name_column_width=40,
+                        max_shapes_column_width=80))
     return 0
 
 

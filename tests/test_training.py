@@ -313,7 +313,7 @@ def test_fused_loss_gives_the_readable_loss_and_gradient(dtype, eps):
     logits, target = logits.reshape(3, 40, K), target.reshape(3, 40)
     a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
     fused = tat.fused_loss_sum(a, target, eps)
-    readable = tat.loss_sum(F.log_softmax(b.float(), -1), target, eps)  # as autocast runs it
+    readable = tat.loss_sum(F.log_softmax(b.float(), -1), target, eps)
     assert fused.dtype == readable.dtype == torch.float32
     torch.testing.assert_close(fused, readable)
     (2.5 * fused).backward()
@@ -341,6 +341,14 @@ def test_fused_loss_setting_trains_with_the_fused_loss_and_the_same_gradient(tmp
         assert len(calls) == (2 if fused else 0)  # one call per micro-batch, and only when asked
     readable, fused = recorded_grads
     assert_same_grads(fused, readable)
+
+
+def test_cpu_autocast_leaves_log_softmax_of_bf16_in_bf16_where_the_fused_loss_uses_float32():
+    logits = torch.randn(6, 9).bfloat16().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert F.log_softmax(logits, -1).dtype == torch.bfloat16  # the readable pair's log-probabilities
+        target = torch.tensor([1, 2, 3, PAD, 4, 5])
+        assert tat.fused_loss_sum(logits, target, 0.1).dtype == torch.float32
 
 
 def test_training_under_bf16_autocast_gets_the_readable_gradients(tmp_path):
