@@ -143,7 +143,7 @@ __all__ = [
     # Part 3 — decoding (§6.1)
     "greedy_decode", "IncrementalDecoder", "beam_search", "translate", "detokenize", "bleu",
     # Appendix — running it
-    "load_dataset", "Dataset", "GLIBC_MALLOC_SETTINGS", "allocator_note", "save_checkpoint", "load_checkpoint", "average_checkpoints", "train", "evaluate_test",
+    "load_dataset", "epoch_pairs", "Dataset", "GLIBC_MALLOC_SETTINGS", "allocator_note", "save_checkpoint", "load_checkpoint", "average_checkpoints", "train", "evaluate_test",
     "load_for_inference", "main",
 ]
 
@@ -1247,6 +1247,8 @@ def _config_rules(c: "Config") -> list:
         ("positional", c.positional in POSITIONAL, f"must be one of {', '.join(POSITIONAL)}"),
         ("dataset", c.dataset in CORPORA, f"must be one of {', '.join(CORPORA)}"),
         ("bpe_size", c.bpe_size >= 8, "must be at least 8"), ("min_freq", c.min_freq >= 1, "must be at least 1"),
+        ("bpe_dropout", prob(c.bpe_dropout) and (c.bpe_dropout == 0 or c.vocab == "bpe"),
+         "must be in [0, 1), and 0 unless vocab is bpe"),
         ("max_tokens", c.max_tokens >= 1, "must be at least 1"),
         ("batch_tokens", c.batch_tokens >= 1, "must be at least 1"), ("warmup", c.warmup >= 1, "must be at least 1"),
         ("lr_factor", finite(c.lr_factor) and c.lr_factor > 0, "must be a finite number above 0"),
@@ -1331,6 +1333,7 @@ class Config(ModelConfig):
     dataset: str = "multi30k"  # a name in CORPORA: "copy", "multi30k" or "iwslt14"
     vocab: str = "bpe"  # "bpe": joint byte-pair encoding (§5.1); "words": whole words, rare ones <unk>
     bpe_size: int = 37000  # size of the joint BPE vocabulary, specials included (§5.1: about 37000)
+    bpe_dropout: float = 0.0  # BPE-dropout: training pairs re-segmented every epoch, each merge skipped with this probability; 0 = off
     min_freq: int = 2  # word vocabularies: keep words seen at least this often
     max_tokens: int = 100  # training pairs with a longer side are filtered out (and counted)
     batch_tokens: int = 4096  # tokens (source or target, padding included) per batch
@@ -1603,6 +1606,14 @@ def build_vocabs(train_tokens: tuple[list, list], cfg: Config, cache_key: Option
 # for a character never seen in training. The model is trained on the **training split
 # only** and cached beside the word vocabularies, under a key made from the training files
 # and the settings. `Config.vocab = "words"` keeps the word-level vocabulary.
+#
+# *Our addition, for small data:* `sample` is **BPE-dropout** (Provilkov et al., 2020,
+# "BPE-Dropout: Simple and Effective Subword Regularization"): while a word is encoded, each
+# merge is skipped with a small probability, so the same word reaches the model in different
+# pieces from epoch to epoch. On a small corpus that is a data augmentation the model cannot
+# memorise; test sentences are still encoded the ordinary way. `Config.bpe_dropout` sets the
+# probability (0, the default, leaves training as the paper has it), and `epoch_pairs` below
+# re-segments the training pairs once an epoch.
 
 # %%
 class Subwords:
@@ -1638,6 +1649,19 @@ class Subwords:
     def encode(self, lines: Sequence[str]) -> list[list[str]]:
         """Sentences → lists of pieces."""
         return self.sp.encode(list(lines), out_type=str)
+
+    def sample(self, lines: Sequence[str], dropout: float, seed: int) -> list[list[str]]:
+        r"""Sentences → lists of pieces with BPE-dropout (Provilkov et al., 2020): each merge is skipped
+        with probability ``dropout``, so a word may come out in smaller pieces — our addition, not in the paper.
+
+        The same ``seed`` gives the same pieces. sentencepiece keeps one random seed for the process,
+        so this sets it, and encodes on one thread (the draws then do not depend on the core count).
+        """
+        import sentencepiece as spm
+
+        spm.set_random_generator_seed(seed)
+        return self.sp.encode(list(lines), out_type=str, enable_sampling=True, alpha=dropout, nbest_size=-1,
+                              num_threads=1)
 
     def decode(self, pieces: Sequence[Sequence[str]]) -> list[str]:
         """Lists of pieces → sentences."""
@@ -2849,6 +2873,7 @@ class Dataset:
     origin: str = ""
     stats: dict = field(default_factory=dict)
     subwords: Optional[Subwords] = None  # the BPE model when cfg.vocab == "bpe"
+    train_text: list = field(default_factory=list)  # the kept training pairs as text (BPE only), for BPE-dropout
 
 
 def make_copy_data(cfg: Config, vocab_size: int = 11, length: int = 10,
@@ -2874,6 +2899,8 @@ def make_copy_data(cfg: Config, vocab_size: int = 11, length: int = 10,
 # %% [markdown]
 # `load_dataset` is the one entry point: locate, read, build the vocabulary (words or BPE),
 # filter over-long training pairs, turn every split into ids, and report what it dropped.
+# `epoch_pairs` hands training the pairs of one epoch: the ids above, or, with BPE-dropout,
+# the kept training sentences segmented afresh for that epoch.
 
 # %%
 def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = None) -> Dataset:
@@ -2915,7 +2942,25 @@ def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = N
         + f"; {'BPE' if subwords else 'word'} vocab {len(src_vocab):,}"
         + ("" if src_vocab is tgt_vocab else f"/{len(tgt_vocab):,}"))
     return Dataset(cfg.dataset, src_vocab, tgt_vocab, splits, [p[1] for p in raw["test"]], source.origin, stats,
-                   subwords)
+                   subwords, [raw["train"][i] for i in keep] if subwords is not None else [])
+
+
+def epoch_pairs(data: Dataset, cfg: Config, epoch: int) -> list:
+    r"""The training pairs (source ids, target ids) of epoch ``epoch``: ``data.splits["train"]``, or with
+    ``cfg.bpe_dropout`` > 0 both sides segmented afresh with BPE-dropout — our addition, for small data.
+
+    The segmentation is a function of (seed, epoch), like the epoch's batches, so a resumed run and
+    every process of a multi-process run see the same pieces.
+    """
+    if not cfg.bpe_dropout:
+        return data.splits["train"]
+    if data.subwords is None or len(data.train_text) != len(data.splits["train"]):
+        raise ValueError("bpe_dropout needs a BPE vocabulary and the training text (load_dataset with vocab=bpe)")
+    seed = 2 * ((cfg.seed * 1_000_003 + epoch) % 2**30)  # one even seed per (run seed, epoch); +1 for the target side
+    src = data.subwords.sample([s for s, _ in data.train_text], cfg.bpe_dropout, seed)
+    tgt = data.subwords.sample([t for _, t in data.train_text], cfg.bpe_dropout, seed + 1)
+    vocab = data.subwords.vocab
+    return [([BOS] + vocab(s) + [EOS], [BOS] + vocab(t) + [EOS]) for s, t in zip(src, tgt)]
 
 # %% [markdown]
 # ## A.2 Devices, precision, processes and signals
@@ -3722,7 +3767,7 @@ def plan_run(cfg: Config, data: Dataset, world: int, step: int, model: nn.Module
 def train_epoch(run: Run, pos: Position, stop: StopRequest, progress: bool, t_start: float,
                 clock: Optional[UpdateClock] = None) -> bool:
     """The updates of epoch ``pos.epoch`` from ``pos.batch_in_epoch`` on, advancing ``pos``; True once ``max_steps`` is reached."""
-    cfg, pairs = run.cfg, run.data.splits["train"]
+    cfg, pairs = run.cfg, epoch_pairs(run.data, run.cfg, pos.epoch)
     lengths = [(len(s), len(t)) for s, t in pairs]
     batches = length_batches(lengths, cfg.batch_tokens, cfg.seed, pos.epoch)  # the epoch's global order
     updates, consumed, end = epoch_updates(batches, pos.batch_in_epoch, run.rank, run.world, cfg.accum_steps)

@@ -154,3 +154,45 @@ def test_word_vocabularies_remain_an_option(tmp_path):
     assert "Hund" in data.src_vocab.stoi and "dog" in data.tgt_vocab.stoi
     with pytest.raises(ValueError, match="bpe or words"):
         tat.Config(vocab="chars")
+
+
+def test_bpe_dropout_resegments_the_same_text_per_epoch_and_repeats_for_a_seed(multi30k_bpe):
+    cfg, data, _ = multi30k_bpe
+    assert tat.epoch_pairs(data, cfg, 0) is data.splits["train"]  # off: the ids as loaded, every epoch
+    dropped = dataclasses.replace(cfg, bpe_dropout=0.1)
+    first, again, second = (tat.epoch_pairs(data, dropped, e) for e in (0, 0, 1))
+    assert first == again  # a function of (seed, epoch): a resumed run sees the same pieces
+    assert first != second and first != data.splits["train"]
+    pieces = data.subwords.vocab.lookup_tokens
+    for pairs in (first, second):
+        assert len(pairs) == len(data.splits["train"])
+        for (src, tgt), (plain_src, plain_tgt) in zip(pairs[:300], data.splits["train"][:300]):
+            assert src[0] == tgt[0] == BOS and src[-1] == tgt[-1] == EOS
+            # smaller pieces of the same sentence: they decode to what the ordinary pieces decode to
+            assert (data.subwords.decode([pieces(src[1:-1]), pieces(tgt[1:-1])])
+                    == data.subwords.decode([pieces(plain_src[1:-1]), pieces(plain_tgt[1:-1])]))
+    n_plain = sum(len(s) + len(t) for s, t in data.splits["train"])
+    n_dropped = sum(len(s) + len(t) for s, t in first)
+    assert n_plain < n_dropped < 2 * n_plain  # skipped merges leave more, smaller pieces
+    other_seed = tat.epoch_pairs(data, dataclasses.replace(dropped, seed=2), 0)
+    assert other_seed != first
+
+
+def test_bpe_dropout_needs_a_bpe_vocabulary_and_a_probability():
+    with pytest.raises(ValueError, match="bpe_dropout"):
+        tat.get_config("tiny", vocab="words", bpe_dropout=0.1)
+    for bad in (-0.1, 1.0, float("nan")):
+        with pytest.raises(ValueError, match="bpe_dropout"):
+            tat.get_config("multi30k-small", bpe_dropout=bad)
+
+
+def test_a_run_with_bpe_dropout_trains_and_resumes(tmp_path):
+    mirror = small_mirror(tmp_path / "m")
+    cfg = bpe_cfg(mirror, tmp_path, N=1, run_dir=str(tmp_path / "run"), max_steps=2, batch_tokens=200,
+                  bpe_dropout=0.3)
+    data = tat.load_dataset(cfg, log=quiet)
+    assert len(data.train_text) == len(data.splits["train"])
+    tat.train(cfg, data=data, log=quiet, progress=False, evaluate=False)
+    out = tat.train(dataclasses.replace(cfg, max_steps=4), data=data, log=quiet, progress=False, evaluate=False)
+    assert out["steps"] == 4
+    assert [p.name for p in tat.checkpoint_paths(tmp_path / "run")][-1].endswith("00000004.pt")
