@@ -3737,7 +3737,7 @@ class UpdateClock:
 
 def plan_run(cfg: Config, data: Dataset, world: int, step: int, model: nn.Module) -> tuple[int, list[str]]:
     """(updates left to take, lines for the log): the run's length and whether the model suits the data."""
-    lengths = [(len(s), len(t)) for s, t in data.splits["train"]]
+    lengths = [(len(s), len(t)) for s, t in epoch_pairs(data, cfg, 0)]  # BPE-dropout: the first epoch's (more) pieces
     batches = len(length_batches(lengths, cfg.batch_tokens, cfg.seed, 0, rank=0, world_size=world))
     per_epoch = math.ceil(batches / cfg.accum_steps)
     total = per_epoch * cfg.epochs if not cfg.max_steps else min(per_epoch * cfg.epochs, cfg.max_steps)
@@ -3745,7 +3745,7 @@ def plan_run(cfg: Config, data: Dataset, world: int, step: int, model: nn.Module
     lines = [f"plan: {cfg.epochs} epochs × {per_epoch:,} updates"
              + (f", at most {cfg.max_steps:,} updates" if cfg.max_steps else "")
              + f" = {total:,} updates ({max(total - step, 0):,} to go) on {len(lengths):,} training pairs "
-             f"({tokens:,} target tokens per epoch)"]
+             f"({tokens:,} target tokens per epoch" + (", segmented with BPE-dropout" if cfg.bpe_dropout else "") + ")"]
     ratio = count_parameters(model) / max(tokens, 1)
     if ratio > OVERSIZED:
         lines.append(f"note: the model has {ratio:.0f} parameters per training target token — it is sized for far "
