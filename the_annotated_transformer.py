@@ -1653,17 +1653,12 @@ class Subwords:
         return self.sp.encode(list(lines), out_type=str)
 
     def sample(self, lines: Sequence[str], dropout: float, seed: int) -> list[list[str]]:
-        r"""Sentences → lists of pieces with BPE-dropout (Provilkov et al., 2020): each merge is skipped
-        with probability ``dropout``, so a word may come out in smaller pieces — our addition, not in the paper.
-
-        The same ``seed`` gives the same pieces. sentencepiece keeps one random seed for the process,
-        so this sets it, and encodes on one thread (the draws then do not depend on the core count).
-        """
+        """Sentences → pieces with BPE-dropout (Provilkov et al., 2020; our addition), the same for the same
+        ``seed``: sentencepiece's seed is per process, so it is set here, and one thread draws for every line."""
         import sentencepiece as spm
 
         spm.set_random_generator_seed(seed)
-        return self.sp.encode(list(lines), out_type=str, enable_sampling=True, alpha=dropout, nbest_size=-1,
-                              num_threads=1)
+        return self.sp.encode(list(lines), out_type=str, enable_sampling=True, alpha=dropout, nbest_size=-1, num_threads=1)
 
     def decode(self, pieces: Sequence[Sequence[str]]) -> list[str]:
         """Lists of pieces → sentences."""
