@@ -2870,7 +2870,6 @@ class Dataset:
     origin: str = ""
     stats: dict = field(default_factory=dict)
     subwords: Optional[Subwords] = None  # the BPE model when cfg.vocab == "bpe"
-    train_text: list = field(default_factory=list)  # the kept training pairs as text (BPE only), for BPE-dropout
 
 
 def make_copy_data(cfg: Config, vocab_size: int = 11, length: int = 10,
@@ -2897,7 +2896,7 @@ def make_copy_data(cfg: Config, vocab_size: int = 11, length: int = 10,
 # `load_dataset` is the one entry point: locate, read, build the vocabulary (words or BPE),
 # filter over-long training pairs, turn every split into ids, and report what it dropped.
 # `epoch_pairs` hands training the pairs of one epoch: the ids above, or, with BPE-dropout,
-# the kept training sentences segmented afresh for that epoch.
+# the same sentences (decoded from those ids) segmented afresh for that epoch.
 
 # %%
 def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = None) -> Dataset:
@@ -2939,7 +2938,7 @@ def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = N
         + f"; {'BPE' if subwords else 'word'} vocab {len(src_vocab):,}"
         + ("" if src_vocab is tgt_vocab else f"/{len(tgt_vocab):,}"))
     return Dataset(cfg.dataset, src_vocab, tgt_vocab, splits, [p[1] for p in raw["test"]], source.origin, stats,
-                   subwords, [raw["train"][i] for i in keep] if subwords is not None else [])
+                   subwords)
 
 
 def epoch_pairs(data: Dataset, cfg: Config, epoch: int) -> list:
@@ -2951,12 +2950,14 @@ def epoch_pairs(data: Dataset, cfg: Config, epoch: int) -> list:
     """
     if not cfg.bpe_dropout:
         return data.splits["train"]
-    if data.subwords is None or len(data.train_text) != len(data.splits["train"]):
-        raise ValueError("bpe_dropout needs a BPE vocabulary and the training text (load_dataset with vocab=bpe)")
+    if data.subwords is None:
+        raise ValueError("bpe_dropout needs a BPE vocabulary (vocab=bpe)")
+    vocab, pairs = data.subwords.vocab, data.splits["train"]
+    # the text back from the ordinary pieces: sentencepiece's own normalisation of the sentence
+    src_text, tgt_text = (data.subwords.decode([vocab.lookup_tokens(p[side][1:-1]) for p in pairs]) for side in (0, 1))
     seed = 2 * ((cfg.seed * 1_000_003 + epoch) % 2**30)  # one even seed per (run seed, epoch); +1 for the target side
-    src = data.subwords.sample([s for s, _ in data.train_text], cfg.bpe_dropout, seed)
-    tgt = data.subwords.sample([t for _, t in data.train_text], cfg.bpe_dropout, seed + 1)
-    vocab = data.subwords.vocab
+    src = data.subwords.sample(src_text, cfg.bpe_dropout, seed)
+    tgt = data.subwords.sample(tgt_text, cfg.bpe_dropout, seed + 1)
     return [([BOS] + vocab(s) + [EOS], [BOS] + vocab(t) + [EOS]) for s, t in zip(src, tgt)]
 
 # %% [markdown]
