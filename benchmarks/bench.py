@@ -189,16 +189,19 @@ class TorchTransformer(nn.Module):
 
 def build_model(kind: str, src_vocab: int, tgt_vocab: int, cfg: tat.Config) -> nn.Module:
     """``"fast"`` / ``"readable"`` (our model as the preset builds it; ``"readable/FastDropout"`` with
-    ``fast_dropout=True``) or ``"torch"`` (nn.Transformer), random weights."""
+    ``fast_dropout=True``, ``"readable/nn.Dropout"`` with PyTorch's module in place of ``SameMaskDropout``:
+    the same numbers, as the model was before it) or ``"torch"`` (nn.Transformer), random weights."""
     if kind == "torch":
         return TorchTransformer(src_vocab, tgt_vocab, cfg)
     path, _, dropout = kind.partition("/")
-    return tat.make_model(src_vocab, tgt_vocab, cfg, attention=path,
-                          fast_dropout=cfg.fast_dropout or dropout == "FastDropout")
+    model = tat.make_model(src_vocab, tgt_vocab, cfg, attention=path,
+                           fast_dropout=cfg.fast_dropout or dropout == "FastDropout")
+    return tat.use_dropout(model, nn.Dropout) if dropout == "nn.Dropout" else model
 
 
 MODEL_NAMES = MappingProxyType({"fast": "ours, fast path", "readable": "ours, readable path",
                                 "readable/FastDropout": "ours, readable path, FastDropout",
+                                "readable/nn.Dropout": "ours, readable path, nn.Dropout (before SameMaskDropout)",
                                 "torch": "torch.nn.Transformer", "fast+compile": "ours, fast path, compiled",
                                 "readable+compile": "ours, readable path, compiled"})
 
@@ -544,7 +547,8 @@ def plot(report: dict, path: Path) -> Path:
     res = report["training"]["results"]
     labels = [f"{r['name']}\n{r['precision']}" for r in res]
     ax.barh(range(len(res)), [r["tokens_per_s"] for r in res], color=[
-        {"fast": "tab:blue", "readable": "tab:cyan", "readable/FastDropout": "tab:gray", "torch": "tab:orange",
+        {"fast": "tab:blue", "readable": "tab:cyan", "readable/FastDropout": "tab:gray", "readable/nn.Dropout": "tab:olive",
+         "torch": "tab:orange",
          "fast+compile": "tab:purple",
          "readable+compile": "tab:pink"}[r["model"]] for r in res])
     ax.set_yticks(range(len(res)), labels, fontsize=7)
@@ -622,8 +626,8 @@ def table(report: dict) -> str:
     for r in fl["results"]:
         goal = "≥ 40%" if r["model"] == tr["preset_path"] and r["precision"] == "bf16" else ""
         lines.append(f"| training matmul FLOP rate, {MODEL_NAMES[r['model']]}, {r['precision']} | "
-                     f"{r['flops_per_s'] / 1e9:,.1f} GFLOP/s = {100 * r['share_of_peak']:.0f}% of peak "
-                     f"(best pass {100 * r['best_share_of_peak']:.0f}%) | {goal} |")
+                     f"{r['flops_per_s'] / 1e9:,.1f} GFLOP/s = {100 * r['share_of_peak']:.1f}% of peak "
+                     f"(best pass {100 * r['best_share_of_peak']:.1f}%) | {goal} |")
     lines.append(f"| padding, length-bucketed batches ({pad['batch_tokens']} tokens) | "
                  f"{100 * pad['bucketed_share']:.1f}% | ≤ 10% |")
     lines.append(f"| padding, every sentence padded to {pad['fixed_length']} | {100 * pad['fixed_share']:.1f}% | |")

@@ -63,8 +63,8 @@ def signal_at_update(monkeypatch, k: int, signum=signal.SIGINT):
     """Make the process send itself ``signum`` while update ``k`` (counting from 1) is being applied."""
     original = tat.make_optimizer
 
-    def patched(model, cfg):
-        optimizer, scheduler = original(model, cfg)
+    def patched(model, cfg, total_updates=0):
+        optimizer, scheduler = original(model, cfg, total_updates)
         calls = []
 
         def hook(opt, args, kwargs):
@@ -108,6 +108,23 @@ def test_a_signal_mid_epoch_saves_and_resuming_gives_the_uninterrupted_run(tmp_p
     assert [(r["step"], sorted(r)) for r in records] == [(r["step"], sorted(r)) for r in want]
 
 
+def test_a_run_with_cooldown_resumes_on_the_same_falling_schedule(tmp_path, monkeypatch):
+    # 20 updates, the last 10 at a falling rate; stopped during update 13, in the middle of the fall
+    cfg = tiny_cfg(tmp_path / "a", epochs=2, checkpoint_minutes=0, cooldown=0.5)
+    data = tiny_data(cfg)
+    with monkeypatch.context() as m:
+        signal_at_update(m, 13)
+        with pytest.raises(tat.TrainingInterrupted, match="after update 13"):
+            run(cfg, data)
+    run(cfg, data)
+    run(dataclasses.replace(cfg, run_dir=str(tmp_path / "b")), data)  # never interrupted
+    a, b = last_state(tmp_path / "a"), last_state(tmp_path / "b")
+    assert a["step"] == b["step"] == 20
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert a["scheduler"]["_last_lr"] == b["scheduler"]["_last_lr"] == [0.0]  # the fall has reached zero
+
+
 def test_resume_drops_metrics_written_after_the_checkpoint(tmp_path):
     cfg = tiny_cfg(tmp_path / "run", epochs=6, warmup=40)  # 60 updates: records at 10, 20, …, 50 (train), 60
     data = tiny_data(cfg)
@@ -127,8 +144,8 @@ def test_checkpoints_every_few_minutes_inside_an_epoch(tmp_path, monkeypatch):
     monkeypatch.setattr(tat.time, "time", lambda: clock[0])
     original = tat.make_optimizer
 
-    def ticking(model, cfg):  # every update takes "one minute"
-        optimizer, scheduler = original(model, cfg)
+    def ticking(model, cfg, total_updates=0):  # every update takes "one minute"
+        optimizer, scheduler = original(model, cfg, total_updates)
         optimizer.register_step_post_hook(lambda *a: clock.__setitem__(0, clock[0] + 60.0))
         return optimizer, scheduler
 

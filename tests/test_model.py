@@ -503,11 +503,12 @@ def test_fast_dropout_gradient_is_its_mask_and_scale_and_eval_is_identity():
 
 def test_make_model_swaps_every_dropout_for_fast_dropout_when_asked():
     fast = tat.make_model(13, 13, TINY, attn_dropout=0.1, ffn_dropout=0.1, fast_dropout=True)
-    plain = tat.make_model(13, 13, TINY, attn_dropout=0.1, ffn_dropout=0.1)  # the default: nn.Dropout
+    plain = tat.make_model(13, 13, TINY, attn_dropout=0.1, ffn_dropout=0.1)  # the default: nn.Dropout's numbers
     names = lambda m, cls: {n for n, mod in m.named_modules() if type(mod) is cls}  # noqa: E731
-    assert names(fast, nn.Dropout) == set() and names(plain, tat.FastDropout) == set()
-    assert names(fast, tat.FastDropout) == names(plain, nn.Dropout)  # the same places
-    assert len(names(plain, nn.Dropout)) == 2 + TINY.N * (2 + 1 + 1) + TINY.N * (3 + 2 + 1)
+    assert names(fast, tat.SameMaskDropout) == set() and names(plain, tat.FastDropout) == set()
+    assert names(fast, nn.Dropout) == names(plain, nn.Dropout) == set()  # every one replaced
+    assert names(fast, tat.FastDropout) == names(plain, tat.SameMaskDropout)  # the same places
+    assert len(names(plain, tat.SameMaskDropout)) == 2 + TINY.N * (2 + 1 + 1) + TINY.N * (3 + 2 + 1)
     plain.load_state_dict(fast.state_dict())
     src, tgt = random_batch()
     torch.testing.assert_close(fast.eval()(src, tgt, *masks(src, tgt)), plain.eval()(src, tgt, *masks(src, tgt)))
@@ -527,3 +528,78 @@ def test_fast_dropout_off_the_cpu_is_nn_dropout(monkeypatch):
     assert y.device.type == "meta" and calls == [("meta", 0.1, True)]
     drop(torch.ones(4, 8))  # on the CPU: the packed-bit mask, not F.dropout
     assert len(calls) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# SameMaskDropout (the aside after §3.5): nn.Dropout to the last bit, its mask drawn faster.
+# --------------------------------------------------------------------------------------------
+
+def dropout_pass(drop: nn.Module, x: torch.Tensor, seed: int):
+    """Output, input gradient and the generator's state after one training pass of ``drop`` on ``x``."""
+    torch.manual_seed(seed)
+    x = x.detach().clone().requires_grad_()
+    y = drop.train()(x)
+    (y.float() * torch.arange(y.numel()).view(y.shape)).sum().backward()
+    return y.detach(), x.grad, torch.get_rng_state()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
+def test_same_mask_dropout_gives_nn_dropouts_outputs_gradients_and_random_stream(p, dtype):
+    x = torch.randn(3, 37, 64, dtype=dtype)
+    for seed in (0, 7):
+        want = dropout_pass(nn.Dropout(p), x, seed)
+        got = dropout_pass(tat.SameMaskDropout(p), x, seed)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+    torch.manual_seed(1)  # and one stream through several calls, as in a model
+    first = [tat.SameMaskDropout(p).train()(x) for _ in range(3)]
+    torch.manual_seed(1)
+    assert all(torch.equal(a, nn.Dropout(p).train()(x)) for a in first)
+
+
+def test_same_mask_dropout_draws_without_bernoulli_where_the_check_passes(monkeypatch):
+    if not tat.bernoulli_replayable(0.9, torch.float32):
+        pytest.skip("this PyTorch build's CPU bernoulli_ is not the default kernel (MKL): nn.Dropout is used")
+    calls = []
+    plain = F.dropout
+    monkeypatch.setattr(F, "dropout", lambda *a, **k: calls.append(1) or plain(*a, **k))
+    x = torch.ones(16, 16)
+    y = tat.SameMaskDropout(0.1).train()(x)
+    assert calls == [] and 0 < int((y == 0).sum()) < x.numel()
+    tat.SameMaskDropout(0.1).train()(x.t())  # not contiguous: nn.Dropout's own kernel
+    y = tat.SameMaskDropout(0.1).eval()(x)  # evaluation: nn.Dropout, the identity
+    assert calls == [1, 1] and torch.equal(y, x)
+    tat.SameMaskDropout(0.1).train()(torch.empty(4, 8, device="meta"))  # off the CPU (CUDA where it exists)
+    assert calls == [1, 1, 1]
+
+
+def test_the_replay_check_fails_when_the_replayed_mask_is_not_bernoullis(monkeypatch):
+    real = tat._replayed_keep
+    monkeypatch.setattr(tat, "_replayed_keep", lambda shape, q: real(shape, q).roll(1))
+    tat.bernoulli_replayable.cache_clear()
+    try:
+        assert not tat.bernoulli_replayable(0.9, torch.float32)
+    finally:
+        tat.bernoulli_replayable.cache_clear()
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_a_model_trains_to_the_same_weights_with_same_mask_dropout_as_with_nn_dropout(autocast):
+    def train(kind):
+        torch.manual_seed(0)
+        model = tat.use_dropout(tat.make_model(13, 13, TINY, attn_dropout=0.1, ffn_dropout=0.1), kind).train()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        src, tgt = random_batch()
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = model.generator(model(src, tgt, *masks(src, tgt)))
+            out.float().logsumexp(-1).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return model
+
+    same_mask, plain = train(tat.SameMaskDropout), train(nn.Dropout)
+    assert {type(m) for m in plain.modules()} & {tat.SameMaskDropout} == set()
+    for (name, a), b in zip(same_mask.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name

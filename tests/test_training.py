@@ -135,6 +135,28 @@ def test_update_k_applies_equation_3_at_step_k():
     assert max(range(30), key=applied.__getitem__) + 1 == cfg.warmup
 
 
+def test_cooldown_follows_equation_3_then_falls_linearly_to_zero_at_the_last_update():
+    total, fraction = 100, 0.3  # the last 30 updates fall
+    cfg = tat.get_config("tiny", warmup=10, cooldown=fraction)
+    model = nn.Linear(4, 2)
+    optimizer, scheduler = tat.make_optimizer(model, cfg, total_updates=total)
+    applied = []
+    for _ in range(total):
+        applied.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    for k, lr in enumerate(applied[:70], start=1):  # Eq. 3 untouched before the last 30 updates
+        assert lr == pytest.approx(eq3(k, cfg.d_model, 1.0, 10), rel=1e-12), k
+    shares = [lr / eq3(k, cfg.d_model, 1.0, 10) for k, lr in enumerate(applied, start=1)][70:]
+    assert shares == pytest.approx([(30 - i) / 30 for i in range(30)], rel=1e-12)  # 1, 29/30, …, 1/30
+    assert optimizer.param_groups[0]["lr"] == 0.0  # where an update after the last would run
+    with pytest.raises(ValueError, match="total_updates"):
+        tat.make_optimizer(model, cfg)
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="cooldown"):
+            tat.get_config("tiny", cooldown=bad)
+
+
 def test_logged_lr_is_the_one_each_update_applied(tmp_path):
     cfg = tiny_cfg(tmp_path / "lr", epochs=6, warmup=40)  # 60 updates; a training record every 50
     run(cfg, tiny_data(cfg))
@@ -253,8 +275,8 @@ def recorded_grads(monkeypatch):
     grads = []
     original = tat.make_optimizer
 
-    def recording(model, cfg):
-        optimizer, scheduler = original(model, cfg)
+    def recording(model, cfg, total_updates=0):
+        optimizer, scheduler = original(model, cfg, total_updates)
         names = {id(p): n for n, p in model.named_parameters()}
 
         def hook(opt, args, kwargs):
