@@ -913,7 +913,7 @@ def resolve_attention(setting: str, device: Optional[torch.device] = None) -> tu
 # `nn.Dropout` rounds it). Profiled the same way (`benchmarks/profile_step.py --paths
 # readable,readable/FastDropout`), a mask cost 2.5 ms a call in `bernoulli_` and 0.38 ms in
 # `FastDropout`'s `random_`. Training steps of
-# `multi30k-small` were 1.06× (float32) and 1.12× (bf16) faster with it in `make bench`, those
+# `multi30k-small` were 1.05× (float32) and 1.13× (bf16) faster with it than with `nn.Dropout` in `make bench`, those
 # of `iwslt14-sample` (which also drops out attention weights and FFN activations) 1.17× and
 # 1.4×. Its runs scored 40.6 BLEU on Multi30k and 6.3 on IWSLT14 against the presets' 41.8 and
 # 7.4 (IWSLT14 then with label smoothing 0.1); another seed with `nn.Dropout` scored 40.5 on Multi30k, so the gap is within what a seed
@@ -948,7 +948,7 @@ class FastDropout(nn.Dropout):
 # bits with $\lceil q \cdot 2^{53} \rceil$ gives the same mask. `SameMaskDropout` does that and then
 # scales and multiplies exactly as `nn.Dropout` does, wherever `bernoulli_replayable` — one draw
 # made both ways from the same generator state, once per probability and dtype — finds the two
-# identical; everywhere else (another kernel, a GPU, evaluation) it is `nn.Dropout`. So it changes no
+# identical; everywhere else (another kernel, a GPU, evaluation, `torch.compile`) it is `nn.Dropout`. So it changes no
 # computed number, only the time: `make_model` puts it in place of every `nn.Dropout` unless
 # `fast_dropout` asks for `FastDropout`. Measured on the same 2-core EPYC, a mask took 1.5 ms
 # instead of 2.4; training steps were 1.02× faster in bf16 for `multi30k-small` (`make bench`) and
@@ -957,15 +957,20 @@ class FastDropout(nn.Dropout):
 
 # %%
 def _replayed_keep(shape: torch.Size, q: float) -> torch.Tensor:
-    """True where ``bernoulli_(q)`` would draw 1 from the generator's next draws (see the cell above)."""
+    """§5.4's dropout mask, replayed (our addition): True where ``bernoulli_(q)`` would draw 1 from the
+    generator's next draws (see the cell above)."""
     draws = torch.empty(shape, dtype=torch.int64).random_()  # (shape) the 64-bit draws, as x mod 2^63
     return draws.bitwise_and_(2**53 - 1) < math.ceil(q * 2**53)
 
 
 @functools.lru_cache(maxsize=None)
 def bernoulli_replayable(q: float, dtype: torch.dtype) -> bool:
-    """Whether ``_replayed_keep`` reproduces this PyTorch's CPU ``bernoulli_(q)`` on ``dtype`` exactly:
-    the same mask and the generator left in the same state (checked once; the caller's stream untouched)."""
+    """Whether ``_replayed_keep`` reproduces this PyTorch's CPU ``bernoulli_(q)`` on ``dtype`` exactly
+    (our addition, for §5.4's dropout): the same mask and the generator left in the same state.
+
+    Checked once per (q, dtype) and remembered: the answer is a fact about the PyTorch build and
+    the CPU, the module's one deliberate cache. The caller's random stream is left untouched.
+    """
     n = 1 << 17  # past any grain at which a kernel could split the work
     with torch.random.fork_rng(devices=[]):
         start = torch.get_rng_state()
@@ -981,19 +986,19 @@ class SameMaskDropout(nn.Dropout):
 
     def forward(self, x):
         q = 1 - self.p  # keep probability, as nn.Dropout computes it
-        if not (self.training and 0 < self.p < 1 and x.device.type == "cpu" and x.is_contiguous()
-                and bernoulli_replayable(q, x.dtype)):
+        if not (self.training and 0 < self.p < 1 and not self.inplace and x.device.type == "cpu"
+                and x.is_contiguous() and not torch.compiler.is_compiling() and bernoulli_replayable(q, x.dtype)):
             return super().forward(x)
         scale = torch.ones((), dtype=x.dtype).div_(q)  # what nn.Dropout's mask.div_(q) makes of a 1
         return x * torch.where(_replayed_keep(x.shape, q), scale, 0)  # x * (mask / q), as nn.Dropout computes it
 
 
 def use_dropout(model: nn.Module, kind: type) -> nn.Module:
-    """Replace every dropout module of ``model`` by a ``kind`` of the same probability."""
+    """Replace every dropout module (§5.4) of ``model`` by a ``kind`` of the same probability."""
     for parent in list(model.modules()):
         for name, child in parent.named_children():
             if isinstance(child, nn.Dropout) and type(child) is not kind:
-                setattr(parent, name, kind(child.p))
+                setattr(parent, name, kind(child.p, inplace=child.inplace))
     return model
 
 
@@ -1063,6 +1068,8 @@ def make_model(src_vocab: int, tgt_vocab: int, config: Optional[ModelConfig] = N
     ``overrides`` replace config fields (``make_model(11, 11, N=2)``). With
     ``tie_weights``, the target embedding and the pre-softmax projection share one matrix
     (§3.4); with ``shared_vocab`` too, the source embedding shares it as well (three-way).
+    Every dropout is a :class:`SameMaskDropout` (``nn.Dropout``'s numbers), or a
+    :class:`FastDropout` with ``fast_dropout``.
     """
     cfg = dataclasses.replace(config or MODEL_PRESETS["base"], **overrides)
     mha = FastMultiHeadedAttention if resolve_attention(cfg.attention)[0] == "fast" else MultiHeadedAttention
@@ -1301,7 +1308,8 @@ def _config_rules(c: "Config") -> list:
         ("max_tokens", c.max_tokens >= 1, "must be at least 1"),
         ("batch_tokens", c.batch_tokens >= 1, "must be at least 1"), ("warmup", c.warmup >= 1, "must be at least 1"),
         ("lr_factor", finite(c.lr_factor) and c.lr_factor > 0, "must be a finite number above 0"),
-        ("cooldown", finite(c.cooldown) and 0 <= c.cooldown <= 1, "must be in [0, 1]"),
+        ("cooldown", finite(c.cooldown) and 0 <= c.cooldown <= 1 and (c.cooldown == 0 or c.bpe_dropout == 0),
+         "must be in [0, 1], and 0 with bpe_dropout (whose pieces, so the number of updates, change every epoch)"),
         ("betas", len(c.betas) == 2 and all(finite(b) and 0 <= b < 1 for b in c.betas),
          "must be two numbers in [0, 1), e.g. 0.9,0.98"),
         ("adam_eps", finite(c.adam_eps) and c.adam_eps > 0, "must be a finite number above 0"),
@@ -1851,6 +1859,8 @@ def cooldown_factor(step: int, total: int, fraction: float) -> float:
     of ``total`` updates, so that update ``total`` runs at ``1/(fraction·total)`` of Eq. 3 and the next would at 0."""
     if fraction <= 0:
         return 1.0
+    if total < 1:
+        raise ValueError(f"a cooldown needs the run's number of updates, got total={total}")
     return min(1.0, max(0.0, (total + 1 - step) / (fraction * total)))
 
 
@@ -3803,7 +3813,8 @@ class UpdateClock:
 
 
 def planned_updates(cfg: Config, data: Dataset, world: int) -> tuple[int, int, list]:
-    """(updates of the whole run, updates per epoch, (source, target) lengths of the first epoch's pairs)."""
+    """The run's length, for the plan and the cooldown (our addition): (updates of the whole run,
+    updates per epoch, (source, target) lengths of the first epoch's pairs)."""
     lengths = [(len(s), len(t)) for s, t in epoch_pairs(data, cfg, 0)]  # BPE-dropout: the first epoch's (more) pieces
     batches = len(length_batches(lengths, cfg.batch_tokens, cfg.seed, 0, rank=0, world_size=world))
     per_epoch = math.ceil(batches / cfg.accum_steps)

@@ -626,8 +626,8 @@ def table(report: dict) -> str:
     for r in fl["results"]:
         goal = "≥ 40%" if r["model"] == tr["preset_path"] and r["precision"] == "bf16" else ""
         lines.append(f"| training matmul FLOP rate, {MODEL_NAMES[r['model']]}, {r['precision']} | "
-                     f"{r['flops_per_s'] / 1e9:,.1f} GFLOP/s = {100 * r['share_of_peak']:.1f}% of peak "
-                     f"(best pass {100 * r['best_share_of_peak']:.1f}%) | {goal} |")
+                     f"{r['flops_per_s'] / 1e9:,.1f} GFLOP/s = {100 * r['share_of_peak']:.2f}% of peak "
+                     f"(best pass {100 * r['best_share_of_peak']:.2f}%) | {goal} |")
     lines.append(f"| padding, length-bucketed batches ({pad['batch_tokens']} tokens) | "
                  f"{100 * pad['bucketed_share']:.1f}% | ≤ 10% |")
     lines.append(f"| padding, every sentence padded to {pad['fixed_length']} | {100 * pad['fixed_share']:.1f}% | |")

@@ -1,6 +1,7 @@
 """Part 1 invariants: every §3 component, the masks, and agreement with torch.nn.Transformer."""
 import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -558,9 +559,18 @@ def test_same_mask_dropout_gives_nn_dropouts_outputs_gradients_and_random_stream
     assert all(torch.equal(a, nn.Dropout(p).train()(x)) for a in first)
 
 
+def mkl_draws_bernoulli() -> bool:
+    """Whether PyTorch's CPU bernoulli_ may use MKL's generator here (it does so only on Intel CPUs)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    intel = "GenuineIntel" in cpuinfo.read_text() if cpuinfo.is_file() else True  # unknown: assume it may
+    return torch.backends.mkl.is_available() and intel
+
+
 def test_same_mask_dropout_draws_without_bernoulli_where_the_check_passes(monkeypatch):
-    if not tat.bernoulli_replayable(0.9, torch.float32):
-        pytest.skip("this PyTorch build's CPU bernoulli_ is not the default kernel (MKL): nn.Dropout is used")
+    if mkl_draws_bernoulli():
+        pytest.skip("on an Intel CPU PyTorch may draw bernoulli_ with MKL: SameMaskDropout is nn.Dropout there")
+    for q, dtype in ((0.9, torch.float32), (0.9, torch.bfloat16), (0.7, torch.float32)):
+        assert tat.bernoulli_replayable(q, dtype), (q, dtype)  # the default kernel: the replay must hold
     calls = []
     plain = F.dropout
     monkeypatch.setattr(F, "dropout", lambda *a, **k: calls.append(1) or plain(*a, **k))
@@ -571,7 +581,11 @@ def test_same_mask_dropout_draws_without_bernoulli_where_the_check_passes(monkey
     y = tat.SameMaskDropout(0.1).eval()(x)  # evaluation: nn.Dropout, the identity
     assert calls == [1, 1] and torch.equal(y, x)
     tat.SameMaskDropout(0.1).train()(torch.empty(4, 8, device="meta"))  # off the CPU (CUDA where it exists)
-    assert calls == [1, 1, 1]
+    tat.SameMaskDropout(0.1, inplace=True).train()(torch.ones(16, 16))  # in place, as nn.Dropout does it
+    assert calls == [1, 1, 1, 1]
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # under torch.compile: Inductor's dropout
+    tat.SameMaskDropout(0.1).train()(x)
+    assert calls == [1, 1, 1, 1, 1]
 
 
 def test_the_replay_check_fails_when_the_replayed_mask_is_not_bernoullis(monkeypatch):

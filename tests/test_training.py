@@ -155,6 +155,8 @@ def test_cooldown_follows_equation_3_then_falls_linearly_to_zero_at_the_last_upd
     for bad in (-0.1, 1.5, float("nan")):
         with pytest.raises(ValueError, match="cooldown"):
             tat.get_config("tiny", cooldown=bad)
+    with pytest.raises(ValueError, match="cooldown .*bpe_dropout"):  # its number of updates changes every epoch
+        tat.get_config("multi30k-small", cooldown=0.3, bpe_dropout=0.1)
 
 
 def test_logged_lr_is_the_one_each_update_applied(tmp_path):
