@@ -989,8 +989,7 @@ class SameMaskDropout(nn.Dropout):
         if not (self.training and 0 < self.p < 1 and not self.inplace and x.device.type == "cpu"
                 and x.is_contiguous() and not torch.compiler.is_compiling() and bernoulli_replayable(q, x.dtype)):
             return super().forward(x)
-        scale = torch.ones((), dtype=x.dtype).div_(q)  # what nn.Dropout's mask.div_(q) makes of a 1
-        return x * torch.where(_replayed_keep(x.shape, q), scale, 0)  # x * (mask / q), as nn.Dropout computes it
+        return x * _replayed_keep(x.shape, q).to(x.dtype).div_(q)  # nn.Dropout's own ops: mask, mask / q, x * that
 
 
 def use_dropout(model: nn.Module, kind: type) -> nn.Module:
@@ -1860,7 +1859,7 @@ def cooldown_factor(step: int, total: int, fraction: float) -> float:
     if fraction <= 0:
         return 1.0
     if total < 1:
-        raise ValueError(f"a cooldown needs the run's number of updates, got total={total}")
+        raise ValueError(f"a cooldown needs the run's number of updates (total_updates), got {total}")
     return min(1.0, max(0.0, (total + 1 - step) / (fraction * total)))
 
 
@@ -1880,8 +1879,6 @@ def make_optimizer(model: nn.Module, cfg: Config, total_updates: int = 0) -> tup
                                       weight_decay=cfg.weight_decay, fused=fused)
     else:
         optimizer = torch.optim.Adam(params, lr=1.0, betas=tuple(cfg.betas), eps=cfg.adam_eps, fused=fused)
-    if cfg.cooldown and total_updates < 1:
-        raise ValueError("cooldown needs the run's number of updates (total_updates)")
     scheduler = LambdaLR(optimizer, lambda taken: rate(taken + 1, cfg.d_model, cfg.lr_factor, cfg.warmup)
                          * cooldown_factor(taken + 1, total_updates, cfg.cooldown))
     return optimizer, scheduler
