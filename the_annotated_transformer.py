@@ -140,7 +140,7 @@ __all__ = [
     "make_model",
     # Part 2 — training (§5)
     "Corpus", "CORPORA", "Config", "PRESETS", "get_config", "Vocab", "Subwords", "Batch", "length_batches", "rate", "cooldown_factor",
-    "make_optimizer", "LabelSmoothing", "loss_sum", "fused_loss_sum", "Trainer", "update",
+    "make_optimizer", "LabelSmoothing", "loss_sum", "loss_sum_one_pass", "fused_loss_sum", "Trainer", "update",
     # Part 3 — decoding (§6.1)
     "greedy_decode", "IncrementalDecoder", "beam_search", "translate", "detokenize", "bleu",
     # Appendix — running it
@@ -1225,6 +1225,7 @@ class Corpus:
     sha256: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # file → pinned SHA-256 of the download; others unchecked
     prepare: str = ""  # "": the files are downloaded as they are; "fairseq-iwslt14": an archive to prepare
     sample: str = ""  # a split that stands in for "train" when only it is there (a training sample)
+    valid_from_train: bool = False  # the validation pairs were held out of the training talks (may train; see Config)
     extra_tests: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # further test splits, looked for only when asked
     words: str = "whitespace"  # word-level tokenizer: "spacy" (its rules, for raw text) or "whitespace"
     detokenize: str = "join"  # words back to text: "moses" (sacremoses, for raw text) or "join" (with spaces)
@@ -1265,7 +1266,7 @@ CORPORA = MappingProxyType({c.name: c for c in (
                                    "test": ("test.de", "test.en"),
                                    "train-sample": ("train-sample.de", "train-sample.en")}),
            url="http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz",  # the archive: not pinned
-           prepare="fairseq-iwslt14", sample="train-sample"),
+           prepare="fairseq-iwslt14", sample="train-sample", valid_from_train=True),
 )})
 
 # %% [markdown]
@@ -1328,6 +1329,10 @@ def _config_rules(c: "Config") -> list:
         ("eval_batch_size", c.eval_batch_size >= 1, "must be at least 1"),
         ("max_eval_sentences", c.max_eval_sentences >= 0, "must be 0 (all) or more"),
         ("max_valid_sentences", c.max_valid_sentences >= 0, "must be 0 (all) or more"),
+        ("train_on_valid_rest", not c.train_on_valid_rest or (c.max_valid_sentences > 0 and c.dataset in CORPORA
+                                                              and CORPORA[c.dataset].valid_from_train),
+         "needs max_valid_sentences > 0 (the pairs kept for validation) and a data set whose validation "
+         "pairs come from its training data (iwslt14)"),
         ("examples_to_show", c.examples_to_show >= 0, "must be 0 or more"),
     ]
 
@@ -1402,7 +1407,7 @@ class Config(ModelConfig):
     adam_eps: float = 1e-9
     weight_decay: float = 0.0  # decoupled weight decay (AdamW) when > 0; the paper uses none
     eps_ls: float = 0.1  # label smoothing
-    fused_loss: bool = False  # the loss's gradient written out (fused_loss_sum); False: generator, then loss_sum
+    fused_loss: bool = False  # the loss and log-softmax fused (fused_loss_sum); False: generator, then loss_sum (loss_sum_one_pass)
     accum_steps: int = 1  # batches per optimizer update
     clip_grad: float = 0.0  # max grad norm; 0 = off
     epochs: int = 10
@@ -1427,6 +1432,7 @@ class Config(ModelConfig):
     eval_batch_size: int = 128  # sentences per decoding batch
     max_eval_sentences: int = 0  # decode only the first N test sentences; 0 = all
     max_valid_sentences: int = 0  # the validation loss of each epoch on the first N validation pairs; 0 = all
+    train_on_valid_rest: bool = False  # the validation pairs after the first max_valid_sentences train too
     examples_to_show: int = 5
 
     def __post_init__(self):  # bf16, the former switch, sets precision and is cleared: one spelling per run
@@ -1988,19 +1994,63 @@ if EXAMPLES:
     del ls, fig, ax1, ax2, xs, losses, x, p
 
 # %% [markdown]
-# *The fast version of the loss (our addition).* The readable loss above takes the
-# generator's log-probabilities, so autograd walks back through five separate steps over
-# the (tokens, vocabulary) matrix: the gather of the targets, the mean over classes, their
-# sum, the log-softmax and, under bf16 autocast, the cast of the logits to float32. Each
-# step reads and writes the whole matrix (2,400 × 8,000 numbers in a `multi30k-small`
-# batch): together about a quarter of a bf16 step in a profile by input shape
+# *The same loss with its gradient written in one pass (our addition).* Autograd's backward
+# of `loss_sum` builds its gradient from whole (tokens, vocabulary) matrices: a zero matrix
+# with the target entries scattered in (the gather's backward), a second matrix of
+# $\epsilon_{ls}/K$ shares (the mean's), their sum, and under bf16 autocast a cast of that
+# sum to bf16 — four or five passes over 2,400 × 8,000 numbers in a `multi30k-small` batch.
+# Yet the result has only two distinct values in each row: the smoothing share $b_i$
+# everywhere and $b_i$ plus the target's share at the target. `loss_sum_one_pass` computes
+# those per-row numbers with the same float32 operations in the same order as autograd does
+# (so the same roundings, down to the sign of a zero) and writes the gradient once, in the
+# log-probabilities' dtype. It is `loss_sum`, number for number — a test compares the bits
+# of values and gradients, and of the weights after a few updates — so training uses it.
+
+# %%
+class _LossSumOnePass(torch.autograd.Function):
+    r"""``loss_sum`` (§5.4) with its backward written in one pass — our fast version, bit-identical."""
+
+    @staticmethod
+    def forward(ctx, log_probs, target, eps_ls: float, pad: int):
+        lp = log_probs.float()  # (tokens, K) float32, as loss_sum; not kept for the backward
+        keep = target != pad  # (tokens,)
+        nll = -lp.gather(1, target.unsqueeze(1)).squeeze(1)  # (tokens,)
+        uniform = -lp.mean(dim=1)  # (tokens,)
+        ctx.save_for_backward(target, keep)
+        ctx.eps_ls, ctx.K, ctx.dtype = eps_ls, lp.size(1), log_probs.dtype
+        return (((1.0 - eps_ls) * nll + eps_ls * uniform) * keep).sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        target, keep = ctx.saved_tensors
+        eps = ctx.eps_ls
+        w = grad_loss.expand(keep.shape) * keep  # (tokens,) what autograd passes back through "* keep"
+        share = -(w * eps) / ctx.K  # (tokens,) the mean's backward: -ε·w, divided by K
+        at_target = (0.0 + -(w * (1.0 - eps))) + share  # (tokens,) the gather's zero + its share, then the mean's
+        grad = torch.empty((keep.size(0), ctx.K), dtype=ctx.dtype, device=keep.device)  # (tokens, K)
+        grad.copy_((0.0 + share).to(ctx.dtype).unsqueeze(1).expand(-1, ctx.K))  # off the target: 0 + share
+        grad.scatter_(1, target.unsqueeze(1), at_target.to(ctx.dtype).unsqueeze(1))
+        return grad, None, None, None
+
+
+def loss_sum_one_pass(log_probs: torch.Tensor, target: torch.Tensor, eps_ls: float, pad: int = PAD) -> torch.Tensor:
+    r"""``loss_sum(log_probs, target, eps_ls, pad)`` — §5.4, the same numbers with a one-pass backward."""
+    return _LossSumOnePass.apply(log_probs.reshape(-1, log_probs.size(-1)), target.reshape(-1), float(eps_ls), pad)
+
+
+# %% [markdown]
+# *The fused loss (our addition), which changes the numbers.* Both losses above take the
+# generator's log-probabilities, so the log-softmax's backward is one more pass over the
+# (tokens, vocabulary) matrix, and under bf16 autocast the log-probabilities are first
+# computed in bf16 and then copied to float32. With the readable loss's backward those
+# passes together took about a quarter of a bf16 step in a profile by input shape
 # (`benchmarks/profile_step.py --by-shape`). Done by hand, the gradient with respect to the logits $z$ is one line,
 # $\partial L / \partial z_{ik} = w_i\,(p_{ik} - q_{ik})$ with $p = \mathrm{softmax}(z_i)$,
 # $q$ the smoothed target of §5.4 and $w_i$ zero at padding; `fused_loss_sum` computes the
 # same value as `loss_sum(generator(x))` with that gradient written directly (the target
 # column in float32, so no cancellation is lost to bf16). A test checks values and
 # gradients against the readable pair. `Config.fused_loss` makes training use it; the
-# presets keep the readable pair. The two are not bit-identical under bf16 autocast on a
+# presets keep the readable pair (with `loss_sum_one_pass`). The two are not bit-identical under bf16 autocast on a
 # CPU, where autocast leaves the readable pair's log-softmax in bf16 and the fused loss
 # computes it in float32, and a training run follows whichever rounding it gets: the
 # seed-1 `multi30k-small` run scored 40.4 BLEU with the fused loss against 41.8 with the
@@ -2102,7 +2152,7 @@ def update(trainer: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]
             if trainer.cfg.fused_loss:
                 loss = fused_loss_sum(trainer.model.generator.proj(out), b.tgt_y, trainer.cfg.eps_ls)
             else:
-                loss = loss_sum(trainer.model.generator(out), b.tgt_y, trainer.cfg.eps_ls)
+                loss = loss_sum_one_pass(trainer.model.generator(out), b.tgt_y, trainer.cfg.eps_ls)
         trainer.scaler.scale(loss * trainer.world / ntokens).backward()
         total += loss.detach()
     if trainer.world > 1:
@@ -2985,10 +3035,16 @@ def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = N
     for split in ("train", "valid", "test"):
         raw[split], stats[f"{split}_empty_skipped"] = read_parallel(*source.files[split])
         stats[f"{split}_pairs"] = len(raw[split])
+    vocab_files, held = source.files["train"], ""
+    if cfg.train_on_valid_rest:  # validation keeps its first pairs; the rest are training pairs again
+        n = cfg.max_valid_sentences
+        raw["train"], raw["valid"] = raw["train"] + raw["valid"][n:], raw["valid"][:n]
+        stats["valid_pairs_trained_on"], stats["valid_pairs"] = stats["valid_pairs"] - len(raw["valid"]), len(raw["valid"])
+        vocab_files, held = (*source.files["train"], *source.files["valid"]), f"|valid after {n}"
     data_dir = Path(cfg.data_dir) if cfg.data_dir else default_data_dir()
     subwords = None
     if cfg.vocab == "bpe":
-        key = _files_digest(source.files["train"], f"bpe|{cfg.dataset}|{cfg.bpe_size}")
+        key = _files_digest(vocab_files, f"bpe|{cfg.dataset}|{cfg.bpe_size}{held}")
         subwords = build_subwords(raw["train"], cfg, key, data_dir / "cache")
         tok_src = tok_tgt = subwords.encode
     else:
@@ -3002,7 +3058,7 @@ def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = N
     if subwords is not None:
         src_vocab = tgt_vocab = subwords.vocab
     else:
-        key = _files_digest(source.files["train"], f"{cfg.dataset}|{cfg.min_freq}|{cfg.shared_vocab}|{cfg.max_tokens}")
+        key = _files_digest(vocab_files, f"{cfg.dataset}|{cfg.min_freq}|{cfg.shared_vocab}|{cfg.max_tokens}{held}")
         src_vocab, tgt_vocab = build_vocabs(tokens["train"], cfg, key, data_dir / "cache")
     splits = {
         split: [([BOS] + src_vocab(s) + [EOS], [BOS] + tgt_vocab(t) + [EOS]) for s, t in zip(*tokens[split])]

@@ -190,18 +190,27 @@ class TorchTransformer(nn.Module):
 def build_model(kind: str, src_vocab: int, tgt_vocab: int, cfg: tat.Config) -> nn.Module:
     """``"fast"`` / ``"readable"`` (our model as the preset builds it; ``"readable/FastDropout"`` with
     ``fast_dropout=True``, ``"readable/nn.Dropout"`` with PyTorch's module in place of ``SameMaskDropout``:
-    the same numbers, as the model was before it) or ``"torch"`` (nn.Transformer), random weights."""
+    the same numbers, as the model was before it; ``"readable/autograd-loss"`` is the preset's model, trained
+    with autograd's backward of the loss, see ``loss_of``) or ``"torch"`` (nn.Transformer), random weights."""
     if kind == "torch":
         return TorchTransformer(src_vocab, tgt_vocab, cfg)
-    path, _, dropout = kind.partition("/")
+    path, _, variant = kind.partition("/")
     model = tat.make_model(src_vocab, tgt_vocab, cfg, attention=path,
-                           fast_dropout=cfg.fast_dropout or dropout == "FastDropout")
-    return tat.use_dropout(model, nn.Dropout) if dropout == "nn.Dropout" else model
+                           fast_dropout=cfg.fast_dropout or variant == "FastDropout")
+    return tat.use_dropout(model, nn.Dropout) if variant == "nn.Dropout" else model
+
+
+def loss_of(kind: str) -> Optional[str]:
+    """The loss a row trains with (``train_step``'s ``loss``): autograd's backward of ``tat.loss_sum`` for
+    ``"readable/autograd-loss"`` (the same numbers as the preset's, computed as before), else the default."""
+    return "autograd" if kind.split("+")[0].endswith("/autograd-loss") else None
 
 
 MODEL_NAMES = MappingProxyType({"fast": "ours, fast path", "readable": "ours, readable path",
                                 "readable/FastDropout": "ours, readable path, FastDropout",
                                 "readable/nn.Dropout": "ours, readable path, nn.Dropout (before SameMaskDropout)",
+                                "readable/autograd-loss": "ours, readable path, autograd's loss backward "
+                                                          "(before loss_sum_one_pass)",
                                 "torch": "torch.nn.Transformer", "fast+compile": "ours, fast path, compiled",
                                 "readable+compile": "ours, readable path, compiled"})
 
@@ -215,19 +224,22 @@ def make_adam(model: nn.Module, cfg: tat.Config) -> torch.optim.Optimizer:
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tat.Batch, cfg: tat.Config,
-               bf16: bool, generator: Optional[nn.Module] = None, fused_loss: Optional[bool] = None) -> None:
-    """One full training update, as ``tat.update`` does it: forward, the label-smoothed loss (the
-    generator's log-softmax and ``tat.loss_sum``, or ``tat.fused_loss_sum`` from the logits when
-    ``fused_loss``, by default ``cfg.fused_loss``), backward, clipping, Adam step."""
+               bf16: bool, generator: Optional[nn.Module] = None, loss: Optional[str] = None) -> None:
+    """One full training update, as ``tat.update`` does it: forward, the label-smoothed loss, backward,
+    clipping, Adam step. ``loss``: "one-pass" (the generator's log-softmax and ``tat.loss_sum_one_pass``,
+    what training uses), "autograd" (``tat.loss_sum`` with autograd's backward: the same numbers) or
+    "fused" (``tat.fused_loss_sum`` from the logits); by default "fused" if ``cfg.fused_loss``, else "one-pass"."""
+    loss = loss or ("fused" if cfg.fused_loss else "one-pass")
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
     with ctx:
         out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
         generator = generator or model.generator
-        if cfg.fused_loss if fused_loss is None else fused_loss:
-            loss = tat.fused_loss_sum(generator.proj(out), batch.tgt_y, cfg.eps_ls)
+        if loss == "fused":
+            value = tat.fused_loss_sum(generator.proj(out), batch.tgt_y, cfg.eps_ls)
         else:
-            loss = tat.loss_sum(generator(out), batch.tgt_y, cfg.eps_ls)
-    (loss / batch.ntokens).backward()
+            value = {"one-pass": tat.loss_sum_one_pass, "autograd": tat.loss_sum}[loss](
+                generator(out), batch.tgt_y, cfg.eps_ls)
+    (value / batch.ntokens).backward()
     if cfg.clip_grad:
         nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)
     optimizer.step()
@@ -275,18 +287,19 @@ def bench_training(data: tat.Dataset, cfg: tat.Config, st: Settings, bf16_native
                 t0 = time.perf_counter()
                 compiled = torch.compile(model)
                 for b in batches:
-                    train_step(compiled, optimizer, b, cfg, prec == "bf16", generator=model.generator)
+                    train_step(compiled, optimizer, b, cfg, prec == "bf16", generator=model.generator,
+                               loss=loss_of(kind))
                 compile_s[(kind, prec)] = time.perf_counter() - t0
                 model = compiled
             for i in range(st.train_warmup):
-                train_step(model, optimizer, batches[i % len(batches)], cfg, prec == "bf16")
+                train_step(model, optimizer, batches[i % len(batches)], cfg, prec == "bf16", loss=loss_of(kind))
             runs[(kind, prec)] = (model, optimizer, [])
     for r in range(st.train_repeats):
         log(f"training: repeat {r + 1}/{st.train_repeats}")
         for (kind, prec), (model, optimizer, times) in runs.items():
             t0 = time.perf_counter()
             for b in batches:
-                train_step(model, optimizer, b, cfg, prec == "bf16")
+                train_step(model, optimizer, b, cfg, prec == "bf16", loss=loss_of(kind))
             times.append(time.perf_counter() - t0)
     preset_path = tat.resolve_attention(cfg.attention, torch.device("cpu"))[0]
     results = []
@@ -548,7 +561,7 @@ def plot(report: dict, path: Path) -> Path:
     labels = [f"{r['name']}\n{r['precision']}" for r in res]
     ax.barh(range(len(res)), [r["tokens_per_s"] for r in res], color=[
         {"fast": "tab:blue", "readable": "tab:cyan", "readable/FastDropout": "tab:gray", "readable/nn.Dropout": "tab:olive",
-         "torch": "tab:orange",
+         "readable/autograd-loss": "tab:brown", "torch": "tab:orange",
          "fast+compile": "tab:purple",
          "readable+compile": "tab:pink"}[r["model"]] for r in res])
     ax.set_yticks(range(len(res)), labels, fontsize=7)

@@ -4,7 +4,7 @@ Run from the repository root (needs the Multi30k data; set ``DATA_MIRROR`` when 
 
     python benchmarks/profile_step.py                 # multi30k-small, both paths, float32 and bf16
     python benchmarks/profile_step.py --steps 4 --top 12
-    python benchmarks/profile_step.py --paths readable --loss readable,fused   # the loss before/after
+    python benchmarks/profile_step.py --paths readable --loss autograd,one-pass,fused   # the three losses
 
 For each (attention path, precision) it times ``--steps`` full training steps (forward,
 label-smoothed loss, backward, clipping, fused Adam) on the same length-bucketed Multi30k batches
@@ -38,8 +38,9 @@ def main(argv) -> int:
     parser.add_argument("--top", type=int, default=10)
     parser.add_argument("--paths", default="fast,readable")
     parser.add_argument("--by-shape", action="store_true", help="also group the operators by their input shapes")
-    parser.add_argument("--loss", default="readable",
-                        help="readable (the presets' loss), fused (Config.fused_loss), or both: readable,fused")
+    parser.add_argument("--loss", default="one-pass",
+                        help="one-pass (loss_sum_one_pass, what the presets train with), autograd (loss_sum, the "
+                             "same numbers with autograd's backward), fused (Config.fused_loss); several: a,b")
     args = parser.parse_args(argv)
     cfg = tat.get_config(args.config)
     data = tat.load_dataset(cfg, log=lambda *a: None)
@@ -51,19 +52,18 @@ def main(argv) -> int:
     for path in args.paths.split(","):
         for bf16 in ([False, True] if native else [False]):
             for loss in args.loss.split(","):
-                fused = {"readable": False, "fused": True}[loss]
                 torch.manual_seed(1)
                 model = bench.build_model(path, len(data.src_vocab), len(data.tgt_vocab), cfg).train()
                 opt = bench.make_adam(model, cfg)
                 for b in batches[:2]:
-                    bench.train_step(model, opt, b, cfg, bf16, fused_loss=fused)
+                    bench.train_step(model, opt, b, cfg, bf16, loss=loss)
                 t0 = time.perf_counter()
                 for b in batches:
-                    bench.train_step(model, opt, b, cfg, bf16, fused_loss=fused)
+                    bench.train_step(model, opt, b, cfg, bf16, loss=loss)
                 dt = time.perf_counter() - t0
                 with profile(activities=[ProfilerActivity.CPU], record_shapes=args.by_shape) as prof:
                     for b in batches:
-                        bench.train_step(model, opt, b, cfg, bf16, fused_loss=fused)
+                        bench.train_step(model, opt, b, cfg, bf16, loss=loss)
                 print(f"\n### {path} path, {'bf16' if bf16 else 'float32'}, {loss} loss: "
                       f"{tokens / dt:,.0f} target tokens/s")
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))

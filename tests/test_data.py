@@ -401,6 +401,40 @@ def test_mirror_iwslt14_vocab_cache_is_reused_and_keyed_on_settings(mirror, tmp_
     assert other.src_vocab != first.src_vocab
 
 
+def test_mirror_iwslt14_rest_of_validation_trains_and_the_first_pairs_stay_held_out(mirror, tmp_path):
+    held = 50
+    plain = tat.load_dataset(mirror_cfg(mirror, tmp_path), log=quiet)
+    cfg = mirror_cfg(mirror, tmp_path, max_valid_sentences=held, train_on_valid_rest=True)
+    data = tat.load_dataset(cfg, log=quiet)
+    folder = mirror / "iwslt14"
+    valid_de, valid_en = tat.read_lines(folder / "valid.de"), tat.read_lines(folder / "valid.en")
+    # Validation is the first pairs, exactly as before; the test set is untouched.
+    assert data.splits["valid"] == plain.splits["valid"][:held]
+    assert data.splits["test"] == plain.splits["test"] and data.test_refs == plain.test_refs
+    assert data.stats["valid_pairs"] == held and data.stats["valid_pairs_trained_on"] == len(valid_de) - held
+    # Every other validation pair is a training pair now (before filtering of over-long ones).
+    trained = data.stats["train_pairs"] + data.stats["train_too_long_filtered"]
+    assert trained == plain.stats["train_pairs"] + plain.stats["train_too_long_filtered"] + len(valid_de) - held
+    # The vocabulary is counted from them too, and never from the held-out pairs.
+    train_words = Counter(t for f in ("train-sample.de", "train-sample.en")
+                          for line in tat.read_lines(folder / f) for t in line.split())
+    rest_words = Counter(t for line in valid_de[held:] + valid_en[held:] for t in line.split())
+    held_words = {t for line in valid_de[:held] + valid_en[:held] for t in line.split()}
+    learnt = {t for t, n in (train_words + rest_words).items() if n >= cfg.min_freq and not train_words[t]}
+    assert learnt and learnt <= set(data.src_vocab.itos) and not learnt & set(plain.src_vocab.itos)
+    unseen = held_words - set(train_words) - set(rest_words)
+    assert unseen and not unseen & set(data.src_vocab.itos)
+    # The two vocabularies are cached under different keys.
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+
+
+@pytest.mark.parametrize("overrides", [dict(dataset="multi30k", max_valid_sentences=100),
+                                       dict(dataset="iwslt14", max_valid_sentences=0)])
+def test_training_on_the_rest_of_validation_needs_held_out_pairs_from_training_talks(overrides):
+    with pytest.raises(ValueError, match="train_on_valid_rest needs max_valid_sentences > 0"):
+        tat.get_config("tiny", train_on_valid_rest=True, **overrides)
+
+
 # --------------------------------------------------------------------------------------
 # 6. Bad data
 # --------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ if str(ROOT) not in sys.path:  # normally done by conftest.py
 
 import the_annotated_transformer as tat  # noqa: E402
 from the_annotated_transformer import BOS, EOS, PAD  # noqa: E402
-from conftest import quiet, run, tiny_cfg, tiny_data  # noqa: E402
+from conftest import last_state, quiet, run, tiny_cfg, tiny_data  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -265,6 +265,50 @@ def test_loss_sum_is_the_cross_entropy_it_wraps(eps):
     ours.backward()
     library.backward()
     torch.testing.assert_close(a.grad, b.grad)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit patterns of a float tensor: equal bits, not merely equal values (+0 and -0 differ)."""
+    return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.2])
+@pytest.mark.parametrize("upstream", [1.0, 1 / 37, -3.0])
+def test_loss_sum_one_pass_is_loss_sum_bit_for_bit(dtype, eps, upstream):
+    K = 50
+    logits, target = random_scores(3 * 40, K, seed=7, dtype=torch.float32)
+    log_probs = F.log_softmax(logits, -1).to(dtype).reshape(3, 40, K)
+    a, b = log_probs.clone().requires_grad_(), log_probs.clone().requires_grad_()
+    one_pass = tat.loss_sum_one_pass(a, target.reshape(3, 40), eps)
+    readable = tat.loss_sum(b, target.reshape(3, 40), eps)
+    assert one_pass.dtype == readable.dtype == torch.float32
+    assert torch.equal(bits(one_pass), bits(readable))
+    (upstream * one_pass).backward()
+    (upstream * readable).backward()
+    assert a.grad.dtype == dtype and a.grad.shape == a.shape
+    assert torch.equal(bits(a.grad), bits(b.grad))  # every gradient, to the bit and the sign of its zeros
+    # the gradient has two values a row: the smoothing share, and the share plus the target's at the target
+    rows = a.grad.reshape(-1, K)[target != PAD]
+    assert all(len(torch.unique(row)) <= 2 for row in rows)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_training_with_the_one_pass_loss_ends_at_the_readable_losss_weights(tmp_path, monkeypatch, precision):
+    calls = []
+    real = tat.loss_sum_one_pass
+    monkeypatch.setattr(tat, "loss_sum_one_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
+    settings = dict(P_drop=0.1, eps_ls=0.1, batch_tokens=60, accum_steps=2, max_steps=3, precision=precision)
+    cfg = tiny_cfg(tmp_path / "one-pass", **settings)
+    run(cfg, varlen_data(cfg))
+    assert len(calls) == 6  # the training loss of every micro-batch
+    monkeypatch.setattr(tat, "loss_sum_one_pass", tat.loss_sum)  # training with autograd's backward instead
+    cfg = tiny_cfg(tmp_path / "readable", **settings)
+    run(cfg, varlen_data(cfg))
+    one_pass, readable = last_state(tmp_path / "one-pass")["model"], last_state(tmp_path / "readable")["model"]
+    assert one_pass.keys() == readable.keys()
+    for name in one_pass:
+        assert torch.equal(bits(one_pass[name]), bits(readable[name])), name
 
 
 # --------------------------------------------------------------------------------------------
