@@ -136,7 +136,7 @@ __all__ = [
     "EncoderDecoder", "Generator", "Encoder", "EncoderLayer", "SublayerConnection", "Decoder", "DecoderLayer",
     "subsequent_mask", "padding_mask", "attention", "MultiHeadedAttention", "PositionwiseFeedForward", "Embeddings",
     "PositionalEncoding", "LearnedPositionalEncoding", "FastMultiHeadedAttention", "FastDropout", "SameMaskDropout", "bernoulli_replayable", "use_dropout",
-    "ModelConfig", "MODEL_PRESETS",
+    "ModelConfig", "MODEL_PRESETS", "WordDropout",
     "make_model",
     # Part 2 — training (§5)
     "Corpus", "CORPORA", "Config", "PRESETS", "get_config", "Vocab", "Subwords", "Batch", "length_batches", "rate", "cooldown_factor",
@@ -1034,6 +1034,7 @@ class ModelConfig:
     max_len: int = 5000  # longest sequence the positional encoding covers
     positional: str = "sinusoid"  # "sinusoid" (§3.5) or "learned" (§3.5's alternative, Table 3 row (E))
     fast_dropout: bool = field(default=False, metadata=SAME_WEIGHTS)  # FastDropout on a CPU (aside after §3.5)
+    word_dropout: float = 0.0  # whole tokens' embeddings dropped in training (not in the paper; see WordDropout)
 
     @property
     def d_k(self) -> int:
@@ -1051,6 +1052,30 @@ MODEL_PRESETS = MappingProxyType({
 def weight_fields() -> tuple:
     """The ModelConfig fields that decide the parameters (a checkpoint must agree on all of them)."""
     return tuple(f.name for f in dataclasses.fields(ModelConfig) if not f.metadata.get("same_weights"))
+
+
+# %% [markdown]
+# *Word dropout (our addition, for small data; not in §5.4).* §5.4's dropout drops single
+# numbers of a vector. Word dropout, which Sennrich & Zhang (2019) found useful for
+# low-resource translation, drops whole tokens: in training, each source and target token's
+# embedding is zeroed with probability `word_dropout` (the others scaled by $1/(1-p)$, as
+# dropout does) before its position is added, so the model must guess it from the context.
+# No preset uses it (`word_dropout=0.0`); `make_model` leaves it out then.
+
+# %%
+class WordDropout(nn.Module):
+    r"""Drops whole token embeddings in training (our addition for small data; §5.4 drops elements)."""
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (batch, seq, d_model) embeddings; each position zeroed with probability ``p`` in training."""
+        if not self.training or self.p == 0:
+            return x
+        keep = torch.rand(x.shape[:-1], device=x.device) >= self.p  # (batch, seq)
+        return x * (keep.unsqueeze(-1).to(x.dtype) / (1 - self.p))  # (batch, seq, 1) broadcast over d_model
 
 
 # %% [markdown]
@@ -1075,13 +1100,14 @@ def make_model(src_vocab: int, tgt_vocab: int, config: Optional[ModelConfig] = N
     attn = mha(cfg.h, cfg.d_model, cfg.attn_dropout)
     ff = PositionwiseFeedForward(cfg.d_model, cfg.d_ff, cfg.ffn_dropout)
     position = POSITIONAL[cfg.positional]
+    words = [WordDropout(cfg.word_dropout)] if cfg.word_dropout else []  # between embedding and position
     c = copy.deepcopy
     model = EncoderDecoder(
         Encoder(EncoderLayer(cfg.d_model, c(attn), c(ff), cfg.P_drop, cfg.norm_first), cfg.N, cfg.norm_first),
         Decoder(DecoderLayer(cfg.d_model, c(attn), c(attn), c(ff), cfg.P_drop, cfg.norm_first), cfg.N,
                 cfg.norm_first),
-        nn.Sequential(Embeddings(cfg.d_model, src_vocab), position(cfg.d_model, cfg.P_drop, cfg.max_len)),
-        nn.Sequential(Embeddings(cfg.d_model, tgt_vocab), position(cfg.d_model, cfg.P_drop, cfg.max_len)),
+        nn.Sequential(Embeddings(cfg.d_model, src_vocab), *words, position(cfg.d_model, cfg.P_drop, cfg.max_len)),
+        nn.Sequential(Embeddings(cfg.d_model, tgt_vocab), *c(words), position(cfg.d_model, cfg.P_drop, cfg.max_len)),
         Generator(cfg.d_model, tgt_vocab),
     )
     for p in model.parameters():
@@ -1298,7 +1324,7 @@ def _config_rules(c: "Config") -> list:
         ("d_ff", c.d_ff >= 1, "must be at least 1"), ("h", c.h >= 1, "must be at least 1"),
         ("h", c.h >= 1 and c.d_model % c.h == 0, f"must divide d_model={c.d_model} (§3.2.2: d_k = d_model/h)"),
         ("P_drop", prob(c.P_drop), "must be in [0, 1)"), ("ffn_dropout", prob(c.ffn_dropout), "must be in [0, 1)"),
-        ("attn_dropout", prob(c.attn_dropout), "must be in [0, 1)"), ("max_len", c.max_len >= 3, "must be at least 3"),
+        ("attn_dropout", prob(c.attn_dropout), "must be in [0, 1)"), ("word_dropout", prob(c.word_dropout), "must be in [0, 1)"), ("max_len", c.max_len >= 3, "must be at least 3"),
         ("attention", c.attention in ("auto", "readable", "fast"), "must be auto, readable or fast"),
         ("positional", c.positional in POSITIONAL, f"must be one of {', '.join(POSITIONAL)}"),
         ("dataset", c.dataset in CORPORA, f"must be one of {', '.join(CORPORA)}"),

@@ -408,17 +408,22 @@ def test_mirror_iwslt14_rest_of_validation_trains_and_the_first_pairs_stay_held_
     data = tat.load_dataset(cfg, log=quiet)
     folder = mirror / "iwslt14"
     valid_de, valid_en = tat.read_lines(folder / "valid.de"), tat.read_lines(folder / "valid.en")
-    # Validation is the first pairs, exactly as before; the test set is untouched.
-    assert data.splits["valid"] == plain.splits["valid"][:held]
-    assert data.splits["test"] == plain.splits["test"] and data.test_refs == plain.test_refs
+    # Validation is the first pairs, as before (numbered with the new vocabulary); the test set is all there.
+    assert len(data.splits["valid"]) == held
+    for (src, tgt), de, en in zip(data.splits["valid"], valid_de, valid_en):
+        assert src[1:-1] == data.src_vocab(de.split()) and tgt[1:-1] == data.tgt_vocab(en.split())
+    assert len(data.splits["test"]) == len(plain.splits["test"]) and data.test_refs == plain.test_refs
     assert data.stats["valid_pairs"] == held and data.stats["valid_pairs_trained_on"] == len(valid_de) - held
     # Every other validation pair is a training pair now (before filtering of over-long ones).
     trained = data.stats["train_pairs"] + data.stats["train_too_long_filtered"]
     assert trained == plain.stats["train_pairs"] + plain.stats["train_too_long_filtered"] + len(valid_de) - held
-    # The vocabulary is counted from them too, and never from the held-out pairs.
-    train_words = Counter(t for f in ("train-sample.de", "train-sample.en")
-                          for line in tat.read_lines(folder / f) for t in line.split())
-    rest_words = Counter(t for line in valid_de[held:] + valid_en[held:] for t in line.split())
+    # The vocabulary is counted from them too (those the length filter keeps), never from the held-out pairs.
+    def counts(de_lines, en_lines):
+        kept = [(d.split(), e.split()) for d, e in zip(de_lines, en_lines)]
+        return Counter(t for d, e in kept if max(len(d), len(e)) <= cfg.max_tokens for t in d + e)
+
+    train_words = counts(tat.read_lines(folder / "train-sample.de"), tat.read_lines(folder / "train-sample.en"))
+    rest_words = counts(valid_de[held:], valid_en[held:])
     held_words = {t for line in valid_de[:held] + valid_en[:held] for t in line.split()}
     learnt = {t for t, n in (train_words + rest_words).items() if n >= cfg.min_freq and not train_words[t]}
     assert learnt and learnt <= set(data.src_vocab.itos) and not learnt & set(plain.src_vocab.itos)

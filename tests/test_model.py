@@ -617,3 +617,39 @@ def test_a_model_trains_to_the_same_weights_with_same_mask_dropout_as_with_nn_dr
     assert {type(m) for m in plain.modules()} & {tat.SameMaskDropout} == set()
     for (name, a), b in zip(same_mask.named_parameters(), plain.parameters()):
         assert torch.equal(a, b), name
+
+
+# --------------------------------------------------------------------------------------------
+# Word dropout (our option for small data): whole tokens, only in training, off by default
+# --------------------------------------------------------------------------------------------
+
+def test_word_dropout_zeroes_whole_tokens_in_training_and_nothing_in_eval():
+    torch.manual_seed(0)
+    x = torch.randn(8, 50, 16) + 3.0  # no element is zero by chance
+    drop = tat.WordDropout(0.3).train()
+    y = drop(x)
+    zero = (y == 0).all(-1)  # (batch, seq): the tokens dropped
+    assert ((y == 0).any(-1) == zero).all()  # a token is dropped whole or not at all
+    torch.testing.assert_close(y[~zero], x[~zero] / 0.7)  # the others scaled as dropout scales
+    assert 0.2 < float(zero.float().mean()) < 0.4  # about p of 400 tokens
+    assert torch.equal(drop.eval()(x), x)
+    assert torch.equal(tat.WordDropout(0.0).train()(x), x)
+
+
+def test_make_model_adds_word_dropout_before_the_positions_only_when_asked():
+    plain = tat.make_model(11, 11, tat.MODEL_PRESETS["tiny"])
+    assert not any(isinstance(m, tat.WordDropout) for m in plain.modules())
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, tat.MODEL_PRESETS["tiny"], word_dropout=0.25)
+    for embed in (model.src_embed, model.tgt_embed):
+        assert [type(m) for m in embed] == [tat.Embeddings, tat.WordDropout, tat.PositionalEncoding]
+        assert embed[1].p == 0.25
+    assert model.state_dict().keys() == plain.state_dict().keys()  # no parameters of its own
+    # in eval it is the same network
+    plain.load_state_dict(model.state_dict())
+    src = torch.tensor([[0, 5, 6, 7, 1]])
+    tgt = torch.tensor([[0, 7, 8]])
+    args = (src, tgt, tat.padding_mask(src, tat.PAD), tat.subsequent_mask(3) & (tgt != tat.PAD).unsqueeze(-2))
+    assert torch.equal(model.eval()(*args), plain.eval()(*args))
+    with pytest.raises(ValueError, match="word_dropout must be in"):
+        tat.get_config("tiny", word_dropout=1.0)
