@@ -34,6 +34,7 @@ import os
 import platform
 import statistics
 import sys
+import textwrap
 import time
 import warnings
 from contextlib import nullcontext
@@ -555,10 +556,11 @@ def plot(report: dict, path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     d_models = report["scaling"]["d_models"]
-    fig, axes = plt.subplots(1, 2 + len(d_models), figsize=(5 * (2 + len(d_models)), 4.2))
-    ax = axes[0]
     res = report["training"]["results"]
-    labels = [f"{r['name']}\n{r['precision']}" for r in res]
+    fig, axes = plt.subplots(1, 2 + len(d_models), figsize=(5 * (2 + len(d_models)) + 3, max(4.2, 0.36 * len(res))),
+                             gridspec_kw={"width_ratios": [1.6] + [1] * (1 + len(d_models))})
+    ax = axes[0]
+    labels = [textwrap.fill(f"{r['name']}, {r['precision']}", 52) for r in res]
     ax.barh(range(len(res)), [r["tokens_per_s"] for r in res], color=[
         {"fast": "tab:blue", "readable": "tab:cyan", "readable/FastDropout": "tab:gray", "readable/nn.Dropout": "tab:olive",
          "readable/autograd-loss": "tab:brown", "torch": "tab:orange",
