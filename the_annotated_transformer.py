@@ -1268,6 +1268,9 @@ class Corpus:
 # The three records. Multi30k's files are published one by one and pinned; IWSLT14 is
 # published as the raw TED archive, which `prepare_iwslt14` (Appendix) turns into the
 # standard layout, and a folder holding only its training sample still trains (Part 4).
+# IWSLT14's validation pairs are every 23rd line of the training talks (`valid_from_train`),
+# so a run may also train on all but the first `max_valid_sentences` of them
+# (`Config.train_on_valid_rest`, off in every preset: tried on the sample, README).
 
 # %%
 CORPORA = MappingProxyType({c.name: c for c in (
