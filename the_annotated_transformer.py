@@ -1034,7 +1034,9 @@ class ModelConfig:
     max_len: int = 5000  # longest sequence the positional encoding covers
     positional: str = "sinusoid"  # "sinusoid" (§3.5) or "learned" (§3.5's alternative, Table 3 row (E))
     fast_dropout: bool = field(default=False, metadata=SAME_WEIGHTS)  # FastDropout on a CPU (aside after §3.5)
-    word_dropout: float = 0.0  # whole tokens' embeddings dropped in training (not in the paper; see WordDropout)
+    # whole tokens' embeddings dropped in training (not in the paper; see WordDropout); a weight field because its
+    # module sits between the embedding and a learned positional table, whose parameter names it shifts
+    word_dropout: float = 0.0
 
     @property
     def d_k(self) -> int:
@@ -2354,8 +2356,11 @@ class IncrementalDecoder:
 
     def step(self, tokens):
         """tokens (batch,) at position ``self.length`` → log-probabilities (batch, vocab)."""
-        embed, posenc = self.model.tgt_embed[0], self.model.tgt_embed[1]
-        x = posenc(embed(tokens.unsqueeze(1)), offset=self.length)  # (batch, 1, d_model)
+        embed, *between, posenc = self.model.tgt_embed  # between: WordDropout when the model has one
+        x = embed(tokens.unsqueeze(1))  # (batch, 1, d_model)
+        for module in between:
+            x = module(x)
+        x = posenc(x, offset=self.length)  # (batch, 1, d_model)
         for i, layer in enumerate(self.model.decoder.layers):
             x = layer.sublayer[0](x, lambda y, i=i, a=layer.self_attn: self._self_attn(i, a, y))
             x = layer.sublayer[1](x, lambda y, i=i, a=layer.src_attn: self._src_attn(i, a, y))

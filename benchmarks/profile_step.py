@@ -42,6 +42,9 @@ def main(argv) -> int:
                         help="one-pass (loss_sum_one_pass, what the presets train with), autograd (loss_sum, the "
                              "same numbers with autograd's backward), fused (Config.fused_loss); several: a,b")
     args = parser.parse_args(argv)
+    unknown = set(args.loss.split(",")) - {"one-pass", "autograd", "fused"}
+    if unknown:
+        parser.error(f"--loss: unknown {', '.join(sorted(unknown))} (one-pass, autograd, fused)")
     cfg = tat.get_config(args.config)
     data = tat.load_dataset(cfg, log=lambda *a: None)
     pairs = data.splits["train"]

@@ -653,3 +653,15 @@ def test_make_model_adds_word_dropout_before_the_positions_only_when_asked():
     assert torch.equal(model.eval()(*args), plain.eval()(*args))
     with pytest.raises(ValueError, match="word_dropout must be in"):
         tat.get_config("tiny", word_dropout=1.0)
+
+
+@pytest.mark.parametrize("positional", ["sinusoid", "learned"])
+def test_a_model_with_word_dropout_decodes_the_same_with_and_without_the_cache(positional):
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, tat.MODEL_PRESETS["tiny"], word_dropout=0.3, positional=positional).eval()
+    src = torch.tensor([[0, 5, 6, 7, 8, 1], [0, 9, 4, 1, tat.PAD, tat.PAD]])
+    src_mask = tat.padding_mask(src, tat.PAD)
+    with torch.no_grad():
+        full = tat.greedy_decode(model, src, src_mask, 9, tat.BOS, tat.EOS, tat.PAD)
+        cached = tat.greedy_decode_cached(model, src, src_mask, 9, tat.BOS, tat.EOS, tat.PAD)
+    assert torch.equal(full, cached)
