@@ -3055,8 +3055,6 @@ def make_copy_data(cfg: Config, vocab_size: int = 11, length: int = 10,
 # %% [markdown]
 # `load_dataset` is the one entry point: locate, read, build the vocabulary (words or BPE),
 # filter over-long training pairs, turn every split into ids, and report what it dropped.
-# `epoch_pairs` hands training the pairs of one epoch: the ids above, or, with BPE-dropout,
-# the same sentences (decoded from those ids) segmented afresh for that epoch.
 
 # %%
 def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = None) -> Dataset:
@@ -3107,6 +3105,11 @@ def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = N
                    subwords)
 
 
+# %% [markdown]
+# `epoch_pairs` hands training the pairs of one epoch: the ids above, or, with BPE-dropout,
+# the same sentences (decoded from those ids) segmented afresh for that epoch.
+
+# %%
 def epoch_pairs(data: Dataset, cfg: Config, epoch: int) -> list:
     r"""The training pairs (source ids, target ids) of epoch ``epoch``: ``data.splits["train"]``, or with
     ``cfg.bpe_dropout`` > 0 both sides segmented afresh with BPE-dropout — our addition, for small data.

@@ -52,7 +52,8 @@ def test_training_rows_cover_every_model_and_the_native_precisions(report):
     expected = ["float32"] + (["bf16"] if report["json"]["machine"]["bf16_native"] else [])
     assert tr["precisions"] == expected
     assert {(r["model"], r["precision"]) for r in tr["results"]} == {
-        (m, p) for m in ("fast", "readable", "readable/FastDropout", "readable/nn.Dropout", "torch") for p in expected}
+        (m, p) for m in ("fast", "readable", "readable/FastDropout", "readable/nn.Dropout", "readable/autograd-loss", "torch")
+        for p in expected}
     for r in tr["results"]:
         assert positive(r["tokens_per_s"]) and positive(r["step_s"]) and positive(r["flops_per_s"])
         assert r["best_tokens_per_s"] >= r["tokens_per_s"]

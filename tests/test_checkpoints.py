@@ -253,7 +253,7 @@ def test_average_checkpoints_is_the_elementwise_mean(short_run):
 def test_non_finite_loss_raises_and_keeps_last_good_checkpoint(tmp_path, monkeypatch, bad):
     cfg = tiny_cfg(tmp_path / "run", epochs=3, batch_tokens=1280)  # 2 updates per epoch
     data = tiny_data(cfg)
-    real = tat.loss_sum
+    real = tat.loss_sum_one_pass  # the training loss
 
     def poisoned(log_probs, target, eps_ls, pad=PAD):
         """The real loss until the first epoch's checkpoint exists, then a non-finite one."""
@@ -262,7 +262,7 @@ def test_non_finite_loss_raises_and_keeps_last_good_checkpoint(tmp_path, monkeyp
             return loss * bad
         return loss
 
-    monkeypatch.setattr(tat, "loss_sum", poisoned)
+    monkeypatch.setattr(tat, "loss_sum_one_pass", poisoned)
     with pytest.raises(tat.TrainingDiverged) as err:
         run(cfg, data)
     message = str(err.value)
@@ -276,7 +276,7 @@ def test_non_finite_loss_raises_and_keeps_last_good_checkpoint(tmp_path, monkeyp
 
 def test_non_finite_loss_before_any_checkpoint_says_so(tmp_path, monkeypatch):
     cfg = tiny_cfg(tmp_path / "run")
-    monkeypatch.setattr(tat, "loss_sum", lambda *a, **k: torch.tensor(float("nan"), requires_grad=True))
+    monkeypatch.setattr(tat, "loss_sum_one_pass", lambda *a, **k: torch.tensor(float("nan"), requires_grad=True))
     with pytest.raises(tat.TrainingDiverged, match="no checkpoint"):
         run(cfg, tiny_data(cfg))
 

@@ -124,7 +124,7 @@ def test_training_log_says_which_precision_and_why(tmp_path, machine):
 
 def spy_on_loss(monkeypatch) -> list:
     """Record (autocast on, its dtype, loss) for every training loss computed."""
-    real, seen = tat.loss_sum, []
+    real, seen = tat.loss_sum_one_pass, []  # the training loss
 
     def spy(log_probs, target, eps_ls, pad=PAD):
         loss = real(log_probs, target, eps_ls, pad)
@@ -132,7 +132,7 @@ def spy_on_loss(monkeypatch) -> list:
             seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), float(loss.detach())))
         return loss
 
-    monkeypatch.setattr(tat, "loss_sum", spy)
+    monkeypatch.setattr(tat, "loss_sum_one_pass", spy)
     return seen
 
 
