@@ -209,6 +209,11 @@ def test_forward_loss_and_backward_run_on_the_meta_device():
     fused = tat.fused_loss_sum(model.generator.proj(out), batch.tgt_y, 0.1)  # what training calls with fused_loss
     fused.backward()
     assert fused.device == META and model.generator.proj.weight.grad.device == META
+    model.zero_grad(set_to_none=True)
+    out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+    one_pass = tat.loss_sum_one_pass(model.generator(out), batch.tgt_y, 0.1)  # what training calls by default
+    one_pass.backward()
+    assert one_pass.device == META and all(p.grad is not None and p.grad.device == META for p in model.parameters())
 
 
 def test_label_smoothing_builds_its_distribution_on_the_targets_device():

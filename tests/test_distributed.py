@@ -143,13 +143,13 @@ def update(run, micro):
         record["rng_at_first_update"] = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
     return real_update(run, micro)
 
-real_loss_sum = tat.loss_sum_one_pass  # the training loss
+real_loss_sum_one_pass = tat.loss_sum_one_pass  # the training loss
 
-def loss_sum(log_probs, target, eps_ls, pad=tat.PAD):  # with nan_in_rank: that process's loss turns NaN
-    loss = real_loss_sum(log_probs, target, eps_ls, pad)
+def loss_sum_one_pass(log_probs, target, eps_ls, pad=tat.PAD):  # with nan_in_rank: that process's loss turns NaN
+    loss = real_loss_sum_one_pass(log_probs, target, eps_ls, pad)
     return loss * float("nan") if rank == nan_in_rank else loss
 
-tat.make_batch, tat.setup, tat.update, tat.loss_sum_one_pass = make_batch, setup, update, loss_sum
+tat.make_batch, tat.setup, tat.update, tat.loss_sum_one_pass = make_batch, setup, update, loss_sum_one_pass
 try:
     summary = tat.train(cfg, log=lambda *a, **k: None, progress=False, evaluate=False)
     record["steps"], record["world_size"] = summary["steps"], summary["world_size"]
