@@ -913,7 +913,7 @@ def resolve_attention(setting: str, device: Optional[torch.device] = None) -> tu
 # `nn.Dropout` rounds it). Profiled the same way (`benchmarks/profile_step.py --paths
 # readable,readable/FastDropout`), a mask cost 2.5 ms a call in `bernoulli_` and 0.38 ms in
 # `FastDropout`'s `random_`. Training steps of
-# `multi30k-small` were 1.05× (float32) and 1.13× (bf16) faster with it than with `nn.Dropout` in `make bench`, those
+# `multi30k-small` were 1.03× (float32) and 1.13× (bf16) faster with it than with `nn.Dropout` in `make bench`, those
 # of `iwslt14-sample` (which also drops out attention weights and FFN activations) 1.17× and
 # 1.4×. Its runs scored 40.6 BLEU on Multi30k and 6.3 on IWSLT14 against the presets' 41.8 and
 # 7.4 (IWSLT14 then with label smoothing 0.1); another seed with `nn.Dropout` scored 40.5 on Multi30k, so the gap is within what a seed

@@ -204,7 +204,7 @@ def build_model(kind: str, src_vocab: int, tgt_vocab: int, cfg: tat.Config) -> n
 def loss_of(kind: str) -> Optional[str]:
     """The loss a row trains with (``train_step``'s ``loss``): autograd's backward of ``tat.loss_sum`` for
     ``"readable/autograd-loss"`` (the same numbers as the preset's, computed as before), else the default."""
-    return "autograd" if kind.split("+")[0].endswith("/autograd-loss") else None
+    return "autograd" if kind == "readable/autograd-loss" else None
 
 
 MODEL_NAMES = MappingProxyType({"fast": "ours, fast path", "readable": "ours, readable path",
