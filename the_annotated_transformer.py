@@ -1037,6 +1037,7 @@ class ModelConfig:
     # whole tokens' embeddings dropped in training (not in the paper; see WordDropout); a weight field because its
     # module sits between the embedding and a learned positional table, whose parameter names it shifts
     word_dropout: float = 0.0
+    N_dec: int = 0  # decoder layers where they differ from N (not in the paper, §3.1 has N of each); 0: N
 
     @property
     def d_k(self) -> int:
@@ -1106,7 +1107,7 @@ def make_model(src_vocab: int, tgt_vocab: int, config: Optional[ModelConfig] = N
     c = copy.deepcopy
     model = EncoderDecoder(
         Encoder(EncoderLayer(cfg.d_model, c(attn), c(ff), cfg.P_drop, cfg.norm_first), cfg.N, cfg.norm_first),
-        Decoder(DecoderLayer(cfg.d_model, c(attn), c(attn), c(ff), cfg.P_drop, cfg.norm_first), cfg.N,
+        Decoder(DecoderLayer(cfg.d_model, c(attn), c(attn), c(ff), cfg.P_drop, cfg.norm_first), cfg.N_dec or cfg.N,
                 cfg.norm_first),
         nn.Sequential(Embeddings(cfg.d_model, src_vocab), *words, position(cfg.d_model, cfg.P_drop, cfg.max_len)),
         nn.Sequential(Embeddings(cfg.d_model, tgt_vocab), *c(words), position(cfg.d_model, cfg.P_drop, cfg.max_len)),
@@ -1324,7 +1325,7 @@ def _config_rules(c: "Config") -> list:
     return [
         ("precision", c.precision in PRECISIONS, f"must be one of {', '.join(PRECISIONS)}"),
         ("vocab", c.vocab in ("bpe", "words"), "must be bpe or words"),
-        ("N", c.N >= 1, "must be at least 1"),
+        ("N", c.N >= 1, "must be at least 1"), ("N_dec", c.N_dec >= 0, "must be 0 (as many as N) or more"),
         ("d_model", c.d_model >= 2 and c.d_model % 2 == 0, "must be even and at least 2 (§3.5: sine/cosine pairs)"),
         ("d_ff", c.d_ff >= 1, "must be at least 1"), ("h", c.h >= 1, "must be at least 1"),
         ("h", c.h >= 1 and c.d_model % c.h == 0, f"must divide d_model={c.d_model} (§3.2.2: d_k = d_model/h)"),
@@ -4137,7 +4138,8 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
     run = setup(cfg, data, device, rank, world, log)
     pos = resume(run)
     log(f"model: {count_parameters(run.model) / 1e6:.2f}M parameters "
-        f"(N={cfg.N}, d_model={cfg.d_model}, d_ff={cfg.d_ff}, h={cfg.h}, P_drop={cfg.P_drop})")
+        f"(N={cfg.N}{f', N_dec={cfg.N_dec}' if cfg.N_dec else ''}, d_model={cfg.d_model}, d_ff={cfg.d_ff}, "
+        f"h={cfg.h}, P_drop={cfg.P_drop})")
     remaining, plan = plan_run(cfg, data, world, pos.step, run.model)
     for line in plan:
         log(line)

@@ -665,3 +665,27 @@ def test_a_model_with_word_dropout_decodes_the_same_with_and_without_the_cache(p
         full = tat.greedy_decode(model, src, src_mask, 9, tat.BOS, tat.EOS, tat.PAD)
         cached = tat.greedy_decode_cached(model, src, src_mask, 9, tat.BOS, tat.EOS, tat.PAD)
     assert torch.equal(full, cached)
+
+
+def test_n_dec_sets_the_decoder_depth_alone_and_zero_means_n():
+    tiny = tat.MODEL_PRESETS["tiny"]
+    same = tat.make_model(11, 11, tiny)
+    assert len(same.encoder.layers) == len(same.decoder.layers) == tiny.N  # §3.1: N of each
+    shallow = tat.make_model(11, 11, tiny, N=3, N_dec=1)
+    assert (len(shallow.encoder.layers), len(shallow.decoder.layers)) == (3, 1)
+    with pytest.raises(ValueError, match="N_dec must be 0"):
+        tat.get_config("tiny", N_dec=-1)
+
+
+def test_a_model_with_a_shallower_decoder_decodes_the_same_with_and_without_the_cache():
+    torch.manual_seed(0)
+    model = tat.make_model(11, 11, tat.MODEL_PRESETS["tiny"], N=3, N_dec=1).eval()
+    src = torch.tensor([[0, 5, 6, 7, 8, 1], [0, 9, 4, 1, tat.PAD, tat.PAD]])
+    src_mask = tat.padding_mask(src, tat.PAD)
+    with torch.no_grad():
+        full = tat.greedy_decode(model, src, src_mask, 9, tat.BOS, tat.EOS, tat.PAD)
+        cached = tat.greedy_decode_cached(model, src, src_mask, 9, tat.BOS, tat.EOS, tat.PAD)
+        beams = [tat.beam_search(model, src, src_mask, 9, tat.BOS, tat.EOS, 3, 0.6, banned=[tat.PAD], cached=c)
+                 for c in (True, False)]
+    assert torch.equal(full, cached)
+    assert beams[0] == beams[1]
