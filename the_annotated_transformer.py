@@ -918,7 +918,8 @@ def resolve_attention(setting: str, device: Optional[torch.device] = None) -> tu
 # 1.4×. Its runs scored 40.6 BLEU on Multi30k and 6.3 on IWSLT14 against the presets' 41.8 and
 # 7.4 (IWSLT14 then with label smoothing 0.1); another seed with `nn.Dropout` scored 40.5 on Multi30k, so the gap is within what a seed
 # does; its faster steps spent on 37 epochs of `iwslt14-sample` instead of 30 gave 7.7 greedy BLEU on the
-# validation sentences against the preset's 8.0 (README). So `ModelConfig.fast_dropout` is off by default: set it and
+# first 1,000 validation sentences against the preset's 8.0 (README). So `ModelConfig.fast_dropout` is off by default, and
+# the presets' reported runs repeat exactly: set it and
 # `make_model` swaps `FastDropout` in for every `nn.Dropout` of the model. On a GPU it is
 # `nn.Dropout` anyway (PyTorch's fused kernel is faster there).
 
@@ -1083,7 +1084,8 @@ class WordDropout(nn.Module):
 
 
 # %% [markdown]
-# `make_model` assembles the stacks from the parts above. Parameters are initialised with
+# `make_model` assembles the stacks from the parts above: $N$ layers in each, as in §3.1 (`N_dec`, 0
+# by default, gives the decoder another depth; no preset uses it). Parameters are initialised with
 # Glorot/Xavier uniform, a choice the paper does not state (see the reproduction notes).
 # Weight sharing (§3.4) is done by making the modules hold *the same* `nn.Parameter`, so it is one
 # tensor, updated once per step.
@@ -3498,8 +3500,10 @@ def load_checkpoint(path: Path, cfg: Optional[Config] = None, src_vocab: Optiona
         raise UnreadableCheckpoint(f"{path} is damaged or hand-made: it lacks {', '.join(missing)}")
     if cfg is not None:
         saved = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | state["config"]  # older: defaults
-        diff = [f"{k}: checkpoint {saved[k]!r} vs now {getattr(cfg, k)!r}"
-                for k in weight_fields() if saved[k] != getattr(cfg, k)]
+        now = {k: getattr(cfg, k) for k in weight_fields()}
+        for c in (saved, now):
+            c["N_dec"] = c["N_dec"] or c["N"]  # the decoder's depth, whether written as 0 or as N
+        diff = [f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}" for k in weight_fields() if saved[k] != now[k]]
         if diff:
             raise CheckpointError(f"{path} was written for another model config ({'; '.join(diff)})")
     for side, vocab in (("src", src_vocab), ("tgt", tgt_vocab)):
@@ -4139,7 +4143,7 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
     run = setup(cfg, data, device, rank, world, log)
     pos = resume(run)
     log(f"model: {count_parameters(run.model) / 1e6:.2f}M parameters "
-        f"(N={cfg.N}{f', N_dec={cfg.N_dec}' if cfg.N_dec else ''}, d_model={cfg.d_model}, d_ff={cfg.d_ff}, "
+        f"(N={cfg.N}{f', N_dec={cfg.N_dec}' if cfg.N_dec not in (0, cfg.N) else ''}, d_model={cfg.d_model}, d_ff={cfg.d_ff}, "
         f"h={cfg.h}, P_drop={cfg.P_drop})")
     remaining, plan = plan_run(cfg, data, world, pos.step, run.model)
     for line in plan:
@@ -4654,8 +4658,9 @@ def attention_maps(model: EncoderDecoder, src, tgt) -> dict:
     r"""Attention weights of every layer and head, for the three uses of attention of §3.2.3.
 
     ``src`` (src_len,) source ids; ``tgt`` (tgt_len,) decoder input ids (starting with <s>).
-    Returns ``{"encoder": (N, h, src_len, src_len), "decoder_self": (N, h, tgt_len, tgt_len),
-    "decoder_src": (N, h, tgt_len, src_len)}``; each row is a softmax of Eq. 1 and sums to 1.
+    Returns ``{"encoder": (N, h, src_len, src_len), "decoder_self": (N_dec, h, tgt_len, tgt_len),
+    "decoder_src": (N_dec, h, tgt_len, src_len)}`` (N_dec: the decoder's layers, N unless set otherwise); each
+    row is a softmax of Eq. 1 and sums to 1.
     """
     model = unwrap(model)
     was_training = model.training
@@ -4680,7 +4685,7 @@ def attention_maps(model: EncoderDecoder, src, tgt) -> dict:
             a, (query, key, _value, mask) = modules[(kind, i)], inputs[(kind, i)]
             q, (k, v) = a.project_q(query), a.project_kv(key, key)  # (1, h, len, d_k) each
             layers.append(attention(q, k, v, per_head(mask))[1][0])  # the weights of Eq. 1: (h, len_q, len_k)
-        maps[kind] = torch.stack(layers)  # (N, h, len_q, len_k)
+        maps[kind] = torch.stack(layers)  # (layers of its stack, h, len_q, len_k)
     return maps
 
 

@@ -23,13 +23,14 @@ import torch
 
 
 def written_out(x: torch.Tensor) -> torch.Tensor:
-    r"""softmax over the last dimension, $e^{x - \max x} / \sum e^{x - \max x}$, in four tensor operations."""
+    r"""Eq. 1's softmax (§3.2.1) over the last dimension, $e^{x - \max x} / \sum e^{x - \max x}$, written out in
+    five tensor operations (max, subtract, exp, sum, divide)."""
     y = (x - x.amax(-1, keepdim=True)).exp_()
     return y.div_(y.sum(-1, keepdim=True))
 
 
 def written_out_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    r"""The softmax's backward, $y \odot (g - \sum g \odot y)$ over the last dimension."""
+    r"""The backward of Eq. 1's softmax (§3.2.1), $y \odot (g - \sum g \odot y)$ over the last dimension."""
     gy = grad * y
     return gy.sub_(y * gy.sum(-1, keepdim=True))
 

@@ -212,6 +212,18 @@ def test_checkpoint_for_another_d_model_is_refused(short_run):
         tat.load_checkpoint(tat.checkpoint_paths(run_dir)[-1], dataclasses.replace(cfg, d_model=64))
 
 
+def test_the_decoders_depth_is_checked_however_it_was_written(short_run):
+    cfg, _, run_dir, _ = short_run
+    last = tat.checkpoint_paths(run_dir)[-1]
+    assert cfg.N_dec == 0
+    tat.load_checkpoint(last, dataclasses.replace(cfg, N_dec=cfg.N))  # N_dec = N is the same model as 0
+    with pytest.raises(tat.CheckpointError, match=f"N: checkpoint {cfg.N} vs now {cfg.N + 1}") as refused:
+        tat.load_checkpoint(last, dataclasses.replace(cfg, N=cfg.N + 1, N_dec=cfg.N))  # only the encoder differs
+    assert "N_dec" not in str(refused.value)
+    with pytest.raises(tat.CheckpointError, match=f"N_dec: checkpoint {cfg.N} vs now {cfg.N + 1}"):
+        tat.load_checkpoint(last, dataclasses.replace(cfg, N_dec=cfg.N + 1))
+
+
 def test_checkpoint_for_another_vocabulary_is_refused(short_run):
     cfg, _, run_dir, _ = short_run
     other = tat.make_copy_data(cfg, vocab_size=12, sizes=(1, 1, 1)).src_vocab

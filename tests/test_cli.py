@@ -190,6 +190,12 @@ def test_command_line_overrides_the_preset():
     assert tat.config_from_args(["train", "--config", "copy", "--bf16", "auto"])[1].precision == "auto"
 
 
+def test_the_decoders_depth_is_an_option_in_both_spellings():
+    for flag in ("--N_dec", "--N-dec"):
+        assert tat.config_from_args(["train", "--config", "tiny", flag, "1"])[1].N_dec == 1
+    assert tat.config_from_args(["train", "--config", "tiny"])[1].N_dec == 0  # §3.1: as many as N
+
+
 def test_command_line_spellings_and_types():
     _, cfg = tat.config_from_args(["train", "--config", "tiny", "--max-steps", "3", "--betas", "0.8,0.9",
                                    "--run_dir", "somewhere", "--bf16", "off"])
