@@ -46,20 +46,23 @@ class _WrittenOutSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
+        """softmax(x) over the last dimension; keeps the result for the backward."""
         y = softmax_rows.written_out(x)
         ctx.save_for_backward(y)
         return y
 
     @staticmethod
     def backward(ctx, grad):
+        """y·(g − Σ g·y) over the last dimension."""
         (y,) = ctx.saved_tensors
         return softmax_rows.written_out_backward(grad, y)
 
 
 def short_row_softmax(scores: torch.Tensor) -> torch.Tensor:
-    """Eq. 1's softmax: written out for short rows on the CPU, in float32 as autocast computes a softmax."""
+    """Eq. 1's softmax: written out for short rows on the CPU. Like PyTorch's kernel it computes in float32
+    and returns the scores' dtype (bf16 under CPU autocast)."""
     if scores.device.type == "cpu" and scores.size(-1) < SHORT:
-        return _WrittenOutSoftmax.apply(scores.float())
+        return _WrittenOutSoftmax.apply(scores.float()).to(scores.dtype)
     return scores.softmax(dim=-1)
 
 
@@ -99,6 +102,9 @@ VARIANTS = {"readable/short-softmax": ("readable", ShortSoftmaxAttention),
 def build(kind: str, src_vocab: int, tgt_vocab: int, cfg: tat.Config) -> torch.nn.Module:
     """A row's model with random weights: ``bench.build_model``'s, with the attention class swapped for a variant."""
     name = kind.partition("/FastDropout")[0]
+    if name not in VARIANTS and name not in bench.MODEL_NAMES:
+        raise ValueError(f"unknown row {kind!r}: one of {', '.join([*VARIANTS, *bench.MODEL_NAMES])}, "
+                         "optionally followed by /FastDropout")
     base, cls = VARIANTS.get(name, (name, None))
     model = bench.build_model(base + ("/FastDropout" if kind.endswith("/FastDropout") else ""), src_vocab, tgt_vocab,
                               cfg)
@@ -139,11 +145,12 @@ def main(argv) -> int:
         for _ in range(args.rounds):
             for kind in rows:
                 model, opt = models[kind]
+                loss = bench.loss_of(kind)
                 for b in batches[:2]:  # warm-up
-                    bench.train_step(model, opt, b, cfg, bf16)
+                    bench.train_step(model, opt, b, cfg, bf16, loss=loss)
                 t0 = time.perf_counter()
                 for b in batches:
-                    bench.train_step(model, opt, b, cfg, bf16)
+                    bench.train_step(model, opt, b, cfg, bf16, loss=loss)
                 speeds[kind].append(tokens / (time.perf_counter() - t0))
         median = {kind: statistics.median(v) for kind, v in speeds.items()}
         print(f"\n{'bf16' if bf16 else 'float32'}\n\n| row | target tokens/s (median) | vs readable | vs nn.Transformer |")

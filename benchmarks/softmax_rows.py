@@ -7,7 +7,7 @@ Run from the repository root::
 Attention scores of a ``multi30k-small`` batch are (sentences, h, len_q, len_k) with len_k the
 longest sentence of the batch, often under 16 tokens. For each row length the script times
 ``torch.softmax`` over the last dimension and ``torch._softmax_backward_data`` (what autograd
-calls for it) against the same computation written out — max, exp, sum, divide; and
+calls for it) against the same computation written out — max, subtract, exp, sum, divide; and
 y·(g − Σ g·y) — on float32 tensors of about the same number of elements, and prints the
 milliseconds and the largest difference. The written-out version is not used by the model: it
 rounds differently, so runs would no longer repeat the reported ones bit for bit (README,

@@ -133,3 +133,38 @@ def test_softmax_rows_prints_one_row_of_sane_numbers_per_length():
     for row in rows:
         assert all(positive(float(ms)) for ms in row[2:6])
         assert 0 <= float(row[6]) <= 1e-6
+
+
+def test_attention_variants_build_the_rows_they_name_and_refuse_others(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import attention_variants as av
+    import the_annotated_transformer as tat
+
+    cfg = tat.get_config("tiny")
+    kinds = {"fused-projections": av.FusedProjectionsAttention, "readable/short-softmax": av.ShortSoftmaxAttention,
+             "readable": tat.MultiHeadedAttention, "fused-projections/FastDropout": av.FusedProjectionsAttention}
+    for kind, cls in kinds.items():
+        model = av.build(kind, 11, 11, cfg)
+        assert {type(m) for m in model.modules() if isinstance(m, tat.MultiHeadedAttention)} == {cls}
+        assert any(isinstance(m, tat.FastDropout) for m in model.modules()) == kind.endswith("/FastDropout")
+    with pytest.raises(ValueError, match="unknown row"):
+        av.build("readable/short_softmax", 11, 11, cfg)
+
+
+def test_attention_with_the_written_out_softmax_is_eq1_values_and_gradients(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import attention_variants as av
+    import the_annotated_transformer as tat
+    import torch
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 7, 8, requires_grad=True) for _ in range(3))  # (batch, h, len, d_k)
+    mask = torch.ones(2, 1, 7, 7, dtype=torch.bool)
+    mask[1, ..., 5:] = False  # padding keys
+    mask[1, :, 3, :] = False  # a row with nothing to attend to
+    ours = av.attention_short_softmax(q, k, v, mask)
+    eq1 = tat.attention(q, k, v, mask)[0]
+    torch.testing.assert_close(ours, eq1, rtol=0, atol=1e-6)
+    g = torch.randn_like(eq1)
+    for a, b in zip(torch.autograd.grad(ours, (q, k, v), g), torch.autograd.grad(eq1, (q, k, v), g)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
