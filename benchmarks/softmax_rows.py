@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
+from pathlib import Path
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+import bench  # noqa: E402
 
 
 def written_out(x: torch.Tensor) -> torch.Tensor:
@@ -36,15 +40,8 @@ def written_out_backward(grad: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def millis(fn, repeats: int) -> float:
-    """Median milliseconds of ``fn()`` over ``repeats`` calls, after five warm-up calls."""
-    for _ in range(5):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * 1e3
+    """Median milliseconds of ``fn()`` over ``repeats`` calls, after five warm-up calls (``bench.median_time``)."""
+    return bench.median_time(fn, 5, repeats) * 1e3
 
 
 def main(argv) -> int:
