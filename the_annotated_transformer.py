@@ -1046,6 +1046,11 @@ class ModelConfig:
         """d_k = d_v = d_model / h (§3.2.2)."""
         return self.d_model // self.h
 
+    @property
+    def decoder_layers(self) -> int:
+        """The decoder's depth: N, as in §3.1, unless ``N_dec`` sets another."""
+        return self.N_dec or self.N
+
 
 MODEL_PRESETS = MappingProxyType({
     "base": ModelConfig(),
@@ -1110,7 +1115,7 @@ def make_model(src_vocab: int, tgt_vocab: int, config: Optional[ModelConfig] = N
     c = copy.deepcopy
     model = EncoderDecoder(
         Encoder(EncoderLayer(cfg.d_model, c(attn), c(ff), cfg.P_drop, cfg.norm_first), cfg.N, cfg.norm_first),
-        Decoder(DecoderLayer(cfg.d_model, c(attn), c(attn), c(ff), cfg.P_drop, cfg.norm_first), cfg.N_dec or cfg.N,
+        Decoder(DecoderLayer(cfg.d_model, c(attn), c(attn), c(ff), cfg.P_drop, cfg.norm_first), cfg.decoder_layers,
                 cfg.norm_first),
         nn.Sequential(Embeddings(cfg.d_model, src_vocab), *words, position(cfg.d_model, cfg.P_drop, cfg.max_len)),
         nn.Sequential(Embeddings(cfg.d_model, tgt_vocab), *c(words), position(cfg.d_model, cfg.P_drop, cfg.max_len)),
@@ -2048,13 +2053,9 @@ class _LossSumOnePass(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, log_probs, target, eps_ls: float, pad: int):
-        lp = log_probs.float()  # (tokens, K) float32, as loss_sum; not kept for the backward
-        keep = target != pad  # (tokens,)
-        nll = -lp.gather(1, target.unsqueeze(1)).squeeze(1)  # (tokens,)
-        uniform = -lp.mean(dim=1)  # (tokens,)
-        ctx.save_for_backward(target, keep)
-        ctx.eps_ls, ctx.K, ctx.dtype = eps_ls, lp.size(1), log_probs.dtype
-        return (((1.0 - eps_ls) * nll + eps_ls * uniform) * keep).sum()
+        ctx.save_for_backward(target, target != pad)  # (tokens,) each; the log-probabilities are not kept
+        ctx.eps_ls, ctx.K, ctx.dtype = eps_ls, log_probs.size(1), log_probs.dtype
+        return loss_sum(log_probs, target, eps_ls, pad)  # the value is loss_sum's own
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -3502,8 +3503,7 @@ def load_checkpoint(path: Path, cfg: Optional[Config] = None, src_vocab: Optiona
     if cfg is not None:
         saved = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | state["config"]  # older: defaults
         now = {k: getattr(cfg, k) for k in weight_fields()}
-        for c in (saved, now):
-            c["N_dec"] = c["N_dec"] or c["N"]  # the decoder's depth, whether written as 0 or as N
+        saved["N_dec"], now["N_dec"] = saved["N_dec"] or saved["N"], cfg.decoder_layers  # 0 and N: one depth
         diff = [f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}" for k in weight_fields() if saved[k] != now[k]]
         if diff:
             raise CheckpointError(f"{path} was written for another model config ({'; '.join(diff)})")
@@ -4144,7 +4144,7 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
     run = setup(cfg, data, device, rank, world, log)
     pos = resume(run)
     log(f"model: {count_parameters(run.model) / 1e6:.2f}M parameters "
-        f"(N={cfg.N}{f', N_dec={cfg.N_dec}' if cfg.N_dec not in (0, cfg.N) else ''}, d_model={cfg.d_model}, d_ff={cfg.d_ff}, "
+        f"(N={cfg.N}{f', N_dec={cfg.N_dec}' if cfg.decoder_layers != cfg.N else ''}, d_model={cfg.d_model}, d_ff={cfg.d_ff}, "
         f"h={cfg.h}, P_drop={cfg.P_drop})")
     remaining, plan = plan_run(cfg, data, world, pos.step, run.model)
     for line in plan:

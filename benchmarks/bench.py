@@ -164,8 +164,8 @@ class TorchTransformer(nn.Module):
                         getattr(layer, name).dropout = cfg.attn_dropout
             encoder = nn.TransformerEncoder(enc_layer, cfg.N, norm=nn.LayerNorm(d) if cfg.norm_first else None,
                                             enable_nested_tensor=False)
-            decoder = nn.TransformerDecoder(dec_layer, cfg.N_dec or cfg.N, norm=nn.LayerNorm(d) if cfg.norm_first else None)
-            self.transformer = nn.Transformer(d, cfg.h, cfg.N, cfg.N_dec or cfg.N, cfg.d_ff, cfg.P_drop, batch_first=True,
+            decoder = nn.TransformerDecoder(dec_layer, cfg.decoder_layers, norm=nn.LayerNorm(d) if cfg.norm_first else None)
+            self.transformer = nn.Transformer(d, cfg.h, cfg.N, cfg.decoder_layers, cfg.d_ff, cfg.P_drop, batch_first=True,
                                               norm_first=cfg.norm_first, custom_encoder=encoder,
                                               custom_decoder=decoder)
         self.src_embed = nn.Sequential(tat.Embeddings(d, src_vocab), tat.PositionalEncoding(d, cfg.P_drop, cfg.max_len))
@@ -259,7 +259,7 @@ def matmul_flops(cfg: tat.Config, batch: int, src_len: int, tgt_len: int, vocab:
     dec_self = 4 * 2 * B * T * d * d + 2 * 2 * B * T * T * d
     dec_cross = 2 * 2 * B * T * d * d + 2 * 2 * B * S * d * d + 2 * 2 * B * T * S * d
     dec = dec_self + dec_cross + 2 * 2 * B * T * d * ff
-    return cfg.N * enc + (cfg.N_dec or cfg.N) * dec + 2 * B * T * d * vocab
+    return cfg.N * enc + cfg.decoder_layers * dec + 2 * B * T * d * vocab
 
 
 def bench_training(data: tat.Dataset, cfg: tat.Config, st: Settings, bf16_native: bool, log: Callable) -> dict:
