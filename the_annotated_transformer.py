@@ -2923,13 +2923,14 @@ def locate_dataset(name: str, cfg: Config, url_base: Optional[str] = None) -> Da
 def locate_test_split(name: str, split: str, cfg: Config, url_base: Optional[str] = None) -> tuple[Path, Path]:
     """(source file, target file) of a test split of data set ``name``: mirror, then data folder, then download.
 
-    ``split`` is ``"test"`` (the one training scores) or one of the record's ``extra_tests``.
+    ``split`` is ``"test"`` (the one training scores), ``"valid"`` (the one it validates on) or one of the
+    record's ``extra_tests``.
     """
     corpus = CORPORA[name]
-    if split == "test":
-        return locate_dataset(name, cfg, url_base=url_base).files["test"]
+    if split in ("test", "valid"):
+        return locate_dataset(name, cfg, url_base=url_base).files[split]
     if split not in corpus.extra_tests:
-        raise DataError(f"{name} has no split {split!r} here (known: {', '.join(['test', *corpus.extra_tests])}); "
+        raise DataError(f"{name} has no split {split!r} here (known: {', '.join(['test', 'valid', *corpus.extra_tests])}); "
                         "give --src and --ref")
     names = corpus.extra_tests[split]
     mirror = cfg.data_mirror or os.environ.get("DATA_MIRROR", "")
@@ -4305,7 +4306,13 @@ def encode_sources(lines: Sequence[str], dataset: str, src_vocab: Vocab,
 
 # %%
 def evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
-    """(source lines, reference lines) for ``evaluate`` (§6.1): ``--src``/``--ref``, or a test split."""
+    """(source lines, reference lines) for ``evaluate`` (§6.1): ``--src``/``--ref``, or a split; the first ``--first``."""
+    src, ref = _all_evaluation_pairs(args, cfg)
+    return (src[: args.first], ref[: args.first]) if args.first else (src, ref)
+
+
+def _all_evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
+    """Every (source line, reference line) that ``evaluate`` was pointed at."""
     if (args.src is None) != (args.ref is None):
         raise DataError("give both --src and --ref, or neither (to score the test split)")
     if args.src is not None:
@@ -4329,7 +4336,8 @@ def evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
 # %% [markdown]
 # The two commands. `translate` reads sentences from its arguments, from a file
 # (`--input`), or from standard input, and prints one translation per line; `evaluate`
-# scores a pair of parallel files (`--src`, `--ref`; by default the data set's test split)
+# scores a pair of parallel files (`--src`, `--ref`; by default the data set's test split,
+# `--split valid` its validation split, `--first N` only the first N pairs)
 # and prints sacreBLEU's score and signature line. Both decode with beam size 4 and
 # $\alpha = 0.6$ (§6.1) unless told otherwise (`--beam 1` is greedy). Their options are
 # checked as they are parsed: a beam of at least 1, a finite $\alpha \ge 0$ (beam search's
@@ -4386,7 +4394,9 @@ def inference_parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--src", type=Path, help="source sentences, one per line (default: test split)")
         parser.add_argument("--ref", type=Path, help="references, aligned with --src")
         parser.add_argument("--split", default="test",
-                            help="without --src/--ref: test, or for Multi30k test_2017_flickr / test_2018_flickr")
+                            help="without --src/--ref: test, valid, or for Multi30k test_2017_flickr / test_2018_flickr")
+        parser.add_argument("--first", type=_whole_number(1), default=0,
+                            help="score only the first N pairs (default: all)")
         parser.add_argument("--data_mirror", "--data-mirror", default=None, help="folder holding the data sets")
     return parser
 

@@ -5,11 +5,15 @@ Run from the repository root (needs the Multi30k data; set ``DATA_MIRROR`` when 
     python benchmarks/profile_step.py                 # multi30k-small, both paths, float32 and bf16
     python benchmarks/profile_step.py --steps 4 --top 12
     python benchmarks/profile_step.py --paths readable --loss autograd,one-pass,fused   # the three losses
+    python benchmarks/profile_step.py --paths fast/nn.Dropout --loss autograd --adam per-tensor   # the preset before
 
 For each (attention path, precision) it times ``--steps`` full training steps (forward,
 label-smoothed loss, backward, clipping, fused Adam) on the same length-bucketed Multi30k batches
 after two warm-up steps, prints the target tokens/s, then profiles the same steps and prints
-the operators with the most self CPU time. bf16 rows appear only where the CPU computes
+the operators with the most self CPU time. A path is one of ``bench.build_model``'s kinds
+(``fast``, ``readable``, with ``/nn.Dropout`` or ``/FastDropout`` after it for those dropouts);
+``--adam per-tensor`` steps Adam one parameter at a time (``torch.optim.Adam``'s default on a
+CPU, what training used before the fused kernel) instead of the fused kernel training uses. bf16 rows appear only where the CPU computes
 bf16 natively (see ``native_bf16`` in the module).
 """
 from __future__ import annotations
@@ -30,6 +34,15 @@ import bench  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
 
 
+def make_optimizer(model: torch.nn.Module, cfg: tat.Config, adam: str) -> torch.optim.Optimizer:
+    """Adam as the bench makes it (``"fused"``), or one parameter at a time (``"per-tensor"``: neither the
+    fused kernel nor the foreach one, as ``torch.optim.Adam`` chooses by default for CPU tensors)."""
+    if adam == "fused":
+        return bench.make_adam(model, cfg)
+    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=tuple(cfg.betas), eps=cfg.adam_eps,
+                            foreach=False, fused=False)
+
+
 def main(argv) -> int:
     """Profile training steps of ``--config`` for each attention path and precision."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -41,6 +54,7 @@ def main(argv) -> int:
     parser.add_argument("--loss", default="one-pass",
                         help="one-pass (loss_sum_one_pass, what the presets train with), autograd (loss_sum, the "
                              "same numbers with autograd's backward), fused (Config.fused_loss); several: a,b")
+    parser.add_argument("--adam", choices=("fused", "per-tensor"), default="fused")
     args = parser.parse_args(argv)
     unknown = set(args.loss.split(",")) - {"one-pass", "autograd", "fused"}
     if unknown:
@@ -57,7 +71,7 @@ def main(argv) -> int:
             for loss in args.loss.split(","):
                 torch.manual_seed(1)
                 model = bench.build_model(path, len(data.src_vocab), len(data.tgt_vocab), cfg).train()
-                opt = bench.make_adam(model, cfg)
+                opt = make_optimizer(model, cfg, args.adam)
                 for b in batches[:2]:
                     bench.train_step(model, opt, b, cfg, bf16, loss=loss)
                 t0 = time.perf_counter()
@@ -67,7 +81,7 @@ def main(argv) -> int:
                 with profile(activities=[ProfilerActivity.CPU], record_shapes=args.by_shape) as prof:
                     for b in batches:
                         bench.train_step(model, opt, b, cfg, bf16, loss=loss)
-                print(f"\n### {path} path, {'bf16' if bf16 else 'float32'}, {loss} loss: "
+                print(f"\n### {path} path, {'bf16' if bf16 else 'float32'}, {loss} loss, {args.adam} Adam: "
                       f"{tokens / dt:,.0f} target tokens/s")
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
                 if args.by_shape:

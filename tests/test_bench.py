@@ -168,3 +168,30 @@ def test_attention_with_the_written_out_softmax_is_eq1_values_and_gradients(monk
     g = torch.randn_like(eq1)
     for a, b in zip(torch.autograd.grad(ours, (q, k, v), g), torch.autograd.grad(eq1, (q, k, v), g)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+def test_profile_step_profiles_the_preset_as_it_was(tmp_path):
+    mirror = Path(os.environ.get("DATA_MIRROR") or ROOT.parent / "shared" / "data")
+    if not (mirror / "multi30k").is_dir():
+        pytest.skip("profile_step.py needs the Multi30k data")
+    env = {**os.environ, "DATA_MIRROR": str(mirror), "ANNOTATED_TRANSFORMER_DATA": str(tmp_path)}
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--config", "tiny",
+                             "--steps", "1", "--top", "3", "--paths", "fast/nn.Dropout", "--loss", "autograd",
+                             "--adam", "per-tensor"], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    headers = [line for line in result.stdout.splitlines() if line.startswith("### ")]
+    assert headers and headers[0].startswith("### fast/nn.Dropout path, float32, autograd loss, per-tensor Adam: ")
+    assert "aten::" in result.stdout
+
+
+def test_profile_steps_per_tensor_adam_is_neither_fused_nor_foreach(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import profile_step
+    import the_annotated_transformer as tat
+    import torch
+
+    cfg = tat.get_config("tiny")
+    model = torch.nn.Linear(3, 2)
+    per_tensor = profile_step.make_optimizer(model, cfg, "per-tensor")
+    assert per_tensor.defaults["foreach"] is False and per_tensor.defaults["fused"] is False
+    assert profile_step.make_optimizer(model, cfg, "fused").defaults["fused"] is True

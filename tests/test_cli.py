@@ -170,6 +170,22 @@ def test_evaluate_defaults_to_the_test_split_and_fails_clearly(copy_run, tmp_pat
     assert bad.returncode == 2 and "misaligned" in bad.stderr
 
 
+def test_evaluate_first_scores_only_the_first_pairs(copy_run, tmp_path):
+    src = ["1 2 3 4", "5 6 7 8 9", "10 1", "3 3 2 7 9 1"]
+    (tmp_path / "src.txt").write_text("\n".join(src) + "\n")
+    (tmp_path / "ref.txt").write_text("\n".join(src) + "\n")
+    files = ["--src", str(tmp_path / "src.txt"), "--ref", str(tmp_path / "ref.txt")]
+    first = run(["evaluate", "--run_dir", str(copy_run), "--beam", "1", "--first", "2", *files], tmp_path)
+    assert first.returncode == 0, first.stderr
+    assert "ref_len = 9" in first.stdout  # 4 + 5 words: the first two references, not all four (15)
+    (tmp_path / "two.txt").write_text("\n".join(src[:2]) + "\n")
+    same = run(["evaluate", "--run_dir", str(copy_run), "--beam", "1",
+                "--src", str(tmp_path / "two.txt"), "--ref", str(tmp_path / "two.txt")], tmp_path)
+    assert same.stdout == first.stdout  # the same as scoring a file of those two pairs
+    zero = run(["evaluate", "--run_dir", str(copy_run), "--first", "0", *files], tmp_path)
+    assert zero.returncode == 2 and "--first" in zero.stderr and "Traceback" not in zero.stderr
+
+
 def test_training_reports_greedy_and_beam_bleu(copy_run):
     results = json.loads((copy_run / "results.json").read_text())
     assert results["beam_size"] == 4 and results["length_penalty_alpha"] == 0.6

@@ -648,12 +648,19 @@ def test_multi30k_extra_test_sets_are_found_or_downloaded_without_a_pin(tmp_path
     cfg_m = dataclasses.replace(cfg, data_mirror=str(tmp_path / "mirror"))
     de, en = tat.locate_test_split("multi30k", "test_2018_flickr", cfg_m, url_base=(tmp_path / "nowhere").as_uri() + "/")
     assert de.parent == mirror and tat.read_lines(de) == ["mirror"]
-    with pytest.raises(DataError, match="has no split 'test_2099'"):
+    with pytest.raises(DataError, match="has no split 'test_2099' here \\(known: test, valid, test_2017"):
         tat.locate_test_split("multi30k", "test_2099", cfg)
     with pytest.raises(DataError, match="downloading is off"):
         tat.locate_test_split("multi30k", "test_2018_flickr", dataclasses.replace(cfg, download=False))
     with pytest.raises(DataError, match="could not download"):
         tat.locate_test_split("multi30k", "test_2018_flickr", cfg, url_base=(tmp_path / "nowhere").as_uri() + "/")
+
+
+def test_evaluate_finds_the_validation_split_where_training_does(mirror, tmp_path):
+    for name in ("multi30k", "iwslt14"):
+        cfg = tat.get_config("tiny", dataset=name, data_mirror=str(mirror), data_dir=str(tmp_path), download=False)
+        assert tat.locate_test_split(name, "valid", cfg) == tat.locate_dataset(name, cfg).files["valid"]
+        assert tat.locate_test_split(name, "valid", cfg)[0].parent == mirror / name
 
 
 # --------------------------------------------------------------------------------------
