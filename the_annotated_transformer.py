@@ -4300,9 +4300,11 @@ def encode_sources(lines: Sequence[str], dataset: str, src_vocab: Vocab,
 
 
 # %% [markdown]
-# What `evaluate` scores: two aligned files given on the command line, or a test split of
-# the checkpoint's data set — the copy task's is regenerated from its seed; for Multi30k it
-# can also be the 2017 or 2018 test set.
+# What `evaluate` scores: two aligned files given on the command line, or the test or
+# validation split of the checkpoint's data set — the copy task's are regenerated from its
+# seed; for Multi30k it can also be the 2017 or 2018 test set. `--split valid` is the whole
+# split: a run trained with `train_on_valid_rest` learnt from the pairs after its first
+# `max_valid_sentences`, so score such a run's held-out part with `--first`.
 
 # %%
 def evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
@@ -4323,10 +4325,12 @@ def _all_evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
             raise DataError(f"nothing to score: {args.src} and {args.ref} hold no lines")
         return src, ref
     if CORPORA[cfg.dataset].synthetic:
-        if args.split != "test":
-            raise DataError(f"the {cfg.dataset} task has no split {args.split!r}")
+        if args.split not in ("test", "valid"):
+            raise DataError(f"the {cfg.dataset} task has no split {args.split!r} (known: test, valid)")
         data = make_copy_data(cfg)
-        return [" ".join(data.src_vocab.lookup_tokens(s[1:-1])) for s, _ in data.splits["test"]], data.test_refs
+        pairs = data.splits[args.split]
+        return ([" ".join(data.src_vocab.lookup_tokens(s[1:-1])) for s, _ in pairs],
+                [" ".join(data.tgt_vocab.lookup_tokens(t[1:-1])) for _, t in pairs])
     if args.data_mirror is not None:
         cfg = dataclasses.replace(cfg, data_mirror=args.data_mirror)
     pairs, _ = read_parallel(*locate_test_split(cfg.dataset, args.split, cfg))

@@ -170,6 +170,16 @@ def test_evaluate_defaults_to_the_test_split_and_fails_clearly(copy_run, tmp_pat
     assert bad.returncode == 2 and "misaligned" in bad.stderr
 
 
+def test_evaluate_scores_the_validation_split_too(copy_run, tmp_path):
+    valid = run(["evaluate", "--run_dir", str(copy_run), "--beam", "1", "--split", "valid"], tmp_path)
+    assert valid.returncode == 0, valid.stderr
+    assert "ref_len = 1600" in valid.stdout  # the copy task's 160 validation sentences of 10 symbols, not its 100 test ones
+    first = run(["evaluate", "--run_dir", str(copy_run), "--beam", "1", "--split", "valid", "--first", "3"], tmp_path)
+    assert "ref_len = 30" in first.stdout
+    other = run(["evaluate", "--run_dir", str(copy_run), "--split", "test_2017_flickr"], tmp_path)
+    assert other.returncode == 2 and "no split 'test_2017_flickr' (known: test, valid)" in other.stderr
+
+
 def test_evaluate_first_scores_only_the_first_pairs(copy_run, tmp_path):
     src = ["1 2 3 4", "5 6 7 8 9", "10 1", "3 3 2 7 9 1"]
     (tmp_path / "src.txt").write_text("\n".join(src) + "\n")
