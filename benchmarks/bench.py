@@ -216,9 +216,11 @@ MODEL_NAMES = MappingProxyType({"fast": "ours, fast path", "readable": "ours, re
                                 "readable+compile": "ours, readable path, compiled"})
 
 
-def make_adam(model: nn.Module, cfg: tat.Config) -> torch.optim.Optimizer:
-    """The optimizer every row uses: Adam with the preset's betas and eps, fused as in ``tat.make_optimizer``."""
-    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=tuple(cfg.betas), eps=cfg.adam_eps, fused=True)
+def make_adam(model: nn.Module, cfg: tat.Config, fused: bool = True) -> torch.optim.Optimizer:
+    """The optimizer every row uses: Adam with the preset's betas and eps, fused as in ``tat.make_optimizer``;
+    ``fused=False``: one parameter at a time (neither the fused kernel nor the foreach one), as training was before."""
+    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=tuple(cfg.betas), eps=cfg.adam_eps, fused=fused,
+                            foreach=None if fused else False)
 
 
 # --------------------------------------------------------------------------- 1. training

@@ -34,15 +34,6 @@ import bench  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
 
 
-def make_optimizer(model: torch.nn.Module, cfg: tat.Config, adam: str) -> torch.optim.Optimizer:
-    """Adam as the bench makes it (``"fused"``), or one parameter at a time (``"per-tensor"``: neither the
-    fused kernel nor the foreach one, as ``torch.optim.Adam`` chooses by default for CPU tensors)."""
-    if adam == "fused":
-        return bench.make_adam(model, cfg)
-    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=tuple(cfg.betas), eps=cfg.adam_eps,
-                            foreach=False, fused=False)
-
-
 def main(argv) -> int:
     """Profile training steps of ``--config`` for each attention path and precision."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -71,7 +62,7 @@ def main(argv) -> int:
             for loss in args.loss.split(","):
                 torch.manual_seed(1)
                 model = bench.build_model(path, len(data.src_vocab), len(data.tgt_vocab), cfg).train()
-                opt = make_optimizer(model, cfg, args.adam)
+                opt = bench.make_adam(model, cfg, fused=args.adam == "fused")
                 for b in batches[:2]:
                     bench.train_step(model, opt, b, cfg, bf16, loss=loss)
                 t0 = time.perf_counter()

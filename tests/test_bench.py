@@ -184,14 +184,14 @@ def test_profile_step_profiles_the_preset_as_it_was(tmp_path):
     assert "aten::" in result.stdout
 
 
-def test_profile_steps_per_tensor_adam_is_neither_fused_nor_foreach(monkeypatch):
+def test_the_bench_adam_per_tensor_is_neither_fused_nor_foreach(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import profile_step
+    import bench
     import the_annotated_transformer as tat
     import torch
 
     cfg = tat.get_config("tiny")
     model = torch.nn.Linear(3, 2)
-    per_tensor = profile_step.make_optimizer(model, cfg, "per-tensor")
+    per_tensor = bench.make_adam(model, cfg, fused=False)
     assert per_tensor.defaults["foreach"] is False and per_tensor.defaults["fused"] is False
-    assert profile_step.make_optimizer(model, cfg, "fused").defaults["fused"] is True
+    assert bench.make_adam(model, cfg).defaults["fused"] is True
