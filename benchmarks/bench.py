@@ -61,8 +61,8 @@ class Settings:
     mode: str
     model_overrides: tuple = ()  # (field, value) pairs applied to the multi30k-small preset
     train_batches: int = 4  # batches per timed pass
-    train_warmup: int = 2  # untimed training steps per model before timing
-    train_repeats: int = 3  # timed passes per model (the median is reported)
+    train_warmup_passes: int = 1  # untimed passes over every batch per model before timing
+    train_repeats: int = 7  # timed passes per model (the median is reported)
     batch_tokens: int = 0  # 0 = the preset's batch_tokens
     peak_size: int = 2048  # n of the n×n×n matmul used to measure the peak
     peak_repeats: int = 5
@@ -81,12 +81,12 @@ class Settings:
 
 MODES = MappingProxyType({
     "full": Settings("full"),
-    "quick": Settings("quick", compiled=False, train_batches=1, train_warmup=1, train_repeats=2, batch_tokens=1000, peak_size=1024,
+    "quick": Settings("quick", compiled=False, train_batches=1, train_warmup_passes=1, train_repeats=2, batch_tokens=1000, peak_size=1024,
                       peak_repeats=3, decode_sentences=16, single_sentences=4, beam_full_sentences=4,
                       decode_extra=20, scaling_lengths=(16, 64, 256), scaling_d_models=(256,), scaling_repeats=3,
                       scaling_warmup=1),
     "smoke": Settings("smoke", compiled=False, model_overrides=(("N", 1), ("d_model", 32), ("d_ff", 64), ("h", 4)),
-                      train_batches=2, train_warmup=1, train_repeats=2, batch_tokens=300, peak_size=256,
+                      train_batches=2, train_warmup_passes=1, train_repeats=2, batch_tokens=300, peak_size=256,
                       peak_repeats=2, decode_sentences=12, single_sentences=6, beam_full_sentences=4,
                       decode_extra=5, decode_batch=4, scaling_lengths=(16, 32), scaling_d_models=(32,),
                       scaling_batch=4, scaling_repeats=2, scaling_warmup=1),
@@ -119,11 +119,26 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
+def cpu_id() -> str:
+    """CPU family, model and stepping from /proc/cpuinfo ("" elsewhere): CPUs sold under one name differ."""
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("cpu family", "model", "stepping") and key not in fields:
+                fields[key] = value.strip()
+    except OSError:
+        return ""
+    return ", ".join(f"{k} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields)
+
+
 def machine_info() -> dict:
     """What the numbers were measured on: CPU, cores, threads, torch, bf16 support, load."""
     bf16, why = tat.native_bf16(torch.device("cpu"))
     return {
         "cpu": cpu_name(),
+        "cpu_id": cpu_id(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -214,6 +229,8 @@ MODEL_NAMES = MappingProxyType({"fast": "ours, fast path", "readable": "ours, re
                                                           "(before loss_sum_one_pass)",
                                 "torch": "torch.nn.Transformer", "fast+compile": "ours, fast path, compiled",
                                 "readable+compile": "ours, readable path, compiled"})
+# the rows ``attention`` chooses among (the preset's choices); the others change one more thing each
+PATH_KINDS = ("fast", "readable", "fast+compile", "readable+compile")
 
 
 def make_adam(model: nn.Module, cfg: tat.Config, fused: bool = True) -> torch.optim.Optimizer:
@@ -294,8 +311,9 @@ def bench_training(data: tat.Dataset, cfg: tat.Config, st: Settings, bf16_native
                                loss=loss_of(kind))
                 compile_s[(kind, prec)] = time.perf_counter() - t0
                 model = compiled
-            for i in range(st.train_warmup):
-                train_step(model, optimizer, batches[i % len(batches)], cfg, prec == "bf16", loss=loss_of(kind))
+            for _ in range(st.train_warmup_passes):  # every batch once: each shape's first step allocates
+                for b in batches:
+                    train_step(model, optimizer, b, cfg, prec == "bf16", loss=loss_of(kind))
             runs[(kind, prec)] = (model, optimizer, [])
     for r in range(st.train_repeats):
         log(f"training: repeat {r + 1}/{st.train_repeats}")
@@ -317,13 +335,31 @@ def bench_training(data: tat.Dataset, cfg: tat.Config, st: Settings, bf16_native
                      for kind in kinds if kind != "torch"
                      for suffix, key in (("", "tokens_per_s"), ("_best", "best_tokens_per_s"))}
               for prec in precisions}
-    fastest = {prec: max((r for r in results if r["precision"] == prec), key=lambda r: r["tokens_per_s"])["model"]
-               for prec in precisions}
-    return {"preset_path": preset_path, "fastest": fastest, "batches": len(batches),
+    for prec in precisions:
+        for kind in kinds:
+            if kind != "torch":
+                ratios[prec][f"{kind}_vs_torch_paired"] = paired(runs[("torch", prec)][2], runs[(kind, prec)][2])
+    fastest, fastest_path, preset_vs = {}, {}, {}
+    for prec in precisions:
+        rows = [r for r in results if r["precision"] == prec]
+        fastest[prec] = max(rows, key=lambda r: r["tokens_per_s"])["model"]
+        fastest_path[prec] = max((r for r in rows if r["model"] in PATH_KINDS), key=lambda r: r["tokens_per_s"])["model"]
+        preset_vs[prec] = {name: paired(runs[(kind, prec)][2], runs[(preset_path, prec)][2])
+                           for name, kind in (("fastest", fastest[prec]), ("fastest_path", fastest_path[prec]))}
+    return {"preset_path": preset_path, "fastest": fastest, "fastest_path": fastest_path,
+            "preset_vs_fastest": preset_vs, "batches": len(batches),
             "target_tokens_per_pass": tokens, "sentences_per_pass":
             sum(b.src.size(0) for b in batches), "batch_tokens": st.batch_tokens or cfg.batch_tokens,
-            "matmul_flops_per_pass": flops, "warmup_steps": st.train_warmup, "repeats": st.train_repeats,
+            "matmul_flops_per_pass": flops, "warmup_passes": st.train_warmup_passes, "repeats": st.train_repeats,
             "precisions": precisions, "results": results, "ratios": ratios}
+
+
+def paired(reference_times: Sequence[float], times: Sequence[float]) -> dict:
+    """Throughput of one row over a reference row, pass by pass: the passes of one repeat ran back to back,
+    so each pair saw the same machine. Returns the first quartile, median and third quartile of the ratios."""
+    ratios = [ref / t for ref, t in zip(reference_times, times)]
+    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    return {"q1": q1, "median": median, "q3": q3, "passes": len(ratios)}
 
 
 # --------------------------------------------------------------------------- 2. FLOP rate
@@ -595,7 +631,8 @@ def plot(report: dict, path: Path) -> Path:
         ax.set_ylabel("ms per forward+backward")
         ax.set_title(f"one sub-layer, d_model={d}, batch {report['scaling']['batch']}")
         ax.legend()
-    fig.suptitle(f"{report['machine']['cpu']}, {report['machine']['cores']} cores, torch {report['machine']['torch']}",
+    cpu = report["machine"]["cpu"] + (f" ({report['machine']['cpu_id']})" if report["machine"].get("cpu_id") else "")
+    fig.suptitle(f"{cpu}, {report['machine']['cores']} cores, torch {report['machine']['torch']}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -608,10 +645,16 @@ def fmt(x: Optional[float], spec: str = ",.0f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def quartiles(p: dict) -> str:
+    """A paired ratio as "median× (q1–q3)"."""
+    return f"{p['median']:.2f}× ({p['q1']:.2f}–{p['q3']:.2f})"
+
+
 def table(report: dict) -> str:
     """The Markdown table printed at the end of a run."""
     m, tr, fl, pad, dec = (report[k] for k in ("machine", "training", "flops", "padding", "decoding"))
-    lines = [f"Machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), torch {m['torch']}, "
+    cpu = f"{m['cpu']} ({m['cpu_id']})" if m.get("cpu_id") else m["cpu"]
+    lines = [f"Machine: {cpu}, {m['cores']} cores ({m['torch_threads']} torch threads), torch {m['torch']}, "
              f"bf16 native: {'yes' if m['bf16_native'] else 'no'} ({m['bf16_reason']})",
              f"Command: {report['command']}",
              f"Model: {report['model']}; load average at start/end: "
@@ -619,7 +662,8 @@ def table(report: dict) -> str:
              f"{format(m['load_average_end'][0], '.1f') if m.get('load_average_end') else 'n/a'}", "",
              f"Training batches: the first {tr['batches']} length-bucketed {report['dataset']} training batches "
              f"(≤ {tr['batch_tokens']} tokens per side, {tr['target_tokens_per_pass']:,} target tokens); "
-             f"{tr['warmup_steps']} warm-up steps, median of {tr['repeats']} passes.", "",
+             f"{tr['warmup_passes']} warm-up pass{'es' if tr['warmup_passes'] > 1 else ''} over them, median of {tr['repeats']} passes; "
+             "pass-by-pass ratios are median (first–third quartile) of the ratios of passes made back to back.", "",
              "| measurement | value | goal |", "|---|---|---|"]
     for r in tr["results"]:
         mark = " (the preset's choice)" if r.get("preset_choice") else ""
@@ -629,15 +673,23 @@ def table(report: dict) -> str:
     ratio_goals = {"float32": "≥ 1.1×", "bf16": "≥ 1.5×"}
     for prec, ratio in tr["ratios"].items():
         for key in ratio:
-            if key.endswith("_best"):
+            if key.endswith(("_best", "_paired")):
                 continue
             kind = key[: -len("_vs_torch")]
             goal = ratio_goals[prec] if kind == tr["preset_path"] else ""
             lines.append(f"| training, {MODEL_NAMES[kind]} / nn.Transformer, {prec} | {ratio[key]:.2f}× "
-                         f"(best passes: {ratio[key + '_best']:.2f}×) | {goal} |")
-    for prec, kind in tr["fastest"].items():
-        lines.append(f"| fastest training row, {prec} | {MODEL_NAMES[kind]} | the preset's choice "
-                     f"({MODEL_NAMES[tr['preset_path']]}) |")
+                         f"(pass by pass: {quartiles(ratio[key + '_paired'])}; best passes: "
+                         f"{ratio[key + '_best']:.2f}×) | {goal} |")
+    for prec in tr["precisions"]:
+        for which, label in (("fastest_path", "fastest attention-path row (the rows `attention` and `compile` "
+                                               "choose among)"), ("fastest", "fastest training row")):
+            kind = tr[which][prec]
+            vs = tr["preset_vs_fastest"][prec][which]
+            preset = MODEL_NAMES[tr["preset_path"]]
+            where = ("the preset's choice itself" if kind == tr["preset_path"] else
+                     f"the preset's choice ({preset}) runs at {quartiles(vs)} of its throughput"
+                     + (", within the noise" if vs["q1"] <= 1 <= vs["q3"] else ""))
+            lines.append(f"| {label}, {prec} | {MODEL_NAMES[kind]}: {where} | the preset's choice |")
     for prec, peak in fl["peak_flops_per_s"].items():
         lines.append(f"| matmul peak, {prec} ({fl['peak_matmul_size']}³ torch.matmul) | {peak / 1e9:,.1f} GFLOP/s | |")
     for r in fl["results"]:

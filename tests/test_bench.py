@@ -5,6 +5,7 @@ No timing is asserted (CI machines vary); only that the benchmark runs and repor
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -61,9 +62,32 @@ def test_training_rows_cover_every_model_and_the_native_precisions(report):
         assert positive(tr["ratios"][prec]["fast_vs_torch"]) and positive(tr["ratios"][prec]["fast_vs_torch_best"])
         fastest = max((r for r in tr["results"] if r["precision"] == prec), key=lambda r: r["tokens_per_s"])
         assert tr["fastest"][prec] == fastest["model"]
+        # the fastest of the rows `attention` (and `compile`, off here) choose among
+        paths = [r for r in tr["results"] if r["precision"] == prec and r["model"] in ("fast", "readable")]
+        assert tr["fastest_path"][prec] == max(paths, key=lambda r: r["tokens_per_s"])["model"]
     # the row of the path the preset would train with on this machine is marked
     assert tr["preset_path"] in ("fast", "readable")
     assert {r["model"] for r in tr["results"] if r["preset_choice"]} == {tr["preset_path"]}
+
+
+def test_pass_by_pass_ratios_pair_passes_of_the_same_repeat(report):
+    tr = report["json"]["training"]
+    times = {(r["model"], r["precision"]): r["pass_times_s"] for r in tr["results"]}
+    for prec in tr["precisions"]:
+        for kind in ("fast", "readable", "readable/FastDropout"):
+            p = tr["ratios"][prec][f"{kind}_vs_torch_paired"]
+            per_pass = sorted(t / o for t, o in zip(times[("torch", prec)], times[(kind, prec)]))
+            assert p["passes"] == tr["repeats"] == len(per_pass)
+            assert p["q1"] <= p["median"] <= p["q3"]
+            assert per_pass[0] <= p["q1"] and p["q3"] <= per_pass[-1]
+            assert p["median"] == pytest.approx(statistics.median(per_pass))
+        for which in ("fastest", "fastest_path"):
+            p = tr["preset_vs_fastest"][prec][which]
+            if tr[which][prec] == tr["preset_path"]:
+                assert p["q1"] == p["median"] == p["q3"] == 1.0
+            else:  # the preset's row against a faster one, pass by pass
+                fast, preset = times[(tr[which][prec], prec)], times[(tr["preset_path"], prec)]
+                assert p["median"] == pytest.approx(statistics.median(f / t for f, t in zip(fast, preset)))
 
 
 def test_flop_shares_are_positive_and_use_the_measured_peaks(report):
