@@ -355,10 +355,14 @@ def bench_training(data: tat.Dataset, cfg: tat.Config, st: Settings, bf16_native
 
 
 def paired(reference_times: Sequence[float], times: Sequence[float]) -> dict:
-    """Throughput of one row over a reference row, pass by pass: the passes of one repeat ran back to back,
-    so each pair saw the same machine. Returns the first quartile, median and third quartile of the ratios."""
+    """Throughput of one row over a reference row, pass by pass: the passes of one repeat ran within the same
+    minute, so a slow phase of the machine hits both. Returns the first quartile, median and third quartile
+    of the ratios (the smallest and largest below four passes, where quartiles would only interpolate)."""
     ratios = [ref / t for ref, t in zip(reference_times, times)]
-    q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+    if len(ratios) < 4:
+        q1, median, q3 = min(ratios), statistics.median(ratios), max(ratios)
+    else:
+        q1, median, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
     return {"q1": q1, "median": median, "q3": q3, "passes": len(ratios)}
 
 
@@ -668,8 +672,8 @@ def table(report: dict) -> str:
              f"{format(m['load_average_end'][0], '.1f') if m.get('load_average_end') else 'n/a'}", "",
              f"Training batches: the first {tr['batches']} length-bucketed {report['dataset']} training batches "
              f"(≤ {tr['batch_tokens']} tokens per side, {tr['target_tokens_per_pass']:,} target tokens); "
-             f"{tr['warmup_passes']} warm-up pass{'es' if tr['warmup_passes'] > 1 else ''} over them, median of {tr['repeats']} passes; "
-             "pass-by-pass ratios are median (first–third quartile) of the ratios of passes made back to back.", "",
+             f"{tr['warmup_passes']} warm-up pass{'' if tr['warmup_passes'] == 1 else 'es'} over them, median of {tr['repeats']} passes; "
+             "pass-by-pass ratios are median (first–third quartile) of the ratios of passes of the same repeat.", "",
              "| measurement | value | goal |", "|---|---|---|"]
     for r in tr["results"]:
         mark = " (the preset's choice)" if r.get("preset_choice") else ""
@@ -688,7 +692,7 @@ def table(report: dict) -> str:
                          f"{ratio[key + '_best']:.2f}×) | {goal} |")
     for prec in tr["precisions"]:
         for which, label in (("fastest_path", "fastest attention-path row (the rows `attention` and `compile` "
-                                               "choose among)"), ("fastest", "fastest training row")):
+                                               "choose among; by median pass)"), ("fastest", "fastest training row (by median pass)")):
             kind = tr[which][prec]
             vs = tr["preset_vs_fastest"][prec][which]
             preset = MODEL_NAMES[tr["preset_path"]]

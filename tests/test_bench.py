@@ -79,7 +79,7 @@ def test_pass_by_pass_ratios_pair_passes_of_the_same_repeat(report):
             per_pass = sorted(t / o for t, o in zip(times[("torch", prec)], times[(kind, prec)]))
             assert p["passes"] == tr["repeats"] == len(per_pass)
             assert p["q1"] <= p["median"] <= p["q3"]
-            assert per_pass[0] <= p["q1"] and p["q3"] <= per_pass[-1]
+            assert per_pass[0] <= p["q1"] + 1e-12 and p["q3"] <= per_pass[-1] + 1e-12
             assert p["median"] == pytest.approx(statistics.median(per_pass))
         for which in ("fastest", "fastest_path"):
             p = tr["preset_vs_fastest"][prec][which]
