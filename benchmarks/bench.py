@@ -93,8 +93,8 @@ MODES = MappingProxyType({
 })
 
 
-def median_time(fn: Callable[[], object], warmup: int, repeats: int) -> float:
-    """Median wall-clock seconds of ``fn()`` over ``repeats`` calls, after ``warmup`` untimed calls."""
+def call_times(fn: Callable[[], object], warmup: int, repeats: int) -> list[float]:
+    """Wall-clock seconds of each of ``repeats`` calls of ``fn()``, after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -102,7 +102,12 @@ def median_time(fn: Callable[[], object], warmup: int, repeats: int) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def median_time(fn: Callable[[], object], warmup: int, repeats: int) -> float:
+    """Median wall-clock seconds of ``fn()`` over ``repeats`` calls, after ``warmup`` untimed calls."""
+    return statistics.median(call_times(fn, warmup, repeats))
 
 
 # --------------------------------------------------------------------------- machine
@@ -375,13 +380,7 @@ def matmul_peak(n: int, dtype: torch.dtype, repeats: int) -> float:
     gen = torch.Generator().manual_seed(0)
     a = torch.randn(n, n, generator=gen).to(dtype)
     b = torch.randn(n, n, generator=gen).to(dtype)
-    torch.matmul(a, b)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        times.append(time.perf_counter() - t0)
-    return 2 * n ** 3 / min(times)
+    return 2 * n ** 3 / min(call_times(lambda: torch.matmul(a, b), warmup=1, repeats=repeats))
 
 
 def bench_flops(training: dict, st: Settings, bf16_native: bool) -> dict:
