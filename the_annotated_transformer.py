@@ -2046,6 +2046,9 @@ if EXAMPLES:
 # (so the same roundings, down to the sign of a zero) and writes the gradient once, in the
 # log-probabilities' dtype. It is `loss_sum`, number for number — a test compares the bits
 # of values and gradients, and of the weights after a few updates — so training uses it.
+# The target entries are written by index, not with `scatter_`: on a bf16 CPU tensor of
+# 2,400 × 8,000, `scatter_` of one entry per row took 7.5 ms against 0.02 ms in float32 or by
+# index, and the bf16 training step of `multi30k-small` became 1.025× faster (paired passes).
 
 # %%
 class _LossSumOnePass(torch.autograd.Function):
@@ -2066,7 +2069,8 @@ class _LossSumOnePass(torch.autograd.Function):
         at_target = (0.0 + -(w * (1.0 - eps))) + share  # (tokens,) the gather's zero + its share, then the mean's
         grad = torch.empty((keep.size(0), ctx.K), dtype=ctx.dtype, device=keep.device)  # (tokens, K)
         grad.copy_((0.0 + share).to(ctx.dtype).unsqueeze(1).expand(-1, ctx.K))  # off the target: 0 + share
-        grad.scatter_(1, target.unsqueeze(1), at_target.to(ctx.dtype).unsqueeze(1))
+        rows = torch.arange(keep.size(0), device=keep.device)  # (tokens,)
+        grad[rows, target] = at_target.to(ctx.dtype)  # (tokens,) entries, one per row
         return grad, None, None, None
 
 
@@ -2118,7 +2122,8 @@ class _FusedLossSum(torch.autograd.Function):
         at_target = (p.gather(1, target.unsqueeze(1)) - (1.0 - eps) - eps / K) * w  # (tokens, 1), float32
         grad = torch.empty_like(p, dtype=ctx.dtype)  # (tokens, K) in the logits' dtype, written once:
         torch.addcmul(-(eps / K) * w, p, w, out=grad)  # w·(p − ε/K) everywhere, computed in float32 ...
-        grad.scatter_(1, target.unsqueeze(1), at_target.to(ctx.dtype))  # ... and w·(p − q) at the target
+        rows = torch.arange(target.size(0), device=target.device)  # (tokens,)
+        grad[rows, target] = at_target.squeeze(1).to(ctx.dtype)  # ... and w·(p − q) at the target
         return grad, None, None, None
 
 
