@@ -6,6 +6,7 @@ Run from the repository root (needs the Multi30k data; set ``DATA_MIRROR`` when 
     python benchmarks/profile_step.py --steps 4 --top 12
     python benchmarks/profile_step.py --paths readable --loss autograd,one-pass,fused   # the three losses
     python benchmarks/profile_step.py --paths fast/nn.Dropout --loss autograd --adam per-tensor   # the preset before
+    python benchmarks/profile_step.py --paths readable,torch --categories   # ours against nn.Transformer, by kind of work
 
 For each (attention path, precision) it times ``--steps`` full training steps (forward,
 label-smoothed loss, backward, clipping, fused Adam) on the same length-bucketed Multi30k batches
@@ -14,11 +15,15 @@ the operators with the most self CPU time. A path is one of ``bench.build_model`
 (``fast``, ``readable``, with ``/nn.Dropout`` or ``/FastDropout`` after it for those dropouts);
 ``--adam per-tensor`` steps Adam one parameter at a time (``torch.optim.Adam``'s default on a
 CPU, what training used before the fused kernel) instead of the fused kernel training uses. bf16 rows appear only where the CPU computes
-bf16 natively (see ``native_bf16`` in the module).
+bf16 natively (see ``native_bf16`` in the module). ``torch`` profiles ``torch.nn.Transformer`` (the bench's
+baseline). ``--categories`` also sorts every operator's self time into a few kinds of work (``category``; the
+dropout modules' forward operators are told apart by a labelled range around each, ``label_dropouts``)
+and prints one table of milliseconds per step with a column per profiled row.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import sys
 import time
 from pathlib import Path
@@ -28,10 +33,67 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
 
 import torch  # noqa: E402
-from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E402
 
 import bench  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
+
+
+CATEGORIES = ("matrix products (projections, FFN, output layer)", "attention core (QKᵀ, mask, softmax, AV)",
+              "dropout (masks and scaling, forward)", "loss and log-softmax", "clipping and Adam", "layer norm",
+              "everything else")
+
+
+DROPOUT_LABEL = "dropout module"
+
+
+def label_dropouts(model: nn.Module) -> list:
+    """Mark the forward of every dropout module of ``model`` (``nn.Dropout`` and our subclasses) in the
+    profile as a ``DROPOUT_LABEL`` range, so its operators can be told apart; returns the hook handles."""
+    handles = []
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            ranges = []
+            handles.append(module.register_forward_pre_hook(
+                lambda m, args, ranges=ranges: ranges.append(record_function(DROPOUT_LABEL).__enter__())))
+            handles.append(module.register_forward_hook(
+                lambda m, args, out, ranges=ranges: ranges.pop().__exit__(None, None, None)))
+    return handles
+
+
+def category(name: str, parents: list) -> str:
+    """The kind of work of one profiled operator, from its name and the names of the operators, autograd
+    nodes and labelled ranges it ran inside (``parents``, innermost first)."""
+    inside = " ".join(parents)
+    if name in ("aten::mm", "aten::addmm"):
+        return CATEGORIES[0]
+    if ("flash_attention" in name or name in ("aten::bmm", "aten::_softmax", "aten::_softmax_backward_data",
+                                               "aten::masked_fill_")):
+        return CATEGORIES[1]
+    if name in ("aten::bernoulli_", "aten::random_") or DROPOUT_LABEL in parents:
+        return CATEGORIES[2]
+    if "LossSum" in inside or "log_softmax" in name:
+        return CATEGORIES[3]
+    if "Optimizer" in inside or "foreach" in name:
+        return CATEGORIES[4]
+    if "layer_norm" in name:
+        return CATEGORIES[5]
+    return CATEGORIES[6]
+
+
+def by_category(events, steps: int) -> dict:
+    """Self CPU milliseconds per step of every ``aten::`` operator in ``events``, summed by ``category``."""
+    total = collections.Counter()
+    for e in events:
+        if not e.name.startswith("aten::"):
+            continue
+        parents, p = [], e.cpu_parent
+        while p is not None:
+            parents.append(p.name)
+            p = p.cpu_parent
+        total[category(e.name, parents)] += e.self_cpu_time_total / 1e3 / steps
+    return total
 
 
 def main(argv) -> int:
@@ -46,6 +108,8 @@ def main(argv) -> int:
                         help="one-pass (loss_sum_one_pass, what the presets train with), autograd (loss_sum, the "
                              "same numbers with autograd's backward), fused (Config.fused_loss); several: a,b")
     parser.add_argument("--adam", choices=("fused", "per-tensor"), default="fused")
+    parser.add_argument("--categories", action="store_true",
+                        help="also print milliseconds per step by kind of work, one column per row profiled")
     args = parser.parse_args(argv)
     unknown = set(args.loss.split(",")) - {"one-pass", "autograd", "fused"}
     if unknown:
@@ -57,6 +121,7 @@ def main(argv) -> int:
     batches = [tat.make_batch(pairs, idx) for idx in tat.length_batches(lengths, cfg.batch_tokens, seed=1)[: args.steps]]
     tokens = sum(b.ntokens for b in batches)
     native, _ = tat.native_bf16(torch.device("cpu"))
+    columns = {}
     for path in args.paths.split(","):
         for bf16 in ([False, True] if native else [False]):
             for loss in args.loss.split(","):
@@ -69,16 +134,28 @@ def main(argv) -> int:
                 for b in batches:
                     bench.train_step(model, opt, b, cfg, bf16, loss=loss)
                 dt = time.perf_counter() - t0
+                handles = label_dropouts(model) if args.categories else []
                 with profile(activities=[ProfilerActivity.CPU], record_shapes=args.by_shape) as prof:
                     for b in batches:
                         bench.train_step(model, opt, b, cfg, bf16, loss=loss)
-                print(f"\n### {path} path, {'bf16' if bf16 else 'float32'}, {loss} loss, {args.adam} Adam: "
-                      f"{tokens / dt:,.0f} target tokens/s")
+                for handle in handles:
+                    handle.remove()
+                title = f"{'nn.Transformer' if path == 'torch' else path + ' path'}, {'bf16' if bf16 else 'float32'}, {loss} loss, {args.adam} Adam"
+                print(f"\n### {title}: {tokens / dt:,.0f} target tokens/s")
+                if args.categories:
+                    columns[title] = by_category(prof.events(), len(batches))
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
                 if args.by_shape:
                     print(prof.key_averages(group_by_input_shape=True).table(
                         sort_by="self_cpu_time_total", row_limit=4 * args.top, max_name_column_width=40,
                         max_shapes_column_width=80))
+    if columns:
+        print(f"\n### self CPU ms per step by kind of work ({len(batches)} profiled steps)\n")
+        print("| kind of work | " + " | ".join(columns) + " |")
+        print("|---|" + "---|" * len(columns))
+        for kind in CATEGORIES:
+            print(f"| {kind} | " + " | ".join(f"{c[kind]:.1f}" for c in columns.values()) + " |")
+        print("| all | " + " | ".join(f"{sum(c.values()):.1f}" for c in columns.values()) + " |")
     return 0
 
 

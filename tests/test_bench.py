@@ -201,11 +201,43 @@ def test_profile_step_profiles_the_preset_as_it_was(tmp_path):
     env = {**os.environ, "DATA_MIRROR": str(mirror), "ANNOTATED_TRANSFORMER_DATA": str(tmp_path)}
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--config", "tiny",
                              "--steps", "1", "--top", "3", "--paths", "fast/nn.Dropout", "--loss", "autograd",
-                             "--adam", "per-tensor"], capture_output=True, text=True, env=env, timeout=300)
+                             "--adam", "per-tensor", "--categories"], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     headers = [line for line in result.stdout.splitlines() if line.startswith("### ")]
     assert headers and headers[0].startswith("### fast/nn.Dropout path, float32, autograd loss, per-tensor Adam: ")
     assert "aten::" in result.stdout
+    rows = {line.split(" | ")[0].lstrip("| "): [float(x) for x in line.rstrip(" |").split(" | ")[1:]]
+            for line in result.stdout.splitlines() if line.startswith("| ") and not line.startswith("| kind")}
+    assert "all" in rows and "dropout (masks and scaling, forward)" in rows
+    assert rows["dropout (masks and scaling, forward)"][0] > 0  # the dropout modules' operators were found
+    parts = [values[0] for name, values in rows.items() if name != "all"]
+    assert abs(sum(parts) - rows["all"][0]) <= 0.05 * len(parts)  # the kinds add up to the whole (rounding)
+
+
+def test_profile_categories_tell_the_kinds_of_work_apart(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import profile_step
+    import the_annotated_transformer as tat
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cat = profile_step.category
+    assert cat("aten::addmm", ["aten::linear"]) == cat("aten::mm", ["AddmmBackward0"]) == profile_step.CATEGORIES[0]
+    assert cat("aten::bmm", []) == cat("aten::_softmax", []) == profile_step.CATEGORIES[1]
+    assert cat("aten::mul", ["aten::dropout", profile_step.DROPOUT_LABEL]) == profile_step.CATEGORIES[2]
+    assert cat("aten::mul", ["MulBackward0"]) == profile_step.CATEGORIES[6]  # backward of a dropout: not told apart
+    assert cat("aten::copy_", ["_LossSumOnePassBackward"]) == profile_step.CATEGORIES[3]
+    assert cat("aten::_fused_adam_", ["Optimizer.step#Adam.step"]) == profile_step.CATEGORIES[4]
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), tat.SameMaskDropout(0.5), torch.nn.Dropout(0.5)).train()
+    handles = profile_step.label_dropouts(model)
+    assert len(handles) == 4  # a pre-hook and a hook for each of the two dropouts
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(torch.randn(3, 4))
+    for handle in handles:
+        handle.remove()
+    kinds = profile_step.by_category(prof.events(), steps=1)
+    assert kinds[profile_step.CATEGORIES[2]] > 0 and kinds[profile_step.CATEGORIES[0]] > 0
+    assert not model[1]._forward_pre_hooks and not model[2]._forward_hooks  # the labels are gone again
 
 
 def test_the_bench_adam_per_tensor_is_neither_fused_nor_foreach(monkeypatch):
