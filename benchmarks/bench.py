@@ -289,8 +289,10 @@ def matmul_flops(cfg: tat.Config, batch: int, src_len: int, tgt_len: int, vocab:
 def bench_training(data: tat.Dataset, cfg: tat.Config, st: Settings, bf16_native: bool, log: Callable) -> dict:
     """Target tokens/s of full training steps for each model and precision, on the same batches.
 
-    Repeats are interleaved across models (so a burst of load elsewhere on the machine hits
-    all of them alike); each repeat is one pass over the same batches; the median is kept.
+    Each repeat is one pass of every model over the same batches, interleaved step by step: every
+    model takes its step on a batch before any moves on to the next, so the steps that are compared
+    ran seconds apart and a slow phase of the machine hits all of them alike. A pass's time is the sum
+    of its steps; the median pass is kept.
     """
     pairs = data.splits["train"]
     lengths = [(len(s), len(t)) for s, t in pairs]
@@ -322,11 +324,13 @@ def bench_training(data: tat.Dataset, cfg: tat.Config, st: Settings, bf16_native
             runs[(kind, prec)] = (model, optimizer, [])
     for r in range(st.train_repeats):
         log(f"training: repeat {r + 1}/{st.train_repeats}")
-        for (kind, prec), (model, optimizer, times) in runs.items():
-            t0 = time.perf_counter()
-            for b in batches:
+        for _, _, times in runs.values():
+            times.append(0.0)
+        for b in batches:  # every row takes its step on this batch before any row moves on to the next
+            for (kind, prec), (model, optimizer, times) in runs.items():
+                t0 = time.perf_counter()
                 train_step(model, optimizer, b, cfg, prec == "bf16", loss=loss_of(kind))
-            times.append(time.perf_counter() - t0)
+                times[-1] += time.perf_counter() - t0  # a pass: this row's steps of this repeat, summed
     preset_path = tat.resolve_attention(cfg.attention, torch.device("cpu"))[0]
     results = []
     for (kind, prec), (_, _, times) in runs.items():
@@ -360,8 +364,8 @@ def bench_training(data: tat.Dataset, cfg: tat.Config, st: Settings, bf16_native
 
 
 def paired(reference_times: Sequence[float], times: Sequence[float]) -> dict:
-    """Throughput of one row over a reference row, pass by pass: the passes of one repeat ran within the same
-    minute, so a slow phase of the machine hits both. Returns the first quartile, median and third quartile
+    """Throughput of one row over a reference row, pass by pass: the steps of two passes of one repeat ran
+    interleaved, seconds apart, so a slow phase of the machine hits both. Returns the first quartile, median and third quartile
     of the ratios (the smallest and largest below four passes, where quartiles would only interpolate)."""
     ratios = [ref / t for ref, t in zip(reference_times, times)]
     if len(ratios) < 4:
