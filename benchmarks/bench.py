@@ -365,8 +365,8 @@ def bench_training(data: tat.Dataset, cfg: tat.Config, st: Settings, bf16_native
 
 def paired(reference_times: Sequence[float], times: Sequence[float]) -> dict:
     """Throughput of one row over a reference row, pass by pass: the steps of two passes of one repeat ran
-    interleaved, seconds apart, so a slow phase of the machine hits both. Returns the first quartile, median and third quartile
-    of the ratios (the smallest and largest below four passes, where quartiles would only interpolate)."""
+    interleaved, seconds apart, so a slow phase of the machine hits both. Returns the first quartile, median
+    and third quartile of the ratios (the smallest and largest below four passes, where quartiles would only interpolate)."""
     ratios = [ref / t for ref, t in zip(reference_times, times)]
     if len(ratios) < 4:
         q1, median, q3 = min(ratios), statistics.median(ratios), max(ratios)
