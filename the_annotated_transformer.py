@@ -846,13 +846,13 @@ POSITIONAL = MappingProxyType({"sinusoid": PositionalEncoding, "learned": Learne
 # pass alone took 36% of the step (23 ms a call, about 200 ms a step, where the readable
 # path's batched products and softmaxes of all layers took about 25 ms), so the readable
 # path trains 1.6× faster (4,955 against 3,083). The fused projection (`torch.cat` of three
-# weight matrices) costs little beside that. In float32 no path gets far ahead of `torch.nn.Transformer`:
-# three quarters of every model's step are the same matrix products, already at the CPU's measured
-# matmul peak (179–197 against 196 GFLOP/s on the slower of two EPYCs), so what the readable path saves in
-# the attention core and the dropout draws comes to about 1.05× (README, "Why float32 stays near 1.05×").
+# weight matrices) costs little beside that.
 # So `ModelConfig.attention` is `"auto"` by default, decided once per run by `resolve_attention`
 # and written in the run log like the precision: the fused path on a GPU, the readable one on a
-# CPU; `"readable"` and `"fast"` override it.
+# CPU; `"readable"` and `"fast"` override it. In float32 no path gets far ahead of `torch.nn.Transformer`:
+# 70–75% of every model's step are the same matrix products, already at the CPU's measured
+# matmul peak (179–197 against 196 GFLOP/s on the slower of two EPYCs), so what the readable path saves in
+# the attention core and the dropout draws comes to about 1.05× (README, "Why float32 stays near 1.05×").
 
 # %%
 class FastMultiHeadedAttention(MultiHeadedAttention):
@@ -2050,7 +2050,7 @@ if EXAMPLES:
 # log-probabilities' dtype. It is `loss_sum`, number for number — a test compares the bits
 # of values and gradients, and of the weights after a few updates — so training uses it.
 # The target entries are written by index, not with `scatter_`: on a bf16 CPU tensor of
-# 2,400 × 8,000, `scatter_` of one entry per row took 7.5 ms against 0.02 ms in float32 or by
+# 2,400 × 8,000, `scatter_` of one entry per row took 7.5 ms against 0.01–0.02 ms in float32 or by
 # index, and the bf16 training step of `multi30k-small` became 1.025× faster (paired passes).
 
 # %%

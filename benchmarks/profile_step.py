@@ -55,10 +55,14 @@ def label_dropouts(model: nn.Module) -> list:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             ranges = []
-            handles.append(module.register_forward_pre_hook(
-                lambda m, args, ranges=ranges: ranges.append(record_function(DROPOUT_LABEL).__enter__())))
-            handles.append(module.register_forward_hook(
-                lambda m, args, out, ranges=ranges: ranges.pop().__exit__(None, None, None)))
+
+            def enter(m, args, ranges=ranges) -> None:
+                ranges.append(record_function(DROPOUT_LABEL).__enter__())
+
+            def leave(m, args, out, ranges=ranges) -> None:  # returns None: the module's output stays as it is
+                ranges.pop().__exit__(None, None, None)
+
+            handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
     return handles
 
 

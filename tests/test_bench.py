@@ -211,7 +211,7 @@ def test_profile_step_profiles_the_preset_as_it_was(tmp_path):
     assert "all" in rows and "dropout (masks and scaling, forward)" in rows
     assert rows["dropout (masks and scaling, forward)"][0] > 0  # the dropout modules' operators were found
     parts = [values[0] for name, values in rows.items() if name != "all"]
-    assert abs(sum(parts) - rows["all"][0]) <= 0.05 * len(parts)  # the kinds add up to the whole (rounding)
+    assert abs(sum(parts) - rows["all"][0]) <= 0.05 * (len(parts) + 1)  # the kinds add up to the whole (rounding)
 
 
 def test_profile_categories_tell_the_kinds_of_work_apart(monkeypatch):
