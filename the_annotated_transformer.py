@@ -920,7 +920,7 @@ def resolve_attention(setting: str, device: Optional[torch.device] = None) -> tu
 # of `iwslt14-sample` (which also drops out attention weights and FFN activations) 1.17× and
 # 1.4×. Its runs scored 40.6 BLEU on Multi30k and 6.3 on IWSLT14 against the presets' 41.8 and
 # 7.4 (IWSLT14 then with label smoothing 0.1); another seed with `nn.Dropout` scored 40.5 on Multi30k, so the gap is within what a seed
-# does, though with that seed `FastDropout` scored 39.9, lower again; its faster steps spent on 37 epochs of `iwslt14-sample` instead of 30 gave 7.7 greedy BLEU on the
+# does, though with that seed `FastDropout` scored 39.9, lower again (with seed 3, 41.7 against 40.9: higher); its faster steps spent on 37 epochs of `iwslt14-sample` instead of 30 gave 7.7 greedy BLEU on the
 # first 1,000 validation sentences against the preset's 8.0 then (3 decoder layers; README). So `ModelConfig.fast_dropout` is off by default, and
 # the presets' reported runs repeat exactly: set it and
 # `make_model` swaps `FastDropout` in for every `nn.Dropout` of the model. On a GPU it is
