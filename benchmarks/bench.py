@@ -113,37 +113,41 @@ def median_time(fn: Callable[[], object], warmup: int, repeats: int) -> float:
 # --------------------------------------------------------------------------- machine
 
 
-def cpu_name() -> str:
-    """The CPU model as /proc/cpuinfo names it (else what ``platform`` says)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
-
-
-def cpu_id() -> str:
-    """CPU family, model and stepping from /proc/cpuinfo ("" elsewhere): CPUs sold under one name differ."""
+def cpuinfo() -> dict:
+    """The first CPU's fields in /proc/cpuinfo, name → value ({} where there is no such file)."""
     fields = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            key = key.strip()
-            if key in ("cpu family", "model", "stepping") and key not in fields:
-                fields[key] = value.strip()
+            key, sep, value = line.partition(":")
+            if sep and key.strip() not in fields:
+                fields[key.strip()] = value.strip()
     except OSError:
-        return ""
+        pass
+    return fields
+
+
+def cpu_name(fields: dict) -> str:
+    """The CPU model as /proc/cpuinfo names it (else what ``platform`` says)."""
+    return fields.get("model name") or platform.processor() or platform.machine() or "unknown CPU"
+
+
+def cpu_id(fields: dict) -> str:
+    """CPU family, model and stepping ("" where /proc/cpuinfo lacks them): CPUs sold under one name differ."""
     return ", ".join(f"{k} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields)
+
+
+def cpu_label(machine: dict) -> str:
+    """The CPU as the table and the plot name it: its name, then family, model and stepping when known."""
+    return f"{machine['cpu']} ({machine['cpu_id']})" if machine.get("cpu_id") else machine["cpu"]
 
 
 def machine_info() -> dict:
     """What the numbers were measured on: CPU, cores, threads, torch, bf16 support, load."""
     bf16, why = tat.native_bf16(torch.device("cpu"))
+    fields = cpuinfo()
     return {
-        "cpu": cpu_name(),
-        "cpu_id": cpu_id(),
+        "cpu": cpu_name(fields),
+        "cpu_id": cpu_id(fields),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -644,8 +648,7 @@ def plot(report: dict, path: Path) -> Path:
         ax.set_ylabel("ms per forward+backward")
         ax.set_title(f"one sub-layer, d_model={d}, batch {report['scaling']['batch']}")
         ax.legend()
-    cpu = report["machine"]["cpu"] + (f" ({report['machine']['cpu_id']})" if report["machine"].get("cpu_id") else "")
-    fig.suptitle(f"{cpu}, {report['machine']['cores']} cores, torch {report['machine']['torch']}",
+    fig.suptitle(f"{cpu_label(report['machine'])}, {report['machine']['cores']} cores, torch {report['machine']['torch']}",
                  fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -666,8 +669,7 @@ def quartiles(p: dict) -> str:
 def table(report: dict) -> str:
     """The Markdown table printed at the end of a run."""
     m, tr, fl, pad, dec = (report[k] for k in ("machine", "training", "flops", "padding", "decoding"))
-    cpu = f"{m['cpu']} ({m['cpu_id']})" if m.get("cpu_id") else m["cpu"]
-    lines = [f"Machine: {cpu}, {m['cores']} cores ({m['torch_threads']} torch threads), torch {m['torch']}, "
+    lines = [f"Machine: {cpu_label(m)}, {m['cores']} cores ({m['torch_threads']} torch threads), torch {m['torch']}, "
              f"bf16 native: {'yes' if m['bf16_native'] else 'no'} ({m['bf16_reason']})",
              f"Command: {report['command']}",
              f"Model: {report['model']}; load average at start/end: "
