@@ -850,8 +850,8 @@ POSITIONAL = MappingProxyType({"sinusoid": PositionalEncoding, "learned": Learne
 # So `ModelConfig.attention` is `"auto"` by default, decided once per run by `resolve_attention`
 # and written in the run log like the precision: the fused path on a GPU, the readable one on a
 # CPU; `"readable"` and `"fast"` override it. In float32 no path gets far ahead of `torch.nn.Transformer`:
-# 70–75% of every model's step are the same matrix products, already at the CPU's measured
-# matmul peak (179–197 against 196 GFLOP/s on the slower of two EPYCs), so what the readable path saves in
+# 65–75% of every model's step are the same matrix products, already near the CPU's measured
+# matmul peak (183–190 against 194–196 GFLOP/s on the slower of two EPYCs), so what the readable path saves in
 # the attention core and the dropout draws comes to about 1.05× (README, "Why float32 stays near 1.05×").
 
 # %%
@@ -2051,7 +2051,8 @@ if EXAMPLES:
 # of values and gradients, and of the weights after a few updates — so training uses it.
 # The target entries are written by index, not with `scatter_`: on a bf16 CPU tensor of
 # 2,400 × 8,000, `scatter_` of one entry per row took 7.5 ms against 0.01–0.02 ms in float32 or by
-# index, and the bf16 training step of `multi30k-small` became 1.025× faster (paired passes).
+# index, and the bf16 training step of `multi30k-small` became 1.025× faster (paired passes of old and
+# new code on a 2-core AMD EPYC with AVX-512 BF16).
 
 # %%
 class _LossSumOnePass(torch.autograd.Function):

@@ -18,7 +18,8 @@ CPU, what training used before the fused kernel) instead of the fused kernel tra
 bf16 natively (see ``native_bf16`` in the module). ``torch`` profiles ``torch.nn.Transformer`` (the bench's
 baseline). ``--categories`` also sorts every operator's self time into a few kinds of work (``category``; the
 dropout modules' forward operators are told apart by a labelled range around each, ``label_dropouts``)
-and prints one table of milliseconds per step with a column per profiled row.
+and prints one table of milliseconds per step with a column per profiled row, then the FLOP rate of the
+matrix products while they ran (``matmul_rate``; compare it with ``bench.py``'s matmul peak).
 """
 from __future__ import annotations
 
@@ -100,6 +101,18 @@ def by_category(events, steps: int) -> dict:
     return total
 
 
+def matmul_rate(events) -> float:
+    """GFLOP/s of the matrix products (``aten::mm``, ``aten::addmm``) while they ran: 2·m·k·n FLOPs each,
+    from the recorded input shapes, over their self CPU time (0.0 when none was recorded)."""
+    flops = seconds = 0.0
+    for e in events:
+        if e.name in ("aten::mm", "aten::addmm") and e.input_shapes:
+            (m, k), (_, n) = e.input_shapes[-2:] if e.name == "aten::mm" else e.input_shapes[1:3]
+            flops += 2 * m * k * n
+            seconds += e.self_cpu_time_total / 1e6
+    return flops / seconds / 1e9 if seconds else 0.0
+
+
 def main(argv) -> int:
     """Profile training steps of ``--config`` for each attention path and precision."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -139,7 +152,7 @@ def main(argv) -> int:
                     bench.train_step(model, opt, b, cfg, bf16, loss=loss)
                 dt = time.perf_counter() - t0
                 handles = label_dropouts(model) if args.categories else []
-                with profile(activities=[ProfilerActivity.CPU], record_shapes=args.by_shape) as prof:
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=args.by_shape or args.categories) as prof:
                     for b in batches:
                         bench.train_step(model, opt, b, cfg, bf16, loss=loss)
                 for handle in handles:
@@ -147,7 +160,7 @@ def main(argv) -> int:
                 title = f"{'nn.Transformer' if path == 'torch' else path + ' path'}, {'bf16' if bf16 else 'float32'}, {loss} loss, {args.adam} Adam"
                 print(f"\n### {title}: {tokens / dt:,.0f} target tokens/s")
                 if args.categories:
-                    columns[title] = by_category(prof.events(), len(batches))
+                    columns[title] = (by_category(prof.events(), len(batches)), matmul_rate(prof.events()))
                 print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
                 if args.by_shape:
                     print(prof.key_averages(group_by_input_shape=True).table(
@@ -158,8 +171,10 @@ def main(argv) -> int:
         print("| kind of work | " + " | ".join(columns) + " |")
         print("|---|" + "---|" * len(columns))
         for kind in CATEGORIES:
-            print(f"| {kind} | " + " | ".join(f"{c[kind]:.1f}" for c in columns.values()) + " |")
-        print("| all | " + " | ".join(f"{sum(c.values()):.1f}" for c in columns.values()) + " |")
+            print(f"| {kind} | " + " | ".join(f"{c[kind]:.1f}" for c, _ in columns.values()) + " |")
+        print("| all | " + " | ".join(f"{sum(c.values()):.1f}" for c, _ in columns.values()) + " |")
+        print("\nmatrix products while they ran, GFLOP/s (2·m·k·n from the shapes over their time): "
+              + ", ".join(f"{title}: {rate:.1f}" for title, (_, rate) in columns.items()))
     return 0
 
 

@@ -212,6 +212,8 @@ def test_profile_step_profiles_the_preset_as_it_was(tmp_path):
     assert rows["dropout (masks and scaling, forward)"][0] > 0  # the dropout modules' operators were found
     parts = [values[0] for name, values in rows.items() if name != "all"]
     assert abs(sum(parts) - rows["all"][0]) <= 0.05 * (len(parts) + 1)  # the kinds add up to the whole (rounding)
+    rate = [line for line in result.stdout.splitlines() if line.startswith("matrix products while they ran")]
+    assert rate and float(rate[0].rsplit(": ", 1)[1]) > 0
 
 
 def test_profile_categories_tell_the_kinds_of_work_apart(monkeypatch):
@@ -236,6 +238,7 @@ def test_profile_categories_tell_the_kinds_of_work_apart(monkeypatch):
     for handle in handles:
         handle.remove()
     kinds = profile_step.by_category(prof.events(), steps=1)
+    assert profile_step.matmul_rate(prof.events()) == 0.0  # shapes were not recorded: no rate to give
     assert kinds[profile_step.CATEGORIES[2]] > 0 and kinds[profile_step.CATEGORIES[0]] > 0
     assert not model[1]._forward_pre_hooks and not model[2]._forward_hooks  # the labels are gone again
 
