@@ -295,8 +295,9 @@ def bench_training(data: tat.Dataset, cfg: tat.Config, st: Settings, bf16_native
 
     Each repeat is one pass of every model over the same batches, interleaved step by step: every
     model takes its step on a batch before any moves on to the next, so the steps that are compared
-    ran seconds apart and a slow phase of the machine hits all of them alike. A pass's time is the sum
-    of its steps; the median pass is kept.
+    ran seconds apart and a slow phase of the machine hits all of them alike; the order of the models
+    rotates by one place at every step (``rotated``). A pass's time is the sum of its steps; the median
+    pass is kept.
     """
     pairs = data.splits["train"]
     lengths = [(len(s), len(t)) for s, t in pairs]
@@ -326,12 +327,13 @@ def bench_training(data: tat.Dataset, cfg: tat.Config, st: Settings, bf16_native
                 for b in batches:
                     train_step(model, optimizer, b, cfg, prec == "bf16", loss=loss_of(kind))
             runs[(kind, prec)] = (model, optimizer, [])
+    rows = list(runs.items())
     for r in range(st.train_repeats):
         log(f"training: repeat {r + 1}/{st.train_repeats}")
         for _, _, times in runs.values():
             times.append(0.0)
-        for b in batches:  # every row takes its step on this batch before any row moves on to the next
-            for (kind, prec), (model, optimizer, times) in runs.items():
+        for i, b in enumerate(batches):  # every row takes its step on this batch before any row moves on
+            for (kind, prec), (model, optimizer, times) in rotated(rows, r * len(batches) + i):
                 t0 = time.perf_counter()
                 train_step(model, optimizer, b, cfg, prec == "bf16", loss=loss_of(kind))
                 times[-1] += time.perf_counter() - t0  # a pass: this row's steps of this repeat, summed
@@ -365,6 +367,14 @@ def bench_training(data: tat.Dataset, cfg: tat.Config, st: Settings, bf16_native
             sum(b.src.size(0) for b in batches), "batch_tokens": st.batch_tokens or cfg.batch_tokens,
             "matmul_flops_per_pass": flops, "warmup_passes": st.train_warmup_passes, "repeats": st.train_repeats,
             "precisions": precisions, "results": results, "ratios": ratios}
+
+
+def rotated(items: Sequence, k: int) -> list:
+    """``items`` starting at position ``k`` (mod its length) and wrapping round: the order the rows take their
+    steps in at step ``k`` of the bench, so that over the steps every row runs first, second, … alike (the
+    cyclic order stays: each row still follows the same one)."""
+    k %= len(items)
+    return list(items[k:]) + list(items[:k])
 
 
 def paired(reference_times: Sequence[float], times: Sequence[float]) -> dict:

@@ -254,3 +254,17 @@ def test_the_bench_adam_per_tensor_is_neither_fused_nor_foreach(monkeypatch):
     per_tensor = bench.make_adam(model, cfg, fused=False)
     assert per_tensor.defaults["foreach"] is False and per_tensor.defaults["fused"] is False
     assert bench.make_adam(model, cfg).defaults["fused"] is True
+
+
+def test_the_rows_take_every_place_in_the_step_order_alike(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench
+
+    rows = ["a", "b", "c", "d", "e"]
+    orders = [bench.rotated(rows, k) for k in range(3 * len(rows))]
+    assert all(sorted(o) == rows for o in orders)  # every row steps once at every step
+    for row in rows:  # over whole rounds, each row runs in each place equally often
+        places = [o.index(row) for o in orders]
+        assert sorted(places) == sorted(list(range(len(rows))) * 3)
+    assert bench.rotated(rows, 7) == bench.rotated(rows, 2) == ["c", "d", "e", "a", "b"]
+    assert rows == ["a", "b", "c", "d", "e"]  # the list itself is left as it was
