@@ -4465,6 +4465,9 @@ def run_inference_command(command: str, argv: Sequence[str]) -> int:
                                                                     args.average_last, device)
     if command == "evaluate":
         lines, refs = evaluation_pairs(args, cfg)
+        if args.first > len(lines):  # asked for more than there is: say so, rather than score fewer unannounced
+            print(f"note: --first {args.first:,}, but there are only {len(lines):,} pairs: scoring all of them",
+                  file=sys.stderr)
     hyps, skipped = translate_lines(lines, model, cfg, src_vocab, tgt_vocab, subwords, device, args.beam, args.alpha)
     if refs is None:
         for h in hyps:

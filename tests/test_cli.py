@@ -187,11 +187,15 @@ def test_evaluate_first_scores_only_the_first_pairs(copy_run, tmp_path):
     files = ["--src", str(tmp_path / "src.txt"), "--ref", str(tmp_path / "ref.txt")]
     first = run(["evaluate", "--run_dir", str(copy_run), "--beam", "1", "--first", "2", *files], tmp_path)
     assert first.returncode == 0, first.stderr
-    assert "ref_len = 9" in first.stdout  # 4 + 5 words: the first two references, not all four (15)
+    assert "ref_len = 9" in first.stdout  # 4 + 5 words: the first two references, not all four (17)
     (tmp_path / "two.txt").write_text("\n".join(src[:2]) + "\n")
     same = run(["evaluate", "--run_dir", str(copy_run), "--beam", "1",
                 "--src", str(tmp_path / "two.txt"), "--ref", str(tmp_path / "two.txt")], tmp_path)
     assert same.stdout == first.stdout  # the same as scoring a file of those two pairs
+    assert "note" not in first.stderr
+    more = run(["evaluate", "--run_dir", str(copy_run), "--beam", "1", "--first", "9", *files], tmp_path)
+    assert more.returncode == 0 and "ref_len = 17" in more.stdout  # all four pairs, and it says so
+    assert "--first 9, but there are only 4 pairs: scoring all of them" in more.stderr
     zero = run(["evaluate", "--run_dir", str(copy_run), "--first", "0", *files], tmp_path)
     assert zero.returncode == 2 and "--first" in zero.stderr and "Traceback" not in zero.stderr
 
