@@ -1,14 +1,16 @@
-"""Variants of the preset's training step that were tried for speed and not kept, timed side by side.
+"""Variants of the preset's training step, tried for speed, timed side by side.
 
 Run from the repository root (needs the Multi30k data; set ``DATA_MIRROR`` when offline)::
 
     python benchmarks/attention_variants.py                  # float32, and bf16 where the CPU has it natively
     python benchmarks/attention_variants.py --rounds 5 --batches 20
+    python benchmarks/attention_variants.py --rows readable,readable/scatter-loss --batches 8 --rounds 7
 
 Every row trains ``multi30k-small`` with full steps (``bench.train_step``: forward, the loss the
 presets train with, backward, clipping, fused Adam) on the same first ``--batches``
 length-bucketed batches; the rounds alternate between the rows and the median is printed, with
-the ratio to the preset's path and to nn.Transformer. These rows are not ``make bench``'s: other
+the ratio to the preset's path and to nn.Transformer, and the median (quartiles) of the rounds'
+ratios to the preset's path ("pass by pass": each round's passes ran one after the other). These rows are not ``make bench``'s: other
 batches, so compare ratios within one run of this script, not its numbers with the bench's.
 
 * ``readable`` — the preset's model on this machine (readable Eq. 1, ``SameMaskDropout``).
@@ -16,6 +18,8 @@ batches, so compare ratios within one run of this script, not its numbers with t
   where the rows are shorter than 16 keys, where PyTorch's CPU kernel is slow; it rounds differently.
 * ``fused-projections`` — ``FastMultiHeadedAttention``'s fused projections in front of the readable
   Eq. 1 (with the written-out softmax), no SDPA.
+* ``readable/scatter-loss`` — the preset's model with ``loss_sum_one_pass``'s backward as it was before
+  it wrote the target entries by index: with ``scatter_`` (``scatter_loss_sum_one_pass``; the same bits).
 * ``.../FastDropout`` — any of these with ``FastDropout``; ``fast`` (fused projections and SDPA) and
   ``torch`` (nn.Transformer) as in ``make bench``.
 """
@@ -95,8 +99,38 @@ class FusedProjectionsAttention(tat.FastMultiHeadedAttention):
         return attention_short_softmax(q, k, v, mask, self.dropout)
 
 
+class _ScatterLossSumOnePass(tat._LossSumOnePass):
+    r"""``tat.loss_sum_one_pass``'s function (§5.4) with the backward as it was: the target entries by ``scatter_``."""
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        """The same per-row numbers as ``tat._LossSumOnePass.backward``, the target entries written by ``scatter_``."""
+        target, keep = ctx.saved_tensors
+        eps = ctx.eps_ls
+        w = grad_loss.expand(keep.shape) * keep  # (tokens,)
+        share = -(w * eps) / ctx.K  # (tokens,)
+        at_target = (0.0 + -(w * (1.0 - eps))) + share  # (tokens,)
+        grad = torch.empty((keep.size(0), ctx.K), dtype=ctx.dtype, device=keep.device)  # (tokens, K)
+        grad.copy_((0.0 + share).to(ctx.dtype).unsqueeze(1).expand(-1, ctx.K))
+        grad.scatter_(1, target.unsqueeze(1), at_target.to(ctx.dtype).unsqueeze(1))  # (tokens, 1) into (tokens, K)
+        return grad, None, None, None
+
+
+def scatter_loss_sum_one_pass(log_probs, target, eps_ls: float, pad: int = tat.PAD) -> torch.Tensor:
+    r"""``tat.loss_sum_one_pass`` (§5.4) as it was before the index write: the same value and gradient bits."""
+    return _ScatterLossSumOnePass.apply(log_probs.reshape(-1, log_probs.size(-1)), target.reshape(-1),
+                                       float(eps_ls), pad)
+
+
 VARIANTS = {"readable/short-softmax": ("readable", ShortSoftmaxAttention),
-            "fused-projections": ("fast", FusedProjectionsAttention)}
+            "fused-projections": ("fast", FusedProjectionsAttention),
+            "readable/scatter-loss": ("readable", None)}
+LOSSES = {"readable/scatter-loss": scatter_loss_sum_one_pass}  # rows that train with another loss function
+
+
+def loss_of(kind: str):
+    """The loss a row trains with: ``LOSSES``' for its name, else ``bench.loss_of``'s."""
+    return LOSSES.get(kind.partition("/FastDropout")[0]) or bench.loss_of(kind)
 
 
 def build(kind: str, src_vocab: int, tgt_vocab: int, cfg: tat.Config) -> torch.nn.Module:
@@ -145,7 +179,7 @@ def main(argv) -> int:
         for _ in range(args.rounds):
             for kind in rows:
                 model, opt = models[kind]
-                loss = bench.loss_of(kind)
+                loss = loss_of(kind)
                 for b in batches[:2]:  # warm-up
                     bench.train_step(model, opt, b, cfg, bf16, loss=loss)
                 t0 = time.perf_counter()
@@ -153,12 +187,17 @@ def main(argv) -> int:
                     bench.train_step(model, opt, b, cfg, bf16, loss=loss)
                 speeds[kind].append(tokens / (time.perf_counter() - t0))
         median = {kind: statistics.median(v) for kind, v in speeds.items()}
-        print(f"\n{'bf16' if bf16 else 'float32'}\n\n| row | target tokens/s (median) | vs readable | vs nn.Transformer |")
-        print("|---|---|---|---|")
+        print(f"\n{'bf16' if bf16 else 'float32'}\n\n| row | target tokens/s (median) | vs readable | "
+              "vs readable, pass by pass | vs nn.Transformer |")
+        print("|---|---|---|---|---|")
         for kind in rows:
             vs_torch = f"{median[kind] / median['torch']:.3f}×" if "torch" in median else "—"
             vs_readable = f"{median[kind] / median['readable']:.3f}×" if "readable" in median else "—"
-            print(f"| {kind} | {median[kind]:,.0f} | {vs_readable} | {vs_torch} |")
+            paired = "—"
+            if "readable" in speeds:
+                p = bench.paired(speeds[kind], speeds["readable"])  # speeds, not times: this row's over readable's
+                paired = f"{p['median']:.3f}× ({p['q1']:.3f}–{p['q3']:.3f})"
+            print(f"| {kind} | {median[kind]:,.0f} | {vs_readable} | {paired} | {vs_torch} |")
     return 0
 
 

@@ -40,7 +40,7 @@ import warnings
 from contextlib import nullcontext
 from pathlib import Path
 from types import MappingProxyType
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -253,11 +253,12 @@ def make_adam(model: nn.Module, cfg: tat.Config, fused: bool = True) -> torch.op
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tat.Batch, cfg: tat.Config,
-               bf16: bool, generator: Optional[nn.Module] = None, loss: Optional[str] = None) -> None:
+               bf16: bool, generator: Optional[nn.Module] = None, loss: Union[str, Callable, None] = None) -> None:
     """One full training update, as ``tat.update`` does it: forward, the label-smoothed loss, backward,
     clipping, Adam step. ``loss``: "one-pass" (the generator's log-softmax and ``tat.loss_sum_one_pass``,
     what training uses), "autograd" (``tat.loss_sum`` with autograd's backward: the same numbers) or
-    "fused" (``tat.fused_loss_sum`` from the logits); by default "fused" if ``cfg.fused_loss``, else "one-pass"."""
+    "fused" (``tat.fused_loss_sum`` from the logits), or a function called as ``tat.loss_sum`` is (the
+    log-probabilities, the targets, ε_ls); by default "fused" if ``cfg.fused_loss``, else "one-pass"."""
     loss = loss or ("fused" if cfg.fused_loss else "one-pass")
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else nullcontext()
     with ctx:
@@ -266,8 +267,8 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, batch: tat.Ba
         if loss == "fused":
             value = tat.fused_loss_sum(generator.proj(out), batch.tgt_y, cfg.eps_ls)
         else:
-            value = {"one-pass": tat.loss_sum_one_pass, "autograd": tat.loss_sum}[loss](
-                generator(out), batch.tgt_y, cfg.eps_ls)
+            fn = loss if callable(loss) else {"one-pass": tat.loss_sum_one_pass, "autograd": tat.loss_sum}[loss]
+            value = fn(generator(out), batch.tgt_y, cfg.eps_ls)
     (value / batch.ntokens).backward()
     if cfg.clip_grad:
         nn.utils.clip_grad_norm_(model.parameters(), cfg.clip_grad)

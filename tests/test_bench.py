@@ -268,3 +268,30 @@ def test_the_rows_take_every_place_in_the_step_order_alike(monkeypatch):
         assert sorted(places) == sorted(list(range(len(rows))) * 3)
     assert bench.rotated(rows, 7) == bench.rotated(rows, 2) == ["c", "d", "e", "a", "b"]
     assert rows == ["a", "b", "c", "d", "e"]  # the list itself is left as it was
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16"])
+def test_the_scatter_loss_row_is_the_preset_loss_to_the_bit(monkeypatch, name):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import attention_variants as av
+    import bench
+    import the_annotated_transformer as tat
+    import torch
+
+    dtype = getattr(torch, name)
+
+    gen = torch.Generator().manual_seed(3)
+    log_probs = torch.randn(2, 30, 40, generator=gen).log_softmax(-1).to(dtype)
+    target = torch.randint(1, 40, (2, 30), generator=gen)
+    target[:, -4:] = tat.PAD
+    a, b = log_probs.clone().requires_grad_(), log_probs.clone().requires_grad_()
+    before, now = av.scatter_loss_sum_one_pass(a, target, 0.1), tat.loss_sum_one_pass(b, target, 0.1)
+    assert torch.equal(before, now)
+    (3.0 * before).backward()
+    (3.0 * now).backward()
+    as_bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert a.grad.dtype == dtype and torch.equal(a.grad.view(as_bits), b.grad.view(as_bits))  # signs of zeros too
+    assert av.loss_of("readable/scatter-loss") is av.scatter_loss_sum_one_pass
+    assert av.loss_of("readable/autograd-loss") == bench.loss_of("readable/autograd-loss") == "autograd"
+    model = av.build("readable/scatter-loss", 11, 11, tat.get_config("tiny"))
+    assert {type(m) for m in model.modules() if isinstance(m, tat.MultiHeadedAttention)} == {tat.MultiHeadedAttention}
