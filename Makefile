@@ -8,6 +8,9 @@ RUN ?= runs/$(CONFIG)
 ARGS ?=
 NB := annotated_transformer.ipynb
 SRC := the_annotated_transformer.py
+# nn.Dropout's masks drawn by compiled code (csrc/dropout_mask.c; the notebook's aside after §3.5): the same
+# numbers, faster on a CPU. Without a C compiler nothing is built and PyTorch draws them.
+KERNEL := build/dropout_mask.so
 
 # glibc's malloc gives large freed blocks back to the system, so every CPU training step would get
 # fresh pages for its largest tensors; these keep freed memory for reuse (the notebook's A.2 and
@@ -16,10 +19,11 @@ SRC := the_annotated_transformer.py
 export MALLOC_MMAP_MAX_ ?= 0
 export MALLOC_TRIM_THRESHOLD_ ?= 17179869184
 
-.PHONY: install test sync notebook lab html train translate evaluate bench clean help
+.PHONY: install kernel test sync notebook lab html train translate evaluate bench clean help
 
 help:
 	@echo "make install            create .venv and install requirements.txt"
+	@echo "make kernel             compile the dropout-mask kernel, $(KERNEL) (make install does too)"
 	@echo "make test               run the test suite (pytest)"
 	@echo "make sync               bring $(NB) and $(SRC) up to date with each other"
 	@echo "make notebook           execute the notebook top to bottom and store its outputs"
@@ -30,7 +34,13 @@ help:
 	@echo "make evaluate [ARGS='--src F --ref F']  BLEU of the run in RUN (default: the test split)"
 	@echo "make bench              performance side by side (a few minutes); ARGS=--quick for seconds"
 
-install: $(STAMP)
+install: $(STAMP) kernel
+
+kernel: $(KERNEL)
+
+$(KERNEL): csrc/dropout_mask.c
+	@mkdir -p $(dir $@)
+	$(CC) -O3 -shared -fPIC -o $@ $< || echo "no $(KERNEL) (could not compile): PyTorch draws the dropout masks, the same ones, slower"
 
 $(STAMP): requirements.txt
 	$(PYTHON_SYSTEM) -m venv $(VENV)
@@ -38,7 +48,7 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install -r requirements.txt
 	touch $(STAMP)
 
-test: $(STAMP)
+test: $(STAMP) $(KERNEL)
 	$(PY) -m pytest -q tests
 
 sync: $(STAMP)
@@ -46,7 +56,7 @@ sync: $(STAMP)
 
 # Outputs are stored without per-cell execution timestamps (record_timing=False, and any left
 # from earlier runs removed), so a re-run's diff shows only outputs that changed.
-notebook: $(STAMP) sync
+notebook: $(STAMP) $(KERNEL) sync
 	$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.timeout=-1 --ExecutePreprocessor.kernel_name=python3 \
 		--ExecutePreprocessor.record_timing=False $(NB)
@@ -64,7 +74,7 @@ lab: $(STAMP)
 html: $(STAMP)
 	$(PY) web/build.py
 
-train: $(STAMP)
+train: $(STAMP) $(KERNEL)
 	$(PY) $(SRC) train --config $(CONFIG) $(ARGS)
 
 translate: $(STAMP)
@@ -73,8 +83,8 @@ translate: $(STAMP)
 evaluate: $(STAMP)
 	$(PY) $(SRC) evaluate --run_dir $(RUN) $(ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP) $(KERNEL)
 	$(PY) benchmarks/bench.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache site web/node_modules
+	rm -rf $(VENV) runs build .pytest_cache site web/node_modules

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import dataclasses
 import functools
 import gzip
@@ -135,7 +136,7 @@ __all__ = [
     # Part 1 — the model (§3), in the paper's order
     "EncoderDecoder", "Generator", "Encoder", "EncoderLayer", "SublayerConnection", "Decoder", "DecoderLayer",
     "subsequent_mask", "padding_mask", "attention", "MultiHeadedAttention", "PositionwiseFeedForward", "Embeddings",
-    "PositionalEncoding", "LearnedPositionalEncoding", "FastMultiHeadedAttention", "FastDropout", "SameMaskDropout", "bernoulli_replayable", "use_dropout",
+    "PositionalEncoding", "LearnedPositionalEncoding", "FastMultiHeadedAttention", "FastDropout", "SameMaskDropout", "mask_drawer", "load_dropout_kernel", "dropout_note", "use_dropout",
     "ModelConfig", "MODEL_PRESETS", "WordDropout",
     "make_model",
     # Part 2 — training (§5)
@@ -959,42 +960,101 @@ class FastDropout(nn.Dropout):
 # `nn.Dropout`'s own mask (§5.4's dropout) can be drawn faster too, without changing a single number. Where
 # PyTorch's CPU `bernoulli_(q)` runs its default kernel (everywhere but with Intel's MKL on
 # Intel CPUs), it takes one 64-bit draw $x$ from the generator per element, in order, and keeps
-# the element when $(x \bmod 2^{53}) \cdot 2^{-53} < q$. `random_()` on an int64 tensor takes the
-# same draws from the same generator (as $x \bmod 2^{63}$), faster, and comparing their low 53
-# bits with $\lceil q \cdot 2^{53} \rceil$ gives the same mask. `SameMaskDropout` does that and then
-# scales and multiplies exactly as `nn.Dropout` does, wherever `bernoulli_replayable` — one draw
-# made both ways from the same generator state, once per probability and dtype — finds the two
-# identical; everywhere else (another kernel, a GPU, evaluation, `torch.compile`) it is `nn.Dropout`. So it changes no
-# computed number, only the time: `make_model` puts it in place of every `nn.Dropout` unless
-# `fast_dropout` asks for `FastDropout`. Measured on the same 2-core EPYC, a mask took 1.5 ms
-# instead of 2.4; training steps were 1.02× faster in bf16 for `multi30k-small` (`make bench`) and
-# about 1.1× for `iwslt14-sample`, which has more dropout — the serial 64-bit draws, one per
-# element, are most of what is left, and only `FastDropout`'s four decisions per draw cut them.
+# the element when $(x \bmod 2^{53}) \cdot 2^{-53} < q$. `random_(0, 2**53)` on an int64 tensor takes the
+# same draws from the same generator and returns $x \bmod 2^{53}$, faster, and comparing them with
+# $\lceil q \cdot 2^{53} \rceil$ gives the same mask; dividing it by $q$ is what `nn.Dropout` multiplies
+# its input by. Measured on the same 2-core EPYC, a mask took 1.5 ms instead of 2.4; training steps
+# were 1.02× faster in bf16 for `multi30k-small` (`make bench`) and about 1.1× for `iwslt14-sample`,
+# which has more dropout.
 
 # %%
-def _replayed_keep(shape: torch.Size, q: float) -> torch.Tensor:
-    """§5.4's dropout mask, replayed (our addition): True where ``bernoulli_(q)`` would draw 1 from the
-    generator's next draws (see the cell above)."""
-    draws = torch.empty(shape, dtype=torch.int64).random_()  # (shape) the 64-bit draws, as x mod 2^63
-    return draws.bitwise_and_(2**53 - 1) < math.ceil(q * 2**53)
+def _replayed_scaled_mask(shape: torch.Size, q: float, dtype: torch.dtype) -> torch.Tensor:
+    """§5.4's dropout mask divided by ``q``, replayed (our addition): ``bernoulli_(q)``'s mask from the
+    generator's next draws, taken with ``random_`` (see the cell above)."""
+    draws = torch.empty(shape, dtype=torch.int64).random_(0, 2**53)  # (shape) the 64-bit draws mod 2^53
+    return (draws < math.ceil(q * 2**53)).to(dtype).div_(q)  # nn.Dropout's mask / q
 
 
+# %% [markdown]
+# What is left of a dropout mask's time (§5.4) is the draws themselves: PyTorch's Mersenne Twister (MT19937) hands
+# out one 32-bit word at a time, and a `multi30k-small` mask needs 1.2 million of them, about 2 ms
+# on one core while the other waits. The generator's arithmetic is simple enough to do a block of
+# 624 words at once, which a compiler turns into vector instructions. So `csrc/dropout_mask.c` (about a
+# hundred lines of our C, built by `make` into `build/dropout_mask.so`) reads the generator's state from
+# `torch.get_rng_state()`, draws the words a block at a time, writes the scaled mask directly and
+# puts the advanced state back: the same generator and the same arithmetic, so the same masks. On
+# the 2-core EPYC a mask took 0.4 ms with it against 2.8 with `random_`, as cheap as
+# `FastDropout`'s. Without a C compiler nothing is built, and the replay above draws the masks.
+
+# %%
+DROPOUT_KERNEL = "build/dropout_mask.so"  # `make` builds it from csrc/dropout_mask.c; relative to the working directory
+
+
+def load_dropout_kernel(path: Optional[str] = None):
+    """The compiled mask kernel, ``csrc/dropout_mask.c`` (our addition, for §5.4's dropout), as a ``ctypes`` library.
+
+    ``path`` defaults to ``ANNOTATED_TRANSFORMER_KERNEL`` or :data:`DROPOUT_KERNEL`. None where
+    nothing is built there, it does not load, or it expects another layout of the generator's state.
+    """
+    path = Path(path or os.environ.get("ANNOTATED_TRANSFORMER_KERNEL") or DROPOUT_KERNEL)
+    if not path.is_file():
+        return None
+    try:
+        lib = ctypes.CDLL(str(path.resolve()))
+    except OSError:
+        return None
+    lib.dropout_mask.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p,
+                                 ctypes.c_int64, ctypes.c_int]
+    lib.dropout_mask.restype = ctypes.c_int
+    return lib if lib.dropout_mask_state_bytes() == torch.get_rng_state().numel() else None
+
+
+def _kernel_scaled_mask(lib, shape: torch.Size, q: float, dtype: torch.dtype) -> torch.Tensor:
+    """§5.4's dropout mask divided by ``q``, drawn by the compiled kernel ``lib`` from the default CPU
+    generator, which it advances as ``bernoulli_`` would (our addition)."""
+    state = torch.get_rng_state()  # a copy of the generator's state: the kernel advances it in place
+    out = torch.empty(shape, dtype=dtype)
+    kept = torch.ones(1, dtype=dtype).div_(q)  # what nn.Dropout's mask / q holds where it keeps: 1/q in dtype
+    bits = int.from_bytes(bytes(kept.view(torch.uint8).tolist()), sys.byteorder)
+    if lib.dropout_mask(state.data_ptr(), math.ceil(q * 2**53), bits, out.data_ptr(), out.numel(),
+                        out.element_size()) != 0:
+        raise RuntimeError("the dropout kernel does not recognise the generator's state")
+    torch.set_rng_state(state)
+    return out
+
+
+# %% [markdown]
+# `mask_drawer` decides how §5.4's masks are drawn, once per probability and dtype, by one draw made each way from the same
+# generator state: the kernel where it is built and gives `bernoulli_`'s scaled mask and leaves the
+# generator where `bernoulli_` does, else the replay where that holds, else nothing.
+# `SameMaskDropout` draws with what it returns and is `nn.Dropout` everywhere else (another
+# `bernoulli_` kernel, a GPU, evaluation, `torch.compile`). So it changes no computed number, only
+# the time: `make_model` puts it in place of every `nn.Dropout` unless `fast_dropout` asks for
+# `FastDropout`.
+
+# %%
 @functools.lru_cache(maxsize=None)
-def bernoulli_replayable(q: float, dtype: torch.dtype) -> bool:
-    """Whether ``_replayed_keep`` reproduces this PyTorch's CPU ``bernoulli_(q)`` on ``dtype`` exactly
-    (our addition, for §5.4's dropout): the same mask and the generator left in the same state.
+def mask_drawer(q: float, dtype: torch.dtype) -> Optional[Callable]:
+    """How to draw ``nn.Dropout``'s mask / ``q`` exactly on this machine (our addition, for §5.4's dropout).
 
-    Checked once per (q, dtype) and remembered: the answer is a fact about the PyTorch build and
-    the CPU, the module's one deliberate cache. The caller's random stream is left untouched.
+    Returns ``draw(shape, q, dtype)``: the compiled kernel where it is built and reproduces this
+    PyTorch's CPU ``bernoulli_(q)`` on ``dtype`` (the same scaled mask and the generator left in the
+    same state), else the ``random_`` replay where that does, else None (use ``nn.Dropout``).
+    Checked once per (q, dtype) and remembered: the answer is a fact about the PyTorch build, the
+    CPU and what is built, the module's one deliberate cache. The caller's random stream is left untouched.
     """
     n = 1 << 17  # past any grain at which a kernel could split the work
+    lib = load_dropout_kernel()
+    candidates = [functools.partial(_kernel_scaled_mask, lib)] if lib is not None and dtype.itemsize in (2, 4) else []
     with torch.random.fork_rng(devices=[]):
         start = torch.get_rng_state()
-        drawn = torch.empty(n, dtype=dtype).bernoulli_(q)
+        want = torch.empty(n, dtype=dtype).bernoulli_(q).div_(q)  # nn.Dropout's mask / q
         after = torch.get_rng_state()
-        torch.set_rng_state(start)
-        replayed = _replayed_keep(torch.Size([n]), q).to(dtype)
-        return torch.equal(drawn, replayed) and torch.equal(after, torch.get_rng_state())
+        for draw in candidates + [_replayed_scaled_mask]:
+            torch.set_rng_state(start)
+            if torch.equal(draw(torch.Size([n]), q, dtype), want) and torch.equal(after, torch.get_rng_state()):
+                return draw
+    return None
 
 
 class SameMaskDropout(nn.Dropout):
@@ -1002,10 +1062,11 @@ class SameMaskDropout(nn.Dropout):
 
     def forward(self, x):
         q = 1 - self.p  # keep probability, as nn.Dropout computes it
-        if not (self.training and 0 < self.p < 1 and not self.inplace and x.device.type == "cpu"
-                and x.is_contiguous() and not torch.compiler.is_compiling() and bernoulli_replayable(q, x.dtype)):
+        draw = (mask_drawer(q, x.dtype) if self.training and 0 < self.p < 1 and not self.inplace
+                and x.device.type == "cpu" and x.is_contiguous() and not torch.compiler.is_compiling() else None)
+        if draw is None:
             return super().forward(x)
-        return x * _replayed_keep(x.shape, q).to(x.dtype).div_(q)  # nn.Dropout's own ops: mask, mask / q, x * that
+        return x * draw(x.shape, q, x.dtype)  # nn.Dropout's own ops: mask, mask / q, x * that
 
 
 def use_dropout(model: nn.Module, kind: type) -> nn.Module:
@@ -3274,6 +3335,20 @@ def allocator_note(device: torch.device, environ=None) -> str:
             "pages every step; setting them made CPU training steps faster (README: Performance)")
 
 
+def dropout_note(cfg: ModelConfig, device: torch.device) -> str:
+    """A line for the log on how the dropout masks of §5.4 are drawn (our addition); "" where that is
+    PyTorch's own doing anyway: off the CPU, with ``FastDropout``, or no dropout."""
+    if device.type != "cpu" or cfg.fast_dropout or not 0 < cfg.P_drop < 1:
+        return ""
+    draw = mask_drawer(1 - cfg.P_drop, torch.float32)
+    if getattr(draw, "func", None) is _kernel_scaled_mask:
+        return "dropout masks: nn.Dropout's, drawn by the compiled kernel (csrc/dropout_mask.c)"
+    if draw is not None:
+        return (f"dropout masks: nn.Dropout's, drawn with random_ (nothing built at {DROPOUT_KERNEL}; `make` "
+                "compiles csrc/dropout_mask.c, which draws the same masks faster)")
+    return "dropout masks: nn.Dropout's own (this PyTorch's bernoulli_ cannot be replayed here)"
+
+
 # %% [markdown]
 # Several processes. The backend follows the device the run trains on — not whether CUDA
 # exists: `--device cpu` on a GPU machine is a Gloo run — and every tensor handed to a
@@ -4050,9 +4125,9 @@ def setup(cfg: Config, data: Dataset, device: torch.device, rank: int, world: in
     log(f"device: {device}" + (f" × {world} processes" if world > 1 else "") + f"; run directory: {files.dir}")
     log(why)
     log(why_attention)
-    note = allocator_note(device)
-    if note:
-        log(note)
+    for note in (allocator_note(device), dropout_note(cfg, device)):
+        if note:
+            log(note)
     return Run(cfg=cfg, model=model, train_model=train_model, optimizer=optimizer, scheduler=scheduler,
                device=device, autocast=autocast, scaler=scaler, world=world, data=data, rank=rank, files=files,
                log=log)

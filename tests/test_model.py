@@ -1,6 +1,8 @@
 """Part 1 invariants: every §3 component, the masks, and agreement with torch.nn.Transformer."""
 import dataclasses
 import math
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -566,11 +568,33 @@ def mkl_draws_bernoulli() -> bool:
     return torch.backends.mkl.is_available() and intel
 
 
-def test_same_mask_dropout_draws_without_bernoulli_where_the_check_passes(monkeypatch):
+@pytest.fixture
+def no_kernel(monkeypatch, tmp_path):
+    """The module as it is where nothing was compiled: masks drawn by the random_ replay."""
+    monkeypatch.setenv("ANNOTATED_TRANSFORMER_KERNEL", str(tmp_path / "not-built.so"))
+    tat.mask_drawer.cache_clear()
+    yield
+    tat.mask_drawer.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """csrc/dropout_mask.c compiled (``make kernel``; ``make test`` builds it first). Fails where a C
+    compiler exists but the kernel is not built or does not load; skips only without a compiler."""
+    if not Path(tat.DROPOUT_KERNEL).is_file() and shutil.which("make") and shutil.which("cc"):
+        subprocess.run(["make", "kernel"], check=False, capture_output=True)
+    lib = tat.load_dropout_kernel()
+    if lib is None and not shutil.which("cc"):
+        pytest.skip("no C compiler: the dropout kernel is not built here (the random_ replay draws the masks)")
+    assert lib is not None, f"{tat.DROPOUT_KERNEL} is not built or does not load"
+    return lib
+
+
+def test_same_mask_dropout_draws_without_bernoulli_where_the_check_passes(monkeypatch, no_kernel):
     if mkl_draws_bernoulli():
         pytest.skip("on an Intel CPU PyTorch may draw bernoulli_ with MKL: SameMaskDropout is nn.Dropout there")
     for q, dtype in ((0.9, torch.float32), (0.9, torch.bfloat16), (0.7, torch.float32)):
-        assert tat.bernoulli_replayable(q, dtype), (q, dtype)  # the default kernel: the replay must hold
+        assert tat.mask_drawer(q, dtype) is tat._replayed_scaled_mask, (q, dtype)  # the default kernel: the replay holds
     calls = []
     plain = F.dropout
     monkeypatch.setattr(F, "dropout", lambda *a, **k: calls.append(1) or plain(*a, **k))
@@ -588,18 +612,76 @@ def test_same_mask_dropout_draws_without_bernoulli_where_the_check_passes(monkey
     assert calls == [1, 1, 1, 1, 1]
 
 
-def test_the_replay_check_fails_when_the_replayed_mask_is_not_bernoullis(monkeypatch):
-    real = tat._replayed_keep
-    monkeypatch.setattr(tat, "_replayed_keep", lambda shape, q: real(shape, q).roll(1))
-    tat.bernoulli_replayable.cache_clear()
+def test_the_replay_check_fails_when_the_replayed_mask_is_not_bernoullis(monkeypatch, no_kernel):
+    real = tat._replayed_scaled_mask
+    monkeypatch.setattr(tat, "_replayed_scaled_mask", lambda shape, q, dtype: real(shape, q, dtype).roll(1))
+    assert tat.mask_drawer(0.9, torch.float32) is None
+    calls = []
+    plain = F.dropout
+    monkeypatch.setattr(F, "dropout", lambda *a, **k: calls.append(1) or plain(*a, **k))
+    tat.SameMaskDropout(0.1).train()(torch.ones(8, 8))
+    assert calls == [1]  # so SameMaskDropout is nn.Dropout
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_compiled_kernel_draws_bernoullis_masks_and_leaves_the_generator_where_bernoulli_does(kernel, dtype):
+    # sizes around the generator's 624-word blocks and the kernel's 1,024-element chunks, from
+    # states part-way through a block (the words drawn before) and fresh after seeding
+    for n, before, q in [(1, 0, 0.9), (311, 5, 0.9), (312, 0, 0.7), (313, 311, 0.5), (1024, 3, 0.9),
+                         (1025, 600, 0.7), (5000, 1, 0.9), (1 << 17, 77, 0.9), (0, 9, 0.9)]:
+        torch.manual_seed(n + before)
+        torch.empty(before, dtype=torch.int64).random_()  # 2 words each
+        start = torch.get_rng_state()
+        want = torch.empty(n, dtype=dtype).bernoulli_(q).div_(q)
+        after = torch.get_rng_state()
+        torch.set_rng_state(start)
+        got = tat._kernel_scaled_mask(kernel, torch.Size([n]), q, dtype)
+        assert torch.equal(got, want), (n, before, q)
+        assert torch.equal(torch.get_rng_state(), after), (n, before, q)
+
+
+def test_the_kernel_refuses_a_generator_state_it_does_not_know(kernel):
+    state = torch.get_rng_state()
+    state[8:12] = torch.tensor([0], dtype=torch.int32).view(torch.uint8)  # `left` 0: never a generator's
+    before = state.clone()
+    out = torch.zeros(16)
+    assert kernel.dropout_mask(state.data_ptr(), 2**52, 0, out.data_ptr(), 16, 4) == -1
+    assert torch.equal(state, before) and torch.equal(out, torch.zeros(16))
+    assert kernel.dropout_mask(torch.get_rng_state().data_ptr(), 2**52, 0, out.data_ptr(), 16, 8) == -1  # 8-byte elements
+
+
+def test_the_mask_drawer_prefers_the_kernel_and_falls_back_where_it_is_wrong(kernel, monkeypatch):
+    if mkl_draws_bernoulli():
+        pytest.skip("on an Intel CPU PyTorch may draw bernoulli_ with MKL: SameMaskDropout is nn.Dropout there")
+    tat.mask_drawer.cache_clear()
     try:
-        assert not tat.bernoulli_replayable(0.9, torch.float32)
+        for dtype in (torch.float32, torch.bfloat16):
+            assert tat.mask_drawer(0.9, dtype).func is tat._kernel_scaled_mask
+        assert tat.mask_drawer(0.9, torch.float64) is tat._replayed_scaled_mask  # 8-byte elements: not the kernel's
+        assert "compiled kernel" in tat.dropout_note(TINY, torch.device("cpu"))
+        real = tat._kernel_scaled_mask
+        monkeypatch.setattr(tat, "_kernel_scaled_mask", lambda *a: real(*a).roll(1))  # a kernel that went wrong
+        tat.mask_drawer.cache_clear()
+        assert tat.mask_drawer(0.9, torch.float32) is tat._replayed_scaled_mask
     finally:
-        tat.bernoulli_replayable.cache_clear()
+        tat.mask_drawer.cache_clear()
 
 
+def test_the_log_says_how_dropout_masks_are_drawn(no_kernel):
+    cpu = torch.device("cpu")
+    assert "random_" in tat.dropout_note(TINY, cpu) and tat.DROPOUT_KERNEL in tat.dropout_note(TINY, cpu)
+    assert tat.dropout_note(dataclasses.replace(TINY, fast_dropout=True), cpu) == ""
+    assert tat.dropout_note(dataclasses.replace(TINY, P_drop=0.0), cpu) == ""
+    assert tat.dropout_note(TINY, torch.device("meta")) == ""  # off the CPU: nn.Dropout's own kernel
+
+
+@pytest.mark.parametrize("drawer", ["kernel", "replay"])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_a_model_trains_to_the_same_weights_with_same_mask_dropout_as_with_nn_dropout(autocast):
+def test_a_model_trains_to_the_same_weights_with_same_mask_dropout_as_with_nn_dropout(autocast, drawer, request):
+    request.getfixturevalue("kernel" if drawer == "kernel" else "no_kernel")
+    if not mkl_draws_bernoulli():
+        used = tat.mask_drawer(0.9, torch.float32)
+        assert (getattr(used, "func", None) is tat._kernel_scaled_mask) == (drawer == "kernel")
     def train(kind):
         torch.manual_seed(0)
         model = tat.use_dropout(tat.make_model(13, 13, TINY, attn_dropout=0.1, ffn_dropout=0.1), kind).train()
