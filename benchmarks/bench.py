@@ -212,17 +212,31 @@ class TorchTransformer(nn.Module):
                                 memory_key_padding_mask=src_pad)
 
 
+class ReplayDropout(tat.SameMaskDropout):
+    """``SameMaskDropout`` as it was before the compiled kernel (``csrc/dropout_mask.c``): wherever it draws the
+    masks itself, it takes them with ``random_`` (``tat._replayed_scaled_mask``). The same numbers."""
+
+    def forward(self, x):
+        q = 1 - self.p
+        draw = tat.mask_drawer(q, x.dtype) if self.training and x.device.type == "cpu" and x.is_contiguous() else None
+        if draw is None or self.inplace or not 0 < self.p < 1 or torch.compiler.is_compiling():
+            return super().forward(x)
+        return x * tat._replayed_scaled_mask(x.shape, q, x.dtype)
+
+
 def build_model(kind: str, src_vocab: int, tgt_vocab: int, cfg: tat.Config) -> nn.Module:
     """``"fast"`` / ``"readable"`` (our model as the preset builds it; ``"readable/FastDropout"`` with
     ``fast_dropout=True``, ``"readable/nn.Dropout"`` with PyTorch's module in place of ``SameMaskDropout``:
-    the same numbers, as the model was before it; ``"readable/autograd-loss"`` is the preset's model, trained
+    the same numbers, as the model was before it; ``"readable/random_-replay"`` with ``ReplayDropout``, the
+    same numbers, as the model was before the compiled mask kernel; ``"readable/autograd-loss"`` is the preset's model, trained
     with autograd's backward of the loss, see ``loss_of``) or ``"torch"`` (nn.Transformer), random weights."""
     if kind == "torch":
         return TorchTransformer(src_vocab, tgt_vocab, cfg)
     path, _, variant = kind.partition("/")
     model = tat.make_model(src_vocab, tgt_vocab, cfg, attention=path,
                            fast_dropout=cfg.fast_dropout or variant == "FastDropout")
-    return tat.use_dropout(model, nn.Dropout) if variant == "nn.Dropout" else model
+    dropout = {"nn.Dropout": nn.Dropout, "random_-replay": ReplayDropout}.get(variant)
+    return tat.use_dropout(model, dropout) if dropout else model
 
 
 def loss_of(kind: str) -> Optional[str]:
@@ -234,6 +248,8 @@ def loss_of(kind: str) -> Optional[str]:
 MODEL_NAMES = MappingProxyType({"fast": "ours, fast path", "readable": "ours, readable path",
                                 "readable/FastDropout": "ours, readable path, FastDropout",
                                 "readable/nn.Dropout": "ours, readable path, nn.Dropout (before SameMaskDropout)",
+                                "readable/random_-replay": "ours, readable path, masks by random_ (before the "
+                                                           "compiled kernel)",
                                 "readable/autograd-loss": "ours, readable path, autograd's loss backward "
                                                           "(before loss_sum_one_pass)",
                                 "torch": "torch.nn.Transformer", "fast+compile": "ours, fast path, compiled",
@@ -629,6 +645,7 @@ def plot(report: dict, path: Path) -> Path:
     labels = [textwrap.fill(f"{r['name']}, {r['precision']}", 52) for r in res]
     ax.barh(range(len(res)), [r["tokens_per_s"] for r in res], color=[
         {"fast": "tab:blue", "readable": "tab:cyan", "readable/FastDropout": "tab:gray", "readable/nn.Dropout": "tab:olive",
+         "readable/random_-replay": "tab:green",
          "readable/autograd-loss": "tab:brown", "torch": "tab:orange",
          "fast+compile": "tab:purple",
          "readable+compile": "tab:pink"}[r["model"]] for r in res])

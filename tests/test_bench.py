@@ -53,7 +53,8 @@ def test_training_rows_cover_every_model_and_the_native_precisions(report):
     expected = ["float32"] + (["bf16"] if report["json"]["machine"]["bf16_native"] else [])
     assert tr["precisions"] == expected
     assert {(r["model"], r["precision"]) for r in tr["results"]} == {
-        (m, p) for m in ("fast", "readable", "readable/FastDropout", "readable/nn.Dropout", "readable/autograd-loss", "torch")
+        (m, p) for m in ("fast", "readable", "readable/FastDropout", "readable/nn.Dropout", "readable/random_-replay",
+                         "readable/autograd-loss", "torch")
         for p in expected}
     for r in tr["results"]:
         assert positive(r["tokens_per_s"]) and positive(r["step_s"]) and positive(r["flops_per_s"])
@@ -295,3 +296,30 @@ def test_the_scatter_loss_row_is_the_preset_loss_to_the_bit(monkeypatch, name):
     assert av.loss_of("readable/autograd-loss") == bench.loss_of("readable/autograd-loss") == "autograd"
     model = av.build("readable/scatter-loss", 11, 11, tat.get_config("tiny"))
     assert {type(m) for m in model.modules() if isinstance(m, tat.MultiHeadedAttention)} == {tat.MultiHeadedAttention}
+
+
+def test_the_random_replay_row_draws_with_random_and_gives_the_presets_numbers(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench
+    import the_annotated_transformer as tat
+    import torch
+
+    cfg = tat.get_config("tiny")
+    src, tgt = torch.randint(4, 13, (3, 7)), torch.randint(4, 13, (3, 6))
+    batch = tat.Batch(src, tgt, tat.PAD)
+    calls = []
+    real = tat._replayed_scaled_mask
+    monkeypatch.setattr(tat, "_replayed_scaled_mask", lambda *a: calls.append(1) or real(*a))
+    weights = {}
+    for kind in ("readable", "readable/random_-replay"):
+        torch.manual_seed(0)
+        model = bench.build_model(kind, 13, 13, cfg).train()
+        assert any(isinstance(m, bench.ReplayDropout) for m in model.modules()) == kind.endswith("replay")
+        optimizer = bench.make_adam(model, cfg)
+        for _ in range(2):
+            bench.train_step(model, optimizer, batch, cfg, bf16=False)
+        weights[kind] = [p.detach().clone() for p in model.parameters()]
+        if kind == "readable" and tat.load_dropout_kernel() is not None:
+            assert calls == []  # the preset's row draws with the compiled kernel where it is built
+    assert calls  # the replay row took its masks from random_
+    assert all(torch.equal(a, b) for a, b in zip(*weights.values()))  # the same numbers
