@@ -987,26 +987,33 @@ def _replayed_scaled_mask(shape: torch.Size, q: float, dtype: torch.dtype) -> to
 # `FastDropout`'s. Without a C compiler nothing is built, and the replay above draws the masks.
 
 # %%
-DROPOUT_KERNEL = "build/dropout_mask.so"  # `make` builds it from csrc/dropout_mask.c; relative to the working directory
+# `make` builds it from csrc/dropout_mask.c, next to this file (in the notebook: in the working directory)
+DROPOUT_KERNEL = (Path(__file__).parent if "__file__" in globals() else Path()) / "build" / "dropout_mask.so"
+DROPOUT_KERNEL_INTERFACE = 1  # the version of dropout_mask's arguments this module calls it with
 
 
 def load_dropout_kernel(path: Optional[str] = None):
     """The compiled mask kernel, ``csrc/dropout_mask.c`` (our addition, for §5.4's dropout), as a ``ctypes`` library.
 
     ``path`` defaults to ``ANNOTATED_TRANSFORMER_KERNEL`` or :data:`DROPOUT_KERNEL`. None where
-    nothing is built there, it does not load, or it expects another layout of the generator's state.
+    nothing is built there, it does not load, or it was built for other arguments or another layout
+    of the generator's state. It is called holding Python's lock (``PyDLL``), as ``bernoulli_`` draws
+    holding the generator's, so that no other Python thread draws between reading and writing the state.
     """
     path = Path(path or os.environ.get("ANNOTATED_TRANSFORMER_KERNEL") or DROPOUT_KERNEL)
     if not path.is_file():
         return None
     try:
-        lib = ctypes.CDLL(str(path.resolve()))
-    except OSError:
+        lib = ctypes.PyDLL(str(path.resolve()))
+        if (lib.dropout_mask_interface() != DROPOUT_KERNEL_INTERFACE
+                or lib.dropout_mask_state_bytes() != torch.get_rng_state().numel()):
+            return None
+    except (OSError, AttributeError):  # not a library, or not this one
         return None
     lib.dropout_mask.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p,
                                  ctypes.c_int64, ctypes.c_int]
     lib.dropout_mask.restype = ctypes.c_int
-    return lib if lib.dropout_mask_state_bytes() == torch.get_rng_state().numel() else None
+    return lib
 
 
 def _kernel_scaled_mask(lib, shape: torch.Size, q: float, dtype: torch.dtype) -> torch.Tensor:
@@ -1034,35 +1041,41 @@ def _kernel_scaled_mask(lib, shape: torch.Size, q: float, dtype: torch.dtype) ->
 
 # %%
 @functools.lru_cache(maxsize=None)
-def mask_drawer(q: float, dtype: torch.dtype) -> Optional[Callable]:
+def mask_drawer(q: float, dtype: torch.dtype, kernel: bool = True) -> Optional[Callable]:
     """How to draw ``nn.Dropout``'s mask / ``q`` exactly on this machine (our addition, for §5.4's dropout).
 
-    Returns ``draw(shape, q, dtype)``: the compiled kernel where it is built and reproduces this
-    PyTorch's CPU ``bernoulli_(q)`` on ``dtype`` (the same scaled mask and the generator left in the
-    same state), else the ``random_`` replay where that does, else None (use ``nn.Dropout``).
-    Checked once per (q, dtype) and remembered: the answer is a fact about the PyTorch build, the
-    CPU and what is built, the module's one deliberate cache. The caller's random stream is left untouched.
+    Returns ``draw(shape, q, dtype)``: the compiled kernel where it is built (and ``kernel``) and
+    reproduces this PyTorch's CPU ``bernoulli_(q)`` on ``dtype`` (the same scaled mask and the
+    generator left in the same state), else the ``random_`` replay where that does, else None (use
+    ``nn.Dropout``). A way that fails in any manner is passed over. Checked once per (q, dtype,
+    kernel) and remembered: the answer is a fact about the PyTorch build, the CPU and what is
+    built, the module's one deliberate cache. The caller's random stream is left untouched.
     """
     n = 1 << 17  # past any grain at which a kernel could split the work
-    lib = load_dropout_kernel()
-    candidates = [functools.partial(_kernel_scaled_mask, lib)] if lib is not None and dtype.itemsize in (2, 4) else []
+    lib = load_dropout_kernel() if kernel and dtype.itemsize in (2, 4) else None
+    candidates = ([functools.partial(_kernel_scaled_mask, lib)] if lib is not None else []) + [_replayed_scaled_mask]
     with torch.random.fork_rng(devices=[]):
         start = torch.get_rng_state()
         want = torch.empty(n, dtype=dtype).bernoulli_(q).div_(q)  # nn.Dropout's mask / q
         after = torch.get_rng_state()
-        for draw in candidates + [_replayed_scaled_mask]:
+        for draw in candidates:
             torch.set_rng_state(start)
-            if torch.equal(draw(torch.Size([n]), q, dtype), want) and torch.equal(after, torch.get_rng_state()):
-                return draw
+            try:
+                if torch.equal(draw(torch.Size([n]), q, dtype), want) and torch.equal(after, torch.get_rng_state()):
+                    return draw
+            except (RuntimeError, ValueError):  # e.g. a generator state the kernel or PyTorch refuses
+                continue
     return None
 
 
 class SameMaskDropout(nn.Dropout):
     r"""Dropout — §5.4: exactly ``nn.Dropout`` (mask, scaling and random stream), its mask drawn faster on a CPU."""
 
+    kernel = True  # draw with the compiled kernel where mask_drawer finds it exact
+
     def forward(self, x):
         q = 1 - self.p  # keep probability, as nn.Dropout computes it
-        draw = (mask_drawer(q, x.dtype) if self.training and 0 < self.p < 1 and not self.inplace
+        draw = (mask_drawer(q, x.dtype, self.kernel) if self.training and 0 < self.p < 1 and not self.inplace
                 and x.device.type == "cpu" and x.is_contiguous() and not torch.compiler.is_compiling() else None)
         if draw is None:
             return super().forward(x)
@@ -3343,10 +3356,12 @@ def dropout_note(cfg: ModelConfig, device: torch.device) -> str:
     draw = mask_drawer(1 - cfg.P_drop, torch.float32)
     if getattr(draw, "func", None) is _kernel_scaled_mask:
         return "dropout masks: nn.Dropout's, drawn by the compiled kernel (csrc/dropout_mask.c)"
-    if draw is not None:
-        return (f"dropout masks: nn.Dropout's, drawn with random_ (nothing built at {DROPOUT_KERNEL}; `make` "
-                "compiles csrc/dropout_mask.c, which draws the same masks faster)")
-    return "dropout masks: nn.Dropout's own (this PyTorch's bernoulli_ cannot be replayed here)"
+    if draw is None:
+        return "dropout masks: nn.Dropout's own (this PyTorch's bernoulli_ cannot be replayed here)"
+    where = os.environ.get("ANNOTATED_TRANSFORMER_KERNEL") or DROPOUT_KERNEL
+    why = ("it was not used: it did not load or did not reproduce bernoulli_ here" if Path(where).is_file()
+           else "nothing is built there; `make kernel` compiles csrc/dropout_mask.c, which draws them faster")
+    return f"dropout masks: nn.Dropout's, drawn with random_ (compiled kernel {where}: {why})"
 
 
 # %% [markdown]

@@ -213,15 +213,10 @@ class TorchTransformer(nn.Module):
 
 
 class ReplayDropout(tat.SameMaskDropout):
-    """``SameMaskDropout`` as it was before the compiled kernel (``csrc/dropout_mask.c``): wherever it draws the
-    masks itself, it takes them with ``random_`` (``tat._replayed_scaled_mask``). The same numbers."""
+    """``SameMaskDropout`` as it was before the compiled kernel (``csrc/dropout_mask.c``): its masks drawn with
+    ``random_`` (``tat._replayed_scaled_mask``) wherever that reproduces ``bernoulli_``. The same numbers."""
 
-    def forward(self, x):
-        q = 1 - self.p
-        draw = tat.mask_drawer(q, x.dtype) if self.training and x.device.type == "cpu" and x.is_contiguous() else None
-        if draw is None or self.inplace or not 0 < self.p < 1 or torch.compiler.is_compiling():
-            return super().forward(x)
-        return x * tat._replayed_scaled_mask(x.shape, q, x.dtype)
+    kernel = False
 
 
 def build_model(kind: str, src_vocab: int, tgt_vocab: int, cfg: tat.Config) -> nn.Module:

@@ -6,7 +6,7 @@
  * element when its low 53 bits are below ceil(q * 2^53); nn.Dropout then divides the mask by q.
  * PyTorch draws the words one at a time; here the generator's 624-word state is regenerated and
  * tempered a whole block at a time, loops a compiler turns into vector instructions, and the scaled
- * mask is written directly. The Python side (the_annotated_transformer.dropout_mask_drawer) checks
+ * mask is written directly. The Python side (the_annotated_transformer.mask_drawer) checks
  * once per probability and dtype that this reproduces bernoulli_ exactly, mask and generator state,
  * and uses PyTorch's own draws wherever it does not.
  *
@@ -65,7 +65,10 @@ static inline void words(uint32_t *restrict s, int32_t *left, int32_t *next, uin
     }
 }
 
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+/* GCC 12 or later on x86-64 with glibc: one version of the function per instruction set, picked when the
+ * library loads (an ifunc); older GCCs do not know these names, musl has no ifuncs, other compilers
+ * build one plain version. */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__x86_64__) && defined(__GLIBC__)
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define CLONES
@@ -109,5 +112,8 @@ CLONES int dropout_mask(uint8_t *state, uint64_t threshold, uint32_t kept, void 
     return 0;
 }
 
-/* The size of the generator state this file reads and writes, for the caller to compare. */
+/* What the caller checks before its first call: this file's interface (the arguments of dropout_mask; bump
+ * it when they change, so that an old build is refused rather than called wrongly) and the size of the
+ * generator state it reads and writes. */
+int dropout_mask_interface(void) { return 1; }
 int dropout_mask_state_bytes(void) { return STATE_BYTES; }

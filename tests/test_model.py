@@ -640,6 +640,17 @@ def test_the_compiled_kernel_draws_bernoullis_masks_and_leaves_the_generator_whe
         assert torch.equal(torch.get_rng_state(), after), (n, before, q)
 
 
+def test_only_a_library_built_from_this_kernel_source_is_loaded(kernel, tmp_path):
+    import _ctypes  # a real shared library without the kernel's functions
+
+    not_a_library = tmp_path / "dropout_mask.so"
+    not_a_library.write_text("not a library")
+    assert tat.load_dropout_kernel(str(not_a_library)) is None
+    assert tat.load_dropout_kernel(_ctypes.__file__) is None
+    assert tat.load_dropout_kernel(str(tmp_path / "missing.so")) is None
+    assert kernel.dropout_mask_interface() == tat.DROPOUT_KERNEL_INTERFACE
+
+
 def test_the_kernel_refuses_a_generator_state_it_does_not_know(kernel):
     state = torch.get_rng_state()
     state[8:12] = torch.tensor([0], dtype=torch.int32).view(torch.uint8)  # `left` 0: never a generator's
@@ -663,13 +674,23 @@ def test_the_mask_drawer_prefers_the_kernel_and_falls_back_where_it_is_wrong(ker
         monkeypatch.setattr(tat, "_kernel_scaled_mask", lambda *a: real(*a).roll(1))  # a kernel that went wrong
         tat.mask_drawer.cache_clear()
         assert tat.mask_drawer(0.9, torch.float32) is tat._replayed_scaled_mask
+        assert "it was not used" in tat.dropout_note(TINY, torch.device("cpu"))
+
+        def refused(*args):
+            raise RuntimeError("the dropout kernel does not recognise the generator's state")
+
+        monkeypatch.setattr(tat, "_kernel_scaled_mask", refused)  # a kernel that fails is passed over too
+        tat.mask_drawer.cache_clear()
+        assert tat.mask_drawer(0.9, torch.float32) is tat._replayed_scaled_mask
+        assert tat.mask_drawer(0.9, torch.float32, kernel=False) is tat._replayed_scaled_mask
     finally:
         tat.mask_drawer.cache_clear()
 
 
 def test_the_log_says_how_dropout_masks_are_drawn(no_kernel):
     cpu = torch.device("cpu")
-    assert "random_" in tat.dropout_note(TINY, cpu) and tat.DROPOUT_KERNEL in tat.dropout_note(TINY, cpu)
+    note = tat.dropout_note(TINY, cpu)
+    assert "random_" in note and "not-built.so: nothing is built there" in note
     assert tat.dropout_note(dataclasses.replace(TINY, fast_dropout=True), cpu) == ""
     assert tat.dropout_note(dataclasses.replace(TINY, P_drop=0.0), cpu) == ""
     assert tat.dropout_note(TINY, torch.device("meta")) == ""  # off the CPU: nn.Dropout's own kernel
