@@ -850,10 +850,11 @@ POSITIONAL = MappingProxyType({"sinusoid": PositionalEncoding, "learned": Learne
 # weight matrices) costs little beside that.
 # So `ModelConfig.attention` is `"auto"` by default, decided once per run by `resolve_attention`
 # and written in the run log like the precision: the fused path on a GPU, the readable one on a
-# CPU; `"readable"` and `"fast"` override it. In float32 no path gets far ahead of `torch.nn.Transformer`:
-# 65–75% of every model's step are the same matrix products, already near the CPU's measured
+# CPU; `"readable"` and `"fast"` override it. In float32 neither path gets far ahead of `torch.nn.Transformer`
+# by its attention: 65–75% of every model's step are the same matrix products, already near the CPU's measured
 # matmul peak (183–190 against 194–196 GFLOP/s on the slower of two EPYCs), so what the readable path saves in
-# the attention core and the dropout draws comes to about 1.05× (README, "Why float32 stays near 1.05×").
+# the attention core came to about 1.05×; drawing the dropout masks with compiled code (below) took it to
+# 1.12× (README, "What took float32 past 1.1×").
 
 # %%
 class FastMultiHeadedAttention(MultiHeadedAttention):
@@ -936,7 +937,9 @@ def resolve_attention(setting: str, device: Optional[torch.device] = None) -> tu
 # first 1,000 validation sentences against the preset's 8.0 then (3 decoder layers; README). So
 # `ModelConfig.fast_dropout` is off by default, and the presets' reported runs repeat exactly: set
 # it and `make_model` swaps `FastDropout` in for every `nn.Dropout` of the model. On a GPU it is
-# `nn.Dropout` anyway (PyTorch's fused kernel is faster there).
+# `nn.Dropout` anyway (PyTorch's fused kernel is faster there). And since `nn.Dropout`'s own masks
+# are drawn by compiled code (below), it is no faster on a CPU either: in `make bench` the
+# preset ran at 0.99× its speed in float32 and 1.02× in bf16.
 
 # %%
 class FastDropout(nn.Dropout):

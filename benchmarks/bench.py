@@ -156,6 +156,7 @@ def machine_info() -> dict:
         "bf16_native": bf16,
         "bf16_reason": why,
         "allocator": tat.allocator_note(torch.device("cpu")) or "not glibc",
+        "dropout_masks": tat.dropout_note(tat.get_config("multi30k-small"), torch.device("cpu")),
         "load_average_start": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
@@ -697,7 +698,8 @@ def table(report: dict) -> str:
              f"Command: {report['command']}",
              f"Model: {report['model']}; load average at start/end: "
              f"{format(m['load_average_start'][0], '.1f') if m['load_average_start'] else 'n/a'} / "
-             f"{format(m['load_average_end'][0], '.1f') if m.get('load_average_end') else 'n/a'}", "",
+             f"{format(m['load_average_end'][0], '.1f') if m.get('load_average_end') else 'n/a'}",
+             f"Preset's {m['dropout_masks'] or 'dropout masks: n/a'}", "",
              f"Training batches: the first {tr['batches']} length-bucketed {report['dataset']} training batches "
              f"(≤ {tr['batch_tokens']} tokens per side, {tr['target_tokens_per_pass']:,} target tokens); "
              f"{tr['warmup_passes']} warm-up pass{'' if tr['warmup_passes'] == 1 else 'es'} over them, median of {tr['repeats']} passes; "
@@ -816,6 +818,7 @@ def main(argv: Sequence[str]) -> int:
     machine = machine_info()
     log(f"{machine['cpu']}, {machine['cores']} cores, torch {machine['torch']}; {machine['bf16_reason']}")
     log(machine["allocator"])
+    log(machine["dropout_masks"])
     t_start = time.time()
     data = tat.load_dataset(cfg, log=log)
     report = {"command": display_command(argv), "mode": st.mode, "dataset": args.dataset,

@@ -46,6 +46,8 @@ def test_every_section_is_written_with_the_machine_and_command(report):
     assert isinstance(data["machine"]["bf16_native"], bool)
     assert "--smoke" in data["command"]
     assert data["machine"]["cpu"] in report["stdout"] and "| measurement | value | goal |" in report["stdout"]
+    assert data["machine"]["dropout_masks"].startswith("dropout masks: nn.Dropout's")  # how the preset drew them
+    assert data["machine"]["dropout_masks"] in report["stdout"]
 
 
 def test_training_rows_cover_every_model_and_the_native_precisions(report):
