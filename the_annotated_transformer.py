@@ -966,7 +966,7 @@ class FastDropout(nn.Dropout):
 # the element when $(x \bmod 2^{53}) \cdot 2^{-53} < q$. `random_(0, 2**53)` on an int64 tensor takes the
 # same draws from the same generator and returns $x \bmod 2^{53}$, faster, and comparing them with
 # $\lceil q \cdot 2^{53} \rceil$ gives the same mask; dividing it by $q$ is what `nn.Dropout` multiplies
-# its input by. Measured on the same 2-core EPYC, a mask took 1.5 ms instead of 2.4; training steps
+# its input by. Profiled on the same 2-core EPYC, a mask took 1.5 ms instead of 2.4; training steps
 # were 1.02× faster in bf16 for `multi30k-small` (`make bench`) and about 1.1× for `iwslt14-sample`,
 # which has more dropout.
 
@@ -985,9 +985,12 @@ def _replayed_scaled_mask(shape: torch.Size, q: float, dtype: torch.dtype) -> to
 # 624 words at once, which a compiler turns into vector instructions. So `csrc/dropout_mask.c` (about a
 # hundred lines of our C, built by `make` into `build/dropout_mask.so`) reads the generator's state from
 # `torch.get_rng_state()`, draws the words a block at a time, writes the scaled mask directly and
-# puts the advanced state back: the same generator and the same arithmetic, so the same masks. On
-# the 2-core EPYC a mask took 0.4 ms with it against 2.8 with `random_`, as cheap as
-# `FastDropout`'s. Without a C compiler nothing is built, and the replay above draws the masks.
+# puts the advanced state back: the same generator and the same arithmetic, so the same masks.
+# Timed alone on the slower of two 2-core EPYCs, a `multi30k-small` mask took 0.4 ms with it, 2.8 ms
+# with the replay above and 3.7 ms in `bernoulli_`, and `make bench` there found training steps 1.06×
+# faster in float32 and 1.11× in bf16 than with the replay. Where nothing is built (no C compiler, or
+# the notebook opened without `make`) or the kernel does not reproduce `bernoulli_`, the replay draws
+# the masks.
 
 # %%
 # `make` builds it from csrc/dropout_mask.c, next to this file (in the notebook: in the working directory)
