@@ -1,4 +1,4 @@
-"""What the Makefile runs for `make lab` and `make notebook`, read from `make -n` and, for the notebook, run."""
+"""What the Makefile runs for `make lab`, `make notebook` and `make kernel`, read from `make -n` and, for some, run."""
 import os
 import shutil
 import subprocess
@@ -63,3 +63,11 @@ def test_make_runs_everything_with_the_allocator_settings_the_module_records():
     shown = subprocess.run(["make", "--no-print-directory", "-s", "-f", "-", "show"], cwd=ROOT, capture_output=True, text=True,
                            env=env, input="include Makefile\nshow:\n\t@printenv MALLOC_MMAP_MAX_ MALLOC_TRIM_THRESHOLD_\n")
     assert shown.stdout.split() == list(tat.GLIBC_MALLOC_SETTINGS.values()), shown.stderr
+
+
+def test_without_a_c_compiler_make_goes_on_and_builds_no_kernel(tmp_path):
+    target = tmp_path / "build" / "dropout_mask.so"
+    out = subprocess.run(["make", "--no-print-directory", "kernel", "CC=false", f"KERNEL={target}"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr  # so `make test` and `make train` run on, with random_'s masks
+    assert "could not compile" in out.stdout and not target.exists()
