@@ -136,7 +136,7 @@ __all__ = [
     # Part 1 — the model (§3), in the paper's order
     "EncoderDecoder", "Generator", "Encoder", "EncoderLayer", "SublayerConnection", "Decoder", "DecoderLayer",
     "subsequent_mask", "padding_mask", "attention", "MultiHeadedAttention", "PositionwiseFeedForward", "Embeddings",
-    "PositionalEncoding", "LearnedPositionalEncoding", "FastMultiHeadedAttention", "FastDropout", "SameMaskDropout", "mask_drawer", "load_dropout_kernel", "dropout_note", "use_dropout",
+    "PositionalEncoding", "LearnedPositionalEncoding", "FastMultiHeadedAttention", "FastDropout", "SameMaskDropout", "mask_drawer", "load_dropout_kernel", "use_dropout",
     "ModelConfig", "MODEL_PRESETS", "WordDropout",
     "make_model",
     # Part 2 — training (§5)
@@ -145,7 +145,7 @@ __all__ = [
     # Part 3 — decoding (§6.1)
     "greedy_decode", "IncrementalDecoder", "beam_search", "translate", "detokenize", "bleu",
     # Appendix — running it
-    "load_dataset", "epoch_pairs", "Dataset", "GLIBC_MALLOC_SETTINGS", "allocator_note", "save_checkpoint", "load_checkpoint", "average_checkpoints", "train", "evaluate_test",
+    "load_dataset", "epoch_pairs", "Dataset", "GLIBC_MALLOC_SETTINGS", "allocator_note", "dropout_note", "save_checkpoint", "load_checkpoint", "average_checkpoints", "train", "evaluate_test",
     "load_for_inference", "main",
 ]
 
