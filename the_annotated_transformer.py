@@ -966,7 +966,7 @@ class FastDropout(nn.Dropout):
 # the element when $(x \bmod 2^{53}) \cdot 2^{-53} < q$. `random_(0, 2**53)` on an int64 tensor takes the
 # same draws from the same generator and returns $x \bmod 2^{53}$, faster, and comparing them with
 # $\lceil q \cdot 2^{53} \rceil$ gives the same mask; dividing it by $q$ is what `nn.Dropout` multiplies
-# its input by. Profiled on the same 2-core EPYC, a mask took 1.5 ms instead of 2.4; training steps
+# its input by. Profiled on the faster of two 2-core EPYCs, a mask took 1.5 ms instead of 2.4; training steps
 # were 1.02× faster in bf16 for `multi30k-small` (`make bench`) and about 1.1× for `iwslt14-sample`,
 # which has more dropout.
 
