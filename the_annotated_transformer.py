@@ -986,8 +986,9 @@ def _replayed_scaled_mask(shape: torch.Size, q: float, dtype: torch.dtype) -> to
 # hundred lines of our C, built by `make` into `build/dropout_mask.so`) reads the generator's state from
 # `torch.get_rng_state()`, draws the words a block at a time, writes the scaled mask directly and
 # puts the advanced state back: the same generator and the same arithmetic, so the same masks.
-# Timed alone on the slower of two 2-core EPYCs, a `multi30k-small` mask took 0.4 ms with it, 2.8 ms
-# with the replay above and 3.7 ms in `bernoulli_`, and `make bench` there found training steps 1.06×
+# Timed alone on the slower of two 2-core EPYCs (`benchmarks/dropout_masks.py`), a float32
+# `multi30k-small` mask took 0.35 ms with it, 2.70 ms with the replay above and 3.61 ms with
+# `bernoulli_` and the division by $q$, and `make bench` there found training steps 1.06×
 # faster in float32 and 1.11× in bf16 than with the replay. Where nothing is built (no C compiler, or
 # the notebook opened without `make`) or the kernel does not reproduce `bernoulli_`, the replay draws
 # the masks.

@@ -331,3 +331,22 @@ def test_the_random_replay_row_draws_with_random_and_gives_the_presets_numbers(m
         assert all(torch.equal(a, b) for a, b in zip(*weights.values()))  # the same numbers
     finally:
         tat.mask_drawer.cache_clear()
+
+
+def test_dropout_masks_checks_the_ways_agree_and_times_each(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import dropout_masks
+    import the_annotated_transformer as tat
+    import torch
+
+    if tat.mask_drawer(0.9, torch.float32, kernel=False) is None:
+        pytest.skip("bernoulli_ cannot be replayed here (MKL on an Intel CPU)")
+    assert dropout_masks.main(["--shape", "3,700", "--repeats", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "ms" not in line]
+    names = [row.split(" | ")[0][2:] for row in rows]
+    assert names[:2] == ["nn.Dropout (bernoulli_, / q)", "random_ replay"] and names[-1].startswith("FastDropout")
+    assert ("compiled kernel" in names) == (tat.load_dropout_kernel() is not None)
+    assert all(float(row.split(" | ")[1].strip(" |")) > 0 for row in rows)
+    real = tat._replayed_scaled_mask
+    monkeypatch.setattr(tat, "_replayed_scaled_mask", lambda *a: real(*a).roll(1))  # a way that draws another mask
+    assert dropout_masks.main(["--shape", "3,700", "--repeats", "2"]) == 1
