@@ -1,0 +1,136 @@
+"""The machinery around the notebook: configuration, data, run files, devices, the
+production training loop, the command line, hosted-notebook setup and figures.
+
+It builds on the notebook's own parts (`the_annotated_transformer.py`), which
+`notebook()` finds at call time; nothing here defines the model, batching, loss,
+update step or decoders a second time.
+"""
+
+from __future__ import annotations
+
+from .config import (  # noqa: F401
+    ATTENTION_PATHS,
+    Config,
+    MODEL_PRESETS,
+    ModelConfig,
+    POSITIONAL_KINDS,
+    PRECISIONS,
+    PRESETS,
+    SAME_WEIGHTS,
+    default_preset,
+    device_problem,
+    get_config,
+    run_dir_for,
+    weight_fields,
+)
+from .data import (  # noqa: F401
+    CORPORA,
+    Corpus,
+    DataError,
+    DataSource,
+    Dataset,
+    build_subwords,
+    build_vocabs,
+    default_data_dir,
+    download,
+    fetch_dataset,
+    load_dataset,
+    locate_dataset,
+    locate_test_split,
+    make_copy_data,
+    make_tokenizer,
+    prepare_iwslt14,
+    read_lines,
+    read_parallel,
+    split_lines,
+)
+from .runfiles import (  # noqa: F401
+    CheckpointError,
+    Position,
+    RunDirectoryError,
+    RunFiles,
+    TrainingInterrupted,
+    UnreadableCheckpoint,
+    atomic_file,
+    average_checkpoints,
+    checkpoint_paths,
+    checkpoint_subwords,
+    epoch_updates,
+    first_line,
+    free_space,
+    load_checkpoint,
+    lock_run_dir,
+    metrics_lines_upto,
+    open_run_dir,
+    resume_position,
+    save_checkpoint,
+    sync_directory,
+    write_atomic,
+)
+from .devices import (  # noqa: F401
+    GLIBC_MALLOC_SETTINGS,
+    StopRequest,
+    _barrier,
+    _distributed,
+    allocator_note,
+    any_process,
+    fast_fp16,
+    native_bf16,
+    on_device,
+    process_group_backend,
+    resolve_attention,
+    resolve_device,
+    resolve_precision,
+    restore_rng,
+    rng_state,
+    seed_process,
+    unwrap,
+)
+from .training import (  # noqa: F401
+    LONG_MINUTES,
+    OVERSIZED,
+    Run,
+    Trainer,
+    TrainingDiverged,
+    UpdateClock,
+    evaluate_loss,
+    evaluate_test,
+    newest_readable_checkpoint,
+    plan_run,
+    planned_updates,
+    resume,
+    setup,
+    train,
+    train_epoch,
+    update,
+)
+from .figures import (  # noqa: F401
+    ATTENTION_TITLES,
+    draw_attention_head,
+    draw_attention_overview,
+    plot_curves,
+    save_figure,
+    sharpest_head,
+)
+from .cli import (  # noqa: F401
+    OneLineParser,
+    config_from_args,
+    config_from_dict,
+    encode_sources,
+    evaluation_pairs,
+    inference_parser,
+    load_for_inference,
+    main,
+    run_inference_command,
+    skipped_message,
+    translate_lines,
+)
+from .hosted import (  # noqa: F401
+    HOSTED_PACKAGES,
+    hosted_setup,
+    hosted_setup_plan,
+    is_hosted,
+)
+from .parts import (  # noqa: F401
+    notebook,
+)
