@@ -18,24 +18,25 @@
 # %% [markdown]
 # # The Annotated Transformer, reproduced
 #
-# A literate, tested reproduction of *Attention Is All You Need* (Vaswani, Shazeer, Parmar,
-# Uszkoreit, Jones, Gomez, Kaiser, Polosukhin, 2017, arXiv:1706.03762).
+# A literate, tested reproduction of *Attention Is All You Need* (Vaswani, Shazeer,
+# Parmar, Uszkoreit, Jones, Gomez, Kaiser, Polosukhin, 2017, arXiv:1706.03762).
 #
-# **How to read this notebook.** Text in a block quote is the paper's own wording, quoted
-# exactly and followed by its section (and equation) number; `[…]` marks words left out
-# (mostly citation keys). Everything else — prose outside block quotes, code and comments —
-# is our commentary. Each code cell follows the paragraph it implements.
+# **How to read this notebook.** Text in a block quote is the paper's own wording,
+# quoted exactly and followed by its section (and equation) number; `[…]` marks words
+# left out (mostly citation keys). Everything else — prose outside block quotes, code
+# and comments — is our commentary. Each code cell follows the paragraph it implements.
 #
 # * **Part 1 — the model (§3, §4).** Every component, in the paper's order and with the
 #   paper's names (`d_model`, `d_k`, `h`, `N`, `d_ff`, `P_drop`), ending in a model that
 #   runs.
 # * **Part 2 — training (§5).** Vocabulary (byte-pair encoding), batching by length, the
-#   optimizer and its schedule, label smoothing, one update step, and a loop that trains.
+#   optimizer and its schedule, label smoothing, one update step, and a loop that
+#   trains.
 # * **Part 3 — decoding and inference (§6.1).** Greedy decoding, a key/value cache, beam
 #   search with a length penalty, and BLEU.
-# * **Part 4 — real runs.** A synthetic copy task, German→English translation on Multi30k
-#   and IWSLT14, the variations of the paper's Table 3 at our scale, and what the trained
-#   model attends to.
+# * **Part 4 — real runs.** A synthetic copy task, German→English translation on
+#   Multi30k and IWSLT14, the variations of the paper's Table 3 at our scale, and what
+#   the trained model attends to.
 #
 # On a first reading, Parts 1–3 are the paper; [Part 4](#part-4) is where it runs.
 # The same file is a Python module (`the_annotated_transformer.py`, jupytext percent
@@ -48,9 +49,10 @@
 #
 # > The dominant sequence transduction models are based on complex recurrent or
 # > convolutional neural networks that include an encoder and a decoder. The best
-# > performing models also connect the encoder and decoder through an attention mechanism.
-# > We propose a new simple network architecture, the Transformer, based solely on
-# > attention mechanisms, dispensing with recurrence and convolutions entirely.
+# > performing models also connect the encoder and decoder through an attention
+# > mechanism. We propose a new simple network architecture, the Transformer, based
+# > solely on attention mechanisms, dispensing with recurrence and convolutions
+# > entirely.
 #
 # — Abstract
 
@@ -59,14 +61,14 @@
 #
 # PyTorch for the model; sentencepiece, spaCy's tokenizers and sacreBLEU for the text;
 # matplotlib for the figures. There is no torchtext here: its development stopped at
-# release 0.18, which only loads against torch 2.3, and the dataset URLs it downloads from
-# are dead. What we needed from it (a vocabulary, batching by length) takes a few dozen
-# lines below.
+# release 0.18, which only loads against torch 2.3, and the dataset URLs it downloads
+# from are dead. What we needed from it (a vocabulary, batching by length) takes a few
+# dozen lines below.
 #
 # `example` runs a cell's demonstration only when this file runs as the notebook, never
 # on import, and leaves none of its names behind. `NOTEBOOK_PROFILE` sizes the examples:
-# `full` (the default, what the stored outputs come from) or `smoke` (every example at its
-# smallest, which is how the tests execute the notebook).
+# `full` (the default, what the stored outputs come from) or `smoke` (every example at
+# its smallest, which is how the tests execute the notebook).
 
 # %%
 from __future__ import annotations
@@ -115,7 +117,11 @@ def example(demo: Callable[[], None]) -> None:
 # imported, keeping the host's own torch; anywhere else it does nothing.
 
 # %%
-if IN_NOTEBOOK and not Path("machinery").is_dir() and "ANNOTATED_TRANSFORMER_REPO" in os.environ:
+if (
+    IN_NOTEBOOK
+    and not Path("machinery").is_dir()
+    and "ANNOTATED_TRANSFORMER_REPO" in os.environ
+):
     import subprocess
 
     subprocess.run(["git", "clone", "--depth=1", os.environ["ANNOTATED_TRANSFORMER_REPO"],
@@ -131,7 +137,9 @@ if IN_NOTEBOOK:
 
     machinery.hosted_setup(
         machinery.hosted_setup_plan(
-            os.environ, sys.modules, lambda name: importlib.util.find_spec(name) is not None
+            os.environ,
+            sys.modules,
+            lambda name: importlib.util.find_spec(name) is not None,
         )
     )
 
@@ -141,24 +149,25 @@ if IN_NOTEBOOK:
 #
 # ## §3 Model Architecture
 #
-# > Most competitive neural sequence transduction models have an encoder-decoder structure
-# > […]. Here, the encoder maps an input sequence of symbol representations […]
-# > $(x_1, ..., x_n)$ to a sequence of continuous representations
-# > $\mathbf{z} = (z_1, ..., z_n)$. Given $\mathbf{z}$, the decoder then generates an output
-# > sequence $(y_1,...,y_m)$ of symbols one element at a time. At each step the model is
-# > auto-regressive […], consuming the previously generated symbols as additional input when
-# > generating the next.
+# > Most competitive neural sequence transduction models have an encoder-decoder
+# > structure […]. Here, the encoder maps an input sequence of symbol representations
+# > […] $(x_1, ..., x_n)$ to a sequence of continuous representations $\mathbf{z} =
+# > (z_1, ..., z_n)$. Given $\mathbf{z}$, the decoder then generates an output sequence
+# > $(y_1,...,y_m)$ of symbols one element at a time. At each step the model is
+# > auto-regressive […], consuming the previously generated symbols as additional input
+# > when generating the next.
 #
 # — §3
 #
-# The paper's Figure 1 draws the whole model. Here is our own drawing of it, with the names
-# of the classes below in grey (`figures/draw_figures.py` draws it):
+# The paper's Figure 1 draws the whole model. Here is our own drawing of it, with the
+# names of the classes below in grey (`figures/draw_figures.py` draws it):
 #
-# ![Figure 1, redrawn: the Transformer, encoder on the left, decoder on the right](figures/figure1_transformer.png)
+# ![Figure 1, redrawn: the Transformer, encoder on the left, decoder on the
+# right](figures/figure1_transformer.png)
 #
 # `EncoderDecoder` is that structure with its parts left abstract: `encode` computes
-# $\mathbf{z}$ once, `decode` is called with the target prefix, and `forward` does both for
-# training (the whole target is known, so all positions are computed in parallel).
+# $\mathbf{z}$ once, `decode` is called with the target prefix, and `forward` does both
+# for training (the whole target is known, so all positions are computed in parallel).
 
 
 # %%
@@ -182,7 +191,8 @@ class EncoderDecoder(nn.Module):
         return self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)
 
     def encode(self, src, src_mask):
-        r"""Map source token ids (batch, src_len) to $\mathbf{z}$ (batch, src_len, d_model)."""
+        r"""Map source token ids (batch, src_len) to $\mathbf{z}$ (batch, src_len,
+        d_model)."""
         return self.encoder(self.src_embed(src), src_mask)
 
     def decode(self, memory, src_mask, tgt, tgt_mask):
@@ -191,7 +201,8 @@ class EncoderDecoder(nn.Module):
 
 
 class Generator(nn.Module):
-    r"""The pre-softmax linear transformation and softmax of §3.4 (as log-probabilities)."""
+    r"""The pre-softmax linear transformation and softmax of §3.4 (as
+    log-probabilities)."""
 
     def __init__(self, d_model: int, vocab: int):
         super().__init__()
@@ -216,7 +227,8 @@ class Generator(nn.Module):
 
 # %%
 def clones(module: nn.Module, N: int) -> nn.ModuleList:
-    r"""$N$ identical, independently parameterised copies of ``module`` (the stacks of §3.1)."""
+    r"""$N$ identical, independently parameterised copies of ``module`` (the stacks of
+    §3.1)."""
     return nn.ModuleList([copy.deepcopy(module) for _ in range(N)])
 
 
@@ -224,7 +236,8 @@ class Encoder(nn.Module):
     r"""The encoder stack of §3.1: $N$ identical layers applied in turn.
 
     With post-norm (the paper) every sub-layer already ends in a layer norm, so there is
-    nothing to add on top. With pre-norm (``norm_first=True``) the stack ends with one more
+    nothing to add on top. With pre-norm (``norm_first=True``) the stack ends with one
+    more
     layer norm, because the last residual sum is otherwise never normalised.
     """
 
@@ -234,19 +247,20 @@ class Encoder(nn.Module):
         self.norm = nn.LayerNorm(layer.size) if norm_first else nn.Identity()
 
     def forward(self, x, mask):
-        """Pass (batch, src_len, d_model) through each layer; ``mask`` is the source mask."""
+        """Pass (batch, src_len, d_model) through each layer; ``mask`` is the source
+        mask."""
         for layer in self.layers:
             x = layer(x, mask)
         return self.norm(x)
 
 
 # %% [markdown]
-# > We employ a residual connection […] around each of the two sub-layers, followed by layer
-# > normalization […]. That is, the output of each sub-layer is
+# > We employ a residual connection […] around each of the two sub-layers, followed by
+# > layer normalization […]. That is, the output of each sub-layer is
 # > $\mathrm{LayerNorm}(x + \mathrm{Sublayer}(x))$, where $\mathrm{Sublayer}(x)$ is the
-# > function implemented by the sub-layer itself. To facilitate these residual connections,
-# > all sub-layers in the model, as well as the embedding layers, produce outputs of
-# > dimension $d_{\text{model}}=512$.
+# > function implemented by the sub-layer itself. To facilitate these residual
+# > connections, all sub-layers in the model, as well as the embedding layers, produce
+# > outputs of dimension $d_{\text{model}}=512$.
 #
 # — §3.1
 #
@@ -256,24 +270,25 @@ class Encoder(nn.Module):
 # $$\mathrm{LayerNorm}(x) = \gamma \odot \frac{x - \mu}{\sqrt{\sigma^2 + \epsilon}} + \beta,
 # \qquad \mu = \frac{1}{d}\sum_j x_j,\quad \sigma^2 = \frac{1}{d}\sum_j (x_j - \mu)^2 .$$
 #
-# `layer_norm_formula` writes exactly this; the model uses `nn.LayerNorm`, and a test shows
-# the two agree.
+# `layer_norm_formula` writes exactly this; the model uses `nn.LayerNorm`, and a test
+# shows the two agree.
 #
-# Where does dropout go? §5.4 (quoted in Part 2) answers: "to the output of each sub-layer,
-# before it is added to the sub-layer input and normalized". So the paper's sub-layer
-# connection is $\mathrm{LayerNorm}(x + \mathrm{Dropout}(\mathrm{Sublayer}(x)))$ —
-# **post-norm**. The widely copied Harvard notebook computes
-# $x + \mathrm{Dropout}(\mathrm{Sublayer}(\mathrm{LayerNorm}(x)))$ instead (**pre-norm**),
-# which trains more stably in deep stacks but is not what the paper describes. We implement
-# the paper by default and keep pre-norm as the option `norm_first=True` (the name
-# `torch.nn.Transformer` uses).
+# Where does dropout go? §5.4 (quoted in Part 2) answers: "to the output of each
+# sub-layer, before it is added to the sub-layer input and normalized". So the paper's
+# sub-layer connection is $\mathrm{LayerNorm}(x +
+# \mathrm{Dropout}(\mathrm{Sublayer}(x)))$ — **post-norm**. The widely copied Harvard
+# notebook computes $x + \mathrm{Dropout}(\mathrm{Sublayer}(\mathrm{LayerNorm}(x)))$
+# instead (**pre-norm**), which trains more stably in deep stacks but is not what the
+# paper describes. We implement the paper by default and keep pre-norm as the option
+# `norm_first=True` (the name `torch.nn.Transformer` uses).
 
 
 # %%
 def layer_norm_formula(x, gamma, beta, eps: float = 1e-5):
     r"""Layer normalization (Ba et al., 2016) over the last dimension, written out.
 
-    $\gamma \odot (x - \mu) / \sqrt{\sigma^2 + \epsilon} + \beta$ with the biased variance.
+    $\gamma \odot (x - \mu) / \sqrt{\sigma^2 + \epsilon} + \beta$ with the biased
+    variance.
     """
     mu = x.mean(dim=-1, keepdim=True)
     var = ((x - mu) ** 2).mean(dim=-1, keepdim=True)
@@ -281,10 +296,13 @@ def layer_norm_formula(x, gamma, beta, eps: float = 1e-5):
 
 
 class SublayerConnection(nn.Module):
-    r"""Residual connection and layer norm around one sub-layer — §3.1, with §5.4's dropout.
+    r"""Residual connection and layer norm around one sub-layer — §3.1, with §5.4's
+    dropout.
 
-    Post-norm (paper, default): $\mathrm{LayerNorm}(x + \mathrm{Dropout}(\mathrm{Sublayer}(x)))$.
-    Pre-norm (``norm_first=True``): $x + \mathrm{Dropout}(\mathrm{Sublayer}(\mathrm{LayerNorm}(x)))$.
+    Post-norm (paper, default): $\mathrm{LayerNorm}(x +
+    \mathrm{Dropout}(\mathrm{Sublayer}(x)))$.
+    Pre-norm (``norm_first=True``): $x +
+    \mathrm{Dropout}(\mathrm{Sublayer}(\mathrm{LayerNorm}(x)))$.
     """
 
     def __init__(self, size: int, dropout: float, norm_first: bool = False):
@@ -294,7 +312,8 @@ class SublayerConnection(nn.Module):
         self.norm_first = norm_first
 
     def forward(self, x, sublayer: Callable):
-        """Apply ``sublayer`` (a function of (batch, len, d_model)) with residual and norm."""
+        """Apply ``sublayer`` (a function of (batch, len, d_model)) with residual and
+        norm."""
         if self.norm_first:
             return x + self.dropout(sublayer(self.norm(x)))
         return self.norm(x + self.dropout(sublayer(x)))
@@ -303,7 +322,14 @@ class SublayerConnection(nn.Module):
 class EncoderLayer(nn.Module):
     """One encoder layer of §3.1: self-attention, then the feed-forward network."""
 
-    def __init__(self, size: int, self_attn, feed_forward, dropout: float, norm_first: bool = False):
+    def __init__(
+        self,
+        size: int,
+        self_attn,
+        feed_forward,
+        dropout: float,
+        norm_first: bool = False,
+    ):
         super().__init__()
         self.self_attn = self_attn
         self.feed_forward = feed_forward
@@ -319,18 +345,19 @@ class EncoderLayer(nn.Module):
 # %% [markdown]
 # ### Decoder
 #
-# > The decoder is also composed of a stack of $N=6$ identical layers. In addition to the two
-# > sub-layers in each encoder layer, the decoder inserts a third sub-layer, which performs
-# > multi-head attention over the output of the encoder stack. Similar to the encoder, we
-# > employ residual connections around each of the sub-layers, followed by layer
-# > normalization.
+# > The decoder is also composed of a stack of $N=6$ identical layers. In addition to
+# > the two sub-layers in each encoder layer, the decoder inserts a third sub-layer,
+# > which performs multi-head attention over the output of the encoder stack. Similar to
+# > the encoder, we employ residual connections around each of the sub-layers, followed
+# > by layer normalization.
 #
 # — §3.1
 
 
 # %%
 class Decoder(nn.Module):
-    r"""The decoder stack of §3.1: $N$ identical layers (plus a final norm for pre-norm)."""
+    r"""The decoder stack of §3.1: $N$ identical layers (plus a final norm for
+    pre-norm)."""
 
     def __init__(self, layer: nn.Module, N: int, norm_first: bool = False):
         super().__init__()
@@ -338,17 +365,26 @@ class Decoder(nn.Module):
         self.norm = nn.LayerNorm(layer.size) if norm_first else nn.Identity()
 
     def forward(self, x, memory, src_mask, tgt_mask):
-        """(batch, tgt_len, d_model) attending to ``memory`` (batch, src_len, d_model)."""
+        """(batch, tgt_len, d_model) attending to ``memory`` (batch, src_len,
+        d_model)."""
         for layer in self.layers:
             x = layer(x, memory, src_mask, tgt_mask)
         return self.norm(x)
 
 
 class DecoderLayer(nn.Module):
-    """One decoder layer of §3.1: masked self-attention, encoder-decoder attention, FFN."""
+    """One decoder layer of §3.1: masked self-attention, encoder-decoder attention,
+    FFN."""
 
-    def __init__(self, size: int, self_attn, src_attn, feed_forward, dropout: float,
-                 norm_first: bool = False):
+    def __init__(
+        self,
+        size: int,
+        self_attn,
+        src_attn,
+        feed_forward,
+        dropout: float,
+        norm_first: bool = False,
+    ):
         super().__init__()
         self.size = size
         self.self_attn = self_attn
@@ -365,29 +401,32 @@ class DecoderLayer(nn.Module):
 
 
 # %% [markdown]
-# > We also modify the self-attention sub-layer in the decoder stack to prevent positions
-# > from attending to subsequent positions. This masking, combined with fact that the output
-# > embeddings are offset by one position, ensures that the predictions for position $i$ can
-# > depend only on the known outputs at positions less than $i$.
+# > We also modify the self-attention sub-layer in the decoder stack to prevent
+# > positions from attending to subsequent positions. This masking, combined with fact
+# > that the output embeddings are offset by one position, ensures that the predictions
+# > for position $i$ can depend only on the known outputs at positions less than $i$.
 #
 # — §3.1
 #
-# **The mask convention, once for the whole project.** A mask is a boolean tensor in which
-# `True` means *may attend* and `False` means *must not*. It broadcasts against the
-# attention scores, shape (batch, [h,] query_len, key_len): a source padding mask is
-# (batch, 1, src_len), a target mask is (batch, tgt_len, tgt_len). This is the convention
-# of `torch.nn.functional.scaled_dot_product_attention`; `torch.nn.Transformer` uses the
-# opposite one (True = blocked), so comparisons with it pass `~mask`.
+# **The mask convention, once for the whole project.** A mask is a boolean tensor in
+# which `True` means *may attend* and `False` means *must not*. It broadcasts against
+# the attention scores, shape (batch, [h,] query_len, key_len): a source padding mask is
+# (batch, 1, src_len), a target mask is (batch, tgt_len, tgt_len). This is the
+# convention of `torch.nn.functional.scaled_dot_product_attention`;
+# `torch.nn.Transformer` uses the opposite one (True = blocked), so comparisons with it
+# pass `~mask`.
 
 
 # %%
 def subsequent_mask(size: int, device=None) -> torch.Tensor:
-    """Causal mask (1, size, size): position i may attend to positions j ≤ i — §3.1, §3.2.3."""
+    """Causal mask (1, size, size): position i may attend to positions j ≤ i — §3.1,
+    §3.2.3."""
     return torch.ones(1, size, size, dtype=torch.bool, device=device).tril()
 
 
 def padding_mask(ids: torch.Tensor, pad: int) -> torch.Tensor:
-    """Key mask (batch, 1, len) for token ids (batch, len): every real token may be attended to, padding not."""
+    """Key mask (batch, 1, len) for token ids (batch, len): every real token may be
+    attended to, padding not."""
     return (ids != pad).unsqueeze(-2)  # (batch, 1, len)
 
 
@@ -404,10 +443,11 @@ def _():
 # %% [markdown]
 # ## §3.2 Attention
 #
-# > An attention function can be described as mapping a query and a set of key-value pairs
-# > to an output, where the query, keys, values, and output are all vectors. The output is
-# > computed as a weighted sum of the values, where the weight assigned to each value is
-# > computed by a compatibility function of the query with the corresponding key.
+# > An attention function can be described as mapping a query and a set of key-value
+# > pairs to an output, where the query, keys, values, and output are all vectors. The
+# > output is computed as a weighted sum of the values, where the weight assigned to
+# > each value is computed by a compatibility function of the query with the
+# > corresponding key.
 #
 # — §3.2
 #
@@ -415,14 +455,15 @@ def _():
 # (left, `attention` below) and multi-head attention built from $h$ of them (right,
 # `MultiHeadedAttention`).
 #
-# ![Figure 2, redrawn: scaled dot-product attention and multi-head attention](figures/figure2_attention.png)
+# ![Figure 2, redrawn: scaled dot-product attention and multi-head
+# attention](figures/figure2_attention.png)
 #
 # ### §3.2.1 Scaled Dot-Product Attention
 #
-# > We call our particular attention "Scaled Dot-Product Attention" […]. The input consists
-# > of queries and keys of dimension $d_k$, and values of dimension $d_v$. We compute the dot
-# > products of the query with all keys, divide each by $\sqrt{d_k}$, and apply a softmax
-# > function to obtain the weights on the values.
+# > We call our particular attention "Scaled Dot-Product Attention" […]. The input
+# > consists of queries and keys of dimension $d_k$, and values of dimension $d_v$. We
+# > compute the dot products of the query with all keys, divide each by $\sqrt{d_k}$,
+# > and apply a softmax function to obtain the weights on the values.
 #
 # > In practice, we compute the attention function on a set of queries simultaneously,
 # > packed together into a matrix $Q$. The keys and values are also packed together into
@@ -432,18 +473,20 @@ def _():
 #
 # — §3.2.1, Eq. 1
 #
-# Masked scores are set to $-\infty$ as §3.2.3 says, so they get exactly zero weight. A row
-# in which *every* key is masked would be $0/0$ = NaN after the softmax; we return zero
-# weights for such a row instead (the same choice PyTorch's fused attention makes), so no
-# NaN ever enters the model.
+# Masked scores are set to $-\infty$ as §3.2.3 says, so they get exactly zero weight. A
+# row in which *every* key is masked would be $0/0$ = NaN after the softmax; we return
+# zero weights for such a row instead (the same choice PyTorch's fused attention makes),
+# so no NaN ever enters the model.
 
 
 # %%
 def attention(query, key, value, mask=None, dropout: Optional[nn.Module] = None):
     r"""Scaled dot-product attention — §3.2.1, Eq. 1.
 
-    $\mathrm{softmax}(QK^T/\sqrt{d_k})V$ for query (..., len_q, d_k), key (..., len_k, d_k)
-    and value (..., len_k, d_v); ``mask`` is boolean, True = may attend, broadcastable to
+    $\mathrm{softmax}(QK^T/\sqrt{d_k})V$ for query (..., len_q, d_k), key (..., len_k,
+    d_k)
+    and value (..., len_k, d_v); ``mask`` is boolean, True = may attend, broadcastable
+    to
     (..., len_q, len_k). Returns the output (..., len_q, d_v) and the weights
     (..., len_q, len_k).
     """
@@ -453,7 +496,8 @@ def attention(query, key, value, mask=None, dropout: Optional[nn.Module] = None)
         scores = scores.masked_fill(~mask, float("-inf"))
     p_attn = scores.softmax(dim=-1)
     if mask is not None:
-        # Fully masked rows are NaN here; give them zero weight (partial rows are unchanged).
+        # Fully masked rows are NaN here; give them zero weight (partial rows are
+        # unchanged).
         p_attn = p_attn.masked_fill(~mask, 0.0)
     if dropout is not None:
         p_attn = dropout(p_attn)
@@ -461,15 +505,16 @@ def attention(query, key, value, mask=None, dropout: Optional[nn.Module] = None)
 
 
 # %% [markdown]
-# > While for small values of $d_k$ the two mechanisms perform similarly, additive attention
-# > outperforms dot product attention without scaling for larger values of $d_k$ […]. We
-# > suspect that for large values of $d_k$, the dot products grow large in magnitude,
-# > pushing the softmax function into regions where it has extremely small gradients
+# > While for small values of $d_k$ the two mechanisms perform similarly, additive
+# > attention outperforms dot product attention without scaling for larger values of
+# > $d_k$ […]. We suspect that for large values of $d_k$, the dot products grow large in
+# > magnitude, pushing the softmax function into regions where it has extremely small
+# > gradients
 #
-# — §3.2.1, with its footnote: "To illustrate why the dot products get large, assume that
-# the components of $q$ and $k$ are independent random variables with mean $0$ and variance
-# $1$. Then their dot product, $q \cdot k = \sum_{i=1}^{d_k} q_ik_i$, has mean $0$ and
-# variance $d_k$."
+# — §3.2.1, with its footnote: "To illustrate why the dot products get large, assume
+# that the components of $q$ and $k$ are independent random variables with mean $0$ and
+# variance $1$. Then their dot product, $q \cdot k = \sum_{i=1}^{d_k} q_ik_i$, has mean
+# $0$ and variance $d_k$."
 #
 # A quick check of the footnote: the variance of $q\cdot k$ grows like $d_k$, and after
 # dividing by $\sqrt{d_k}$ it stays near 1.
@@ -481,43 +526,48 @@ def _():
     for d_k in (4, 64, 512):
         q, k = torch.randn(10_000, d_k), torch.randn(10_000, d_k)
         dots = (q * k).sum(-1)
-        print(f"d_k={d_k:4d}  var(q·k)={dots.var():8.1f}  var(q·k/√d_k)={(dots / math.sqrt(d_k)).var():.2f}")
+        print(
+            f"d_k={d_k:4d}  var(q·k)={dots.var():8.1f}  var(q·k/√d_k)={(dots / math.sqrt(d_k)).var():.2f}"
+        )
 
 
 # %% [markdown]
 # ### §3.2.2 Multi-Head Attention
 #
-# > Instead of performing a single attention function with $d_{\text{model}}$-dimensional
-# > keys, values and queries, we found it beneficial to linearly project the queries, keys
-# > and values $h$ times with different, learned linear projections to $d_k$, $d_k$ and $d_v$
-# > dimensions, respectively. On each of these projected versions of queries, keys and values
-# > we then perform the attention function in parallel, yielding $d_v$-dimensional output
-# > values. These are concatenated and once again projected, resulting in the final values,
-# > as depicted in […]
+# > Instead of performing a single attention function with
+# > $d_{\text{model}}$-dimensional keys, values and queries, we found it beneficial to
+# > linearly project the queries, keys and values $h$ times with different, learned
+# > linear projections to $d_k$, $d_k$ and $d_v$ dimensions, respectively. On each of
+# > these projected versions of queries, keys and values we then perform the attention
+# > function in parallel, yielding $d_v$-dimensional output values. These are
+# > concatenated and once again projected, resulting in the final values, as depicted in
+# > […]
 #
-# > Multi-head attention allows the model to jointly attend to information from different
-# > representation subspaces at different positions. With a single attention head, averaging
-# > inhibits this.
+# > Multi-head attention allows the model to jointly attend to information from
+# > different representation subspaces at different positions. With a single attention
+# > head, averaging inhibits this.
 # >
 # > $$\mathrm{MultiHead}(Q, K, V) = \mathrm{Concat}(\mathrm{head_1}, ..., \mathrm{head_h})W^O
 # > \\ \text{where}~\mathrm{head_i} = \mathrm{Attention}(QW^Q_i, KW^K_i, VW^V_i)$$
 #
-# > In this work we employ $h=8$ parallel attention layers, or heads. For each of these we
-# > use $d_k=d_v=d_{\text{model}}/h=64$.
+# > In this work we employ $h=8$ parallel attention layers, or heads. For each of these
+# > we use $d_k=d_v=d_{\text{model}}/h=64$.
 #
 # — §3.2.2
 #
-# The $h$ matrices $W^Q_i \in \mathbb{R}^{d_{\text{model}} \times d_k}$ sit side by side in
-# one $d_{\text{model}} \times h d_k$ linear layer (likewise $W^K$, $W^V$), so one matrix
-# product computes every head's projection; a reshape then splits the heads.
+# The $h$ matrices $W^Q_i \in \mathbb{R}^{d_{\text{model}} \times d_k}$ sit side by side
+# in one $d_{\text{model}} \times h d_k$ linear layer (likewise $W^K$, $W^V$), so one
+# matrix product computes every head's projection; a reshape then splits the heads.
 
 
 # %%
 class MultiHeadedAttention(nn.Module):
     r"""Multi-head attention — §3.2.2 (readable version).
 
-    ``w_q``, ``w_k``, ``w_v`` hold $W^Q_i, W^K_i, W^V_i$ for all heads side by side; ``w_o``
-    is $W^O$. The forward pass keeps no attention weights (nothing stays alive after it);
+    ``w_q``, ``w_k``, ``w_v`` hold $W^Q_i, W^K_i, W^V_i$ for all heads side by side;
+    ``w_o``
+    is $W^O$. The forward pass keeps no attention weights (nothing stays alive after
+    it);
     :func:`attention_maps` recomputes them for plotting.
     """
 
@@ -525,7 +575,9 @@ class MultiHeadedAttention(nn.Module):
         super().__init__()
         if not d_k and d_model % h:
             raise ValueError("d_model must be divisible by h (or give d_k)")
-        self.d_k = d_k or d_model // h  # d_k = d_v = d_model / h unless given (Table 3, B)
+        self.d_k = (
+            d_k or d_model // h
+        )  # d_k = d_v = d_model / h unless given (Table 3, B)
         self.h = h
         self.w_q = nn.Linear(d_model, h * self.d_k)  # W^Q_1 … W^Q_h side by side
         self.w_k = nn.Linear(d_model, h * self.d_k)
@@ -536,37 +588,49 @@ class MultiHeadedAttention(nn.Module):
     def split_heads(self, x):
         """(batch, len, d_model) → (batch, h, len, d_k)."""
         batch, length, _ = x.shape
-        return x.view(batch, length, self.h, self.d_k).transpose(1, 2)  # (batch, h, len, d_k)
+        return x.view(batch, length, self.h, self.d_k).transpose(
+            1, 2
+        )  # (batch, h, len, d_k)
 
     def merge_heads(self, x):
         """(batch, h, len, d_k) → (batch, len, h·d_k): Concat(head_1, …, head_h)."""
         batch, _, length, _ = x.shape
-        return x.transpose(1, 2).reshape(batch, length, self.h * self.d_k)  # (batch, len, d_model)
+        return x.transpose(1, 2).reshape(
+            batch, length, self.h * self.d_k
+        )  # (batch, len, d_model)
 
     def project_q(self, query):
-        r"""$QW^Q_i$ for every head: (batch, len_q, d_model) → (batch, h, len_q, d_k)."""
+        r"""$QW^Q_i$ for every head: (batch, len_q, d_model) → (batch, h, len_q,
+        d_k)."""
         return self.split_heads(self.w_q(query))
 
     def project_kv(self, key, value):
-        r"""$KW^K_i$ and $VW^V_i$ for every head: (batch, len_k, d_model) → 2 × (batch, h, len_k, d_k)."""
+        r"""$KW^K_i$ and $VW^V_i$ for every head: (batch, len_k, d_model) → 2 × (batch,
+        h, len_k, d_k)."""
         return self.split_heads(self.w_k(key)), self.split_heads(self.w_v(value))
 
     def attend(self, q, k, v, mask=None):
-        """Eq. 1 on every head at once: q (batch, h, len_q, d_k), k/v (batch, h, len_k, d_k) → (batch, h, len_q, d_k)."""
+        """Eq. 1 on every head at once: q (batch, h, len_q, d_k), k/v (batch, h, len_k,
+        d_k) → (batch, h, len_q, d_k)."""
         return attention(q, k, v, mask=mask, dropout=self.dropout)[0]
 
     def combine(self, q, k, v, mask=None):
-        r"""$\mathrm{Concat}(\mathrm{head_1}, …, \mathrm{head_h})W^O$ from projected heads → (batch, len_q, d_model)."""
+        r"""$\mathrm{Concat}(\mathrm{head_1}, …, \mathrm{head_h})W^O$ from projected
+        heads → (batch, len_q, d_model)."""
         return self.w_o(self.merge_heads(self.attend(q, k, v, per_head(mask))))
 
     def forward(self, query, key, value, mask=None):
-        """query (batch, len_q, d_model), key/value (batch, len_k, d_model) → (batch, len_q, d_model)."""
+        """query (batch, len_q, d_model), key/value (batch, len_k, d_model) → (batch,
+        len_q, d_model)."""
         return self.combine(self.project_q(query), *self.project_kv(key, value), mask)
 
 
 def per_head(mask):
-    """A (batch, len_q|1, len_k) mask as (batch, 1, len_q|1, len_k): the same for every head (None stays None)."""
-    return mask.unsqueeze(1) if mask is not None and mask.dim() == 3 else mask  # (batch, 1, len_q|1, len_k)
+    """A (batch, len_q|1, len_k) mask as (batch, 1, len_q|1, len_k): the same for every
+    head (None stays None)."""
+    return (
+        mask.unsqueeze(1) if mask is not None and mask.dim() == 3 else mask
+    )  # (batch, 1, len_q|1, len_k)
 
 
 # %% [markdown]
@@ -575,24 +639,25 @@ def per_head(mask):
 # > The Transformer uses multi-head attention in three different ways:
 # >
 # > * In "encoder-decoder attention" layers, the queries come from the previous decoder
-# >   layer, and the memory keys and values come from the output of the encoder. This allows
-# >   every position in the decoder to attend over all positions in the input sequence.
-# > * The encoder contains self-attention layers. In a self-attention layer all of the keys,
-# >   values and queries come from the same place, in this case, the output of the previous
-# >   layer in the encoder. Each position in the encoder can attend to all positions in the
-# >   previous layer of the encoder.
-# > * Similarly, self-attention layers in the decoder allow each position in the decoder to
-# >   attend to all positions in the decoder up to and including that position. We need to
-# >   prevent leftward information flow in the decoder to preserve the auto-regressive
-# >   property. We implement this inside of scaled dot-product attention by masking out
-# >   (setting to $-\infty$) all values in the input of the softmax which correspond to
-# >   illegal connections.
+# >   layer, and the memory keys and values come from the output of the encoder. This
+# >   allows every position in the decoder to attend over all positions in the input
+# >   sequence.
+# > * The encoder contains self-attention layers. In a self-attention layer all of the
+# >   keys, values and queries come from the same place, in this case, the output of the
+# >   previous layer in the encoder. Each position in the encoder can attend to all
+# >   positions in the previous layer of the encoder.
+# > * Similarly, self-attention layers in the decoder allow each position in the decoder
+# >   to attend to all positions in the decoder up to and including that position. We
+# >   need to prevent leftward information flow in the decoder to preserve the
+# >   auto-regressive property. We implement this inside of scaled dot-product attention
+# >   by masking out (setting to $-\infty$) all values in the input of the softmax which
+# >   correspond to illegal connections.
 #
 # — §3.2.3
 #
 # In code the three uses differ only in their arguments: `EncoderLayer` calls
-# `self_attn(x, x, x, src_mask)`; `DecoderLayer` calls `self_attn(y, y, y, tgt_mask)` with
-# the causal mask and then `src_attn(y, memory, memory, src_mask)`.
+# `self_attn(x, x, x, src_mask)`; `DecoderLayer` calls `self_attn(y, y, y, tgt_mask)`
+# with the causal mask and then `src_attn(y, memory, memory, src_mask)`.
 
 
 # %% [markdown]
@@ -612,13 +677,15 @@ def per_head(mask):
 #
 # — §3.3, Eq. 2
 #
-# The paper puts no dropout inside the FFN. The Harvard notebook (and `torch.nn.Transformer`)
-# add one after the ReLU; we keep it as an option, `ffn_dropout`, off by default.
+# The paper puts no dropout inside the FFN. The Harvard notebook (and
+# `torch.nn.Transformer`) add one after the ReLU; we keep it as an option,
+# `ffn_dropout`, off by default.
 
 
 # %%
 class PositionwiseFeedForward(nn.Module):
-    r"""Position-wise feed-forward network — §3.3, Eq. 2: $\max(0, xW_1 + b_1)W_2 + b_2$."""
+    r"""Position-wise feed-forward network — §3.3, Eq. 2: $\max(0, xW_1 + b_1)W_2 +
+    b_2$."""
 
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0):
         super().__init__()
@@ -634,21 +701,21 @@ class PositionwiseFeedForward(nn.Module):
 # %% [markdown]
 # ## §3.4 Embeddings and Softmax
 #
-# > Similarly to other sequence transduction models, we use learned embeddings to convert
-# > the input tokens and output tokens to vectors of dimension $d_{\text{model}}$. We also
-# > use the usual learned linear transformation and softmax function to convert the decoder
-# > output to predicted next-token probabilities. In our model, we share the same weight
-# > matrix between the two embedding layers and the pre-softmax linear transformation,
-# > similar to […]. In the embedding layers, we multiply those weights by
-# > $\sqrt{d_{\text{model}}}$.
+# > Similarly to other sequence transduction models, we use learned embeddings to
+# > convert the input tokens and output tokens to vectors of dimension
+# > $d_{\text{model}}$. We also use the usual learned linear transformation and softmax
+# > function to convert the decoder output to predicted next-token probabilities. In our
+# > model, we share the same weight matrix between the two embedding layers and the
+# > pre-softmax linear transformation, similar to […]. In the embedding layers, we
+# > multiply those weights by $\sqrt{d_{\text{model}}}$.
 #
 # — §3.4
 #
 # Sharing one matrix between *both* embeddings and the output projection needs one
-# vocabulary for source and target; the paper had that (a shared BPE vocabulary, §5.1), and
-# so do our data pipelines by default. With separate vocabularies only the target embedding
-# and the output projection can share (two-way tying). `make_model` does whichever applies;
-# `tie_weights=False` turns sharing off.
+# vocabulary for source and target; the paper had that (a shared BPE vocabulary, §5.1),
+# and so do our data pipelines by default. With separate vocabularies only the target
+# embedding and the output projection can share (two-way tying). `make_model` does
+# whichever applies; `tie_weights=False` turns sharing off.
 
 
 # %%
@@ -668,12 +735,12 @@ class Embeddings(nn.Module):
 # %% [markdown]
 # ## §3.5 Positional Encoding
 #
-# > Since our model contains no recurrence and no convolution, in order for the model to make
-# > use of the order of the sequence, we must inject some information about the relative or
-# > absolute position of the tokens in the sequence. To this end, we add "positional
-# > encodings" to the input embeddings at the bottoms of the encoder and decoder stacks. The
-# > positional encodings have the same dimension $d_{\text{model}}$ as the embeddings, so
-# > that the two can be summed.
+# > Since our model contains no recurrence and no convolution, in order for the model to
+# > make use of the order of the sequence, we must inject some information about the
+# > relative or absolute position of the tokens in the sequence. To this end, we add
+# > "positional encodings" to the input embeddings at the bottoms of the encoder and
+# > decoder stacks. The positional encodings have the same dimension $d_{\text{model}}$
+# > as the embeddings, so that the two can be summed.
 #
 # > In this work, we use sine and cosine functions of different frequencies:
 # > $$PE_{(pos,2i)} = sin(pos / 10000^{2i/d_{\text{model}}}) \\
@@ -687,15 +754,16 @@ class Embeddings(nn.Module):
 #
 # — §3.5
 #
-# The linear function is a rotation: for each frequency $\omega_i$ the pair
-# $(\sin \omega_i pos, \cos \omega_i pos)$ is turned by the angle $\omega_i k$, whatever
-# $pos$ is. A test fits that linear map on some positions and checks it on others. §5.4 adds
+# The linear function is a rotation: for each frequency $\omega_i$ the pair $(\sin
+# \omega_i pos, \cos \omega_i pos)$ is turned by the angle $\omega_i k$, whatever $pos$
+# is. A test fits that linear map on some positions and checks it on others. §5.4 adds
 # dropout to the sum of embeddings and encodings, so it lives here.
 
 
 # %%
 class PositionalEncoding(nn.Module):
-    r"""Sinusoidal positional encoding added to the embeddings, then dropout — §3.5, §5.4.
+    r"""Sinusoidal positional encoding added to the embeddings, then dropout — §3.5,
+    §5.4.
 
     $PE_{(pos,2i)} = \sin(pos/10000^{2i/d_{\text{model}}})$,
     $PE_{(pos,2i+1)} = \cos(pos/10000^{2i/d_{\text{model}}})$.
@@ -710,16 +778,21 @@ class PositionalEncoding(nn.Module):
         pe = torch.zeros(max_len, d_model, dtype=torch.float64)
         pe[:, 0::2] = torch.sin(angle)
         pe[:, 1::2] = torch.cos(angle)
-        self.register_buffer("pe", pe.float().unsqueeze(0), persistent=False)  # (1, max_len, d_model)
+        self.register_buffer(
+            "pe", pe.float().unsqueeze(0), persistent=False
+        )  # (1, max_len, d_model)
 
     def forward(self, x, offset: int = 0):
-        """(batch, len, d_model) → same shape, with PE of positions offset … offset+len−1 added, then dropout.
+        """(batch, len, d_model) → same shape, with PE of positions offset …
+        offset+len−1 added, then dropout.
 
         ``offset`` is for incremental decoding, which feeds one position at a time.
         """
         end = offset + x.size(1)
         if end > self.pe.size(1):
-            raise ValueError(f"sequence of length {end} exceeds max_len={self.pe.size(1)}")
+            raise ValueError(
+                f"sequence of length {end} exceeds max_len={self.pe.size(1)}"
+            )
         return self.dropout(x + self.pe[:, offset:end].to(x.dtype))
 
 
@@ -739,42 +812,54 @@ def _():
 # %% [markdown]
 # > We also experimented with using learned positional embeddings […] instead, and found
 # > that the two versions produced nearly identical results (see Table […] row (E)). We
-# > chose the sinusoidal version because it may allow the model to extrapolate to sequence
-# > lengths longer than the ones encountered during training.
+# > chose the sinusoidal version because it may allow the model to extrapolate to
+# > sequence lengths longer than the ones encountered during training.
 #
 # — §3.5
 #
-# The learned alternative is one matrix of `max_len` rows, one trainable vector per position,
-# added exactly where the sinusoid is added and with the same `offset` argument, so the rest
-# of the model — the incremental decoder, beam search, checkpoints — does not know which of
-# the two it holds. `ModelConfig.positional` chooses (`"sinusoid"`, the paper's choice, by
-# default); Part 4 trains both on Multi30k to see whether "nearly identical" holds at our
-# scale. Like every matrix of the model it starts from `make_model`'s Glorot/Xavier
-# initialisation (the paper does not say how its learned positions started).
+# The learned alternative is one matrix of `max_len` rows, one trainable vector per
+# position, added exactly where the sinusoid is added and with the same `offset`
+# argument, so the rest of the model — the incremental decoder, beam search, checkpoints
+# — does not know which of the two it holds. `ModelConfig.positional` chooses
+# (`"sinusoid"`, the paper's choice, by default); Part 4 trains both on Multi30k to see
+# whether "nearly identical" holds at our scale. Like every matrix of the model it
+# starts from `make_model`'s Glorot/Xavier initialisation (the paper does not say how
+# its learned positions started).
 
 
 # %%
 class LearnedPositionalEncoding(nn.Module):
-    r"""Learned positional embeddings, the alternative of §3.5 (Table 3, row (E)), then §5.4's dropout.
+    r"""Learned positional embeddings, the alternative of §3.5 (Table 3, row (E)), then
+    §5.4's dropout.
 
-    Position $pos$ gets a trained vector $P_{pos} \in \mathbb{R}^{d_{\text{model}}}$; the same
+    Position $pos$ gets a trained vector $P_{pos} \in \mathbb{R}^{d_{\text{model}}}$;
+    the same
     interface as :class:`PositionalEncoding`.
     """
 
     def __init__(self, d_model: int, dropout: float, max_len: int = 5000):
         super().__init__()
         self.dropout = nn.Dropout(dropout)
-        self.weight = nn.Parameter(torch.zeros(max_len, d_model))  # (max_len, d_model); make_model initialises it
+        self.weight = nn.Parameter(
+            torch.zeros(max_len, d_model)
+        )  # (max_len, d_model); make_model initialises it
 
     def forward(self, x, offset: int = 0):
-        """(batch, len, d_model) → same shape, with the vectors of positions offset … offset+len−1 added."""
+        """(batch, len, d_model) → same shape, with the vectors of positions offset …
+        offset+len−1 added."""
         end = offset + x.size(1)
         if end > self.weight.size(0):
-            raise ValueError(f"sequence of length {end} exceeds max_len={self.weight.size(0)}")
-        return self.dropout(x + self.weight[offset:end].to(x.dtype))  # (len, d_model) broadcast over the batch
+            raise ValueError(
+                f"sequence of length {end} exceeds max_len={self.weight.size(0)}"
+            )
+        return self.dropout(
+            x + self.weight[offset:end].to(x.dtype)
+        )  # (len, d_model) broadcast over the batch
 
 
-POSITIONAL = MappingProxyType({"sinusoid": PositionalEncoding, "learned": LearnedPositionalEncoding})
+POSITIONAL = MappingProxyType(
+    {"sinusoid": PositionalEncoding, "learned": LearnedPositionalEncoding}
+)
 
 
 # %% [markdown]
@@ -787,9 +872,10 @@ POSITIONAL = MappingProxyType({"sinusoid": PositionalEncoding, "learned": Learne
 # `torch.nn.functional.scaled_dot_product_attention`, which picks a fused kernel
 # (FlashAttention or memory-efficient attention on a GPU) and never materialises the
 # attention weights. A test shows both give the same numbers. Which is faster depends on
-# the device — on GPUs the fused kernels win; on CPUs we have seen either path ahead — so
-# a run with `attention="auto"` times both on its own device before it starts and logs
-# what it measured (`make bench` has the figures).
+# the device — on GPUs the fused kernels win; on CPUs we have seen either path ahead —
+# so a run with `attention="auto"` times both on its own device before it starts and
+# logs what it measured (`make bench` has the figures).
+
 
 # %%
 class FastMultiHeadedAttention(MultiHeadedAttention):
@@ -802,11 +888,15 @@ class FastMultiHeadedAttention(MultiHeadedAttention):
     def forward(self, query, key, value, mask=None):
         """query (batch, len_q, d_model), key/value (batch, len_k, d_model) →
         (batch, len_q, d_model)."""
-        if query is key and key is value:  # self-attention: three projections, one product
+        if (
+            query is key and key is value
+        ):  # self-attention: three projections, one product
             w = [self.w_q, self.w_k, self.w_v]
             weight = torch.cat([m.weight for m in w])  # (3·h·d_k, d_model)
             bias = torch.cat([m.bias for m in w])
-            q, k, v = F.linear(query, weight, bias).chunk(3, dim=-1)  # 3 × (batch, len, h·d_k)
+            q, k, v = F.linear(query, weight, bias).chunk(
+                3, dim=-1
+            )  # 3 × (batch, len, h·d_k)
             heads = self.split_heads(q), self.split_heads(k), self.split_heads(v)
             return self.combine(*heads, mask)
         return super().forward(query, key, value, mask)
@@ -821,7 +911,8 @@ class FastMultiHeadedAttention(MultiHeadedAttention):
         return self.split_heads(k), self.split_heads(v)  # (batch, h, len_k, d_k)
 
     def attend(self, q, k, v, mask=None):
-        """Eq. 1 through PyTorch's fused kernel; shapes as in the readable ``attend``."""
+        """Eq. 1 through PyTorch's fused kernel; shapes as in the readable
+        ``attend``."""
         p = self.dropout.p if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
 
@@ -835,13 +926,14 @@ class FastMultiHeadedAttention(MultiHeadedAttention):
 # §3.2.2; Table 3's row (B) sets it smaller), `P_drop`, `positional` (`"sinusoid"` or
 # `"learned"`), `attention` (`"readable"`, `"fast"`, or `"auto"`: decided per device),
 # and a few departures that no paper preset uses (`norm_first`, `ffn_dropout`,
-# `attn_dropout`, `N_dec`). `MODEL_PRESETS` holds Table 3's `base` and `big` models and a
-# `tiny` one for tests.
+# `attn_dropout`, `N_dec`). `MODEL_PRESETS` holds Table 3's `base` and `big` models and
+# a `tiny` one for tests.
 #
-# `make_model` assembles the stacks from the parts above: $N$ layers in each, as in §3.1.
-# Parameters are initialised with Glorot/Xavier uniform, a choice the paper does not state
-# (see the reproduction notes). Weight sharing (§3.4) is done by making the modules hold
-# *the same* `nn.Parameter`, so it is one tensor, updated once per step.
+# `make_model` assembles the stacks from the parts above: $N$ layers in each, as in
+# §3.1. Parameters are initialised with Glorot/Xavier uniform, a choice the paper does
+# not state (see the reproduction notes). Weight sharing (§3.4) is done by making the
+# modules hold *the same* `nn.Parameter`, so it is one tensor, updated once per step.
+
 
 # %%
 def make_model(
@@ -851,7 +943,8 @@ def make_model(
     ``Config``); ``overrides`` replace its fields (``make_model(11, 11, N=2)``).
 
     With ``tie_weights`` the target embedding and the pre-softmax projection share one
-    matrix (§3.4); with ``shared_vocab`` too, the source embedding shares it (three-way).
+    matrix (§3.4); with ``shared_vocab`` too, the source embedding shares it
+    (three-way).
     ``attention="fast"`` builds :class:`FastMultiHeadedAttention`; anything else the
     readable one (the machinery decides ``"auto"`` for the run's device first).
     """
@@ -864,7 +957,9 @@ def make_model(
     c = copy.deepcopy
     d, p = cfg.d_model, cfg.P_drop
     model = EncoderDecoder(
-        Encoder(EncoderLayer(d, c(attn), c(ff), p, cfg.norm_first), cfg.N, cfg.norm_first),
+        Encoder(
+            EncoderLayer(d, c(attn), c(ff), p, cfg.norm_first), cfg.N, cfg.norm_first
+        ),
         Decoder(
             DecoderLayer(d, c(attn), c(attn), c(ff), p, cfg.norm_first),
             cfg.decoder_layers,
@@ -897,20 +992,22 @@ def _():
         return
     for name in ("base", "big"):
         m = make_model(37000, 37000, MODEL_PRESETS[name])
-        print(f"{name}: {count_parameters(m) / 1e6:.1f}M parameters, 37,000-token vocabulary")
+        print(
+            f"{name}: {count_parameters(m) / 1e6:.1f}M parameters, 37,000-token vocabulary"
+        )
 
 
 # %% [markdown]
 # The paper's Table 3 lists 65M parameters for the base model and 213M for the big one.
-# Our counts above are within 3% of those (63.1M and 214.3M); the paper does not give its
-# exact vocabulary size or say which tensors it counted.
+# Our counts above are within 3% of those (63.1M and 214.3M); the paper does not give
+# its exact vocabulary size or say which tensors it counted.
 #
 # ## §4 Why Self-Attention
 #
 # §4 compares a self-attention layer with recurrent and convolutional layers on three
 # counts: the work per layer, how many steps must run one after another, and the longest
-# path a signal travels between two positions. Its Table 1, for a sequence of length $n$,
-# representation size $d$, kernel width $k$ and neighbourhood $r$:
+# path a signal travels between two positions. Its Table 1, for a sequence of length
+# $n$, representation size $d$, kernel width $k$ and neighbourhood $r$:
 #
 # | layer type | complexity per layer | sequential operations | maximum path length |
 # |---|---|---|---|
@@ -920,15 +1017,15 @@ def _():
 # | self-attention (restricted) | $O(r \cdot n \cdot d)$ | $O(1)$ | $O(n/r)$ |
 #
 # In our words: self-attention connects every pair of positions in a single step, so the
-# path between any two words is one layer long and all positions are computed at once; an
-# RNN must walk the sequence, one step per token. The price is the $n^2$ term: attention
-# costs less than a recurrent layer only while $n < d$, which holds for sentences
-# (tens of tokens) against $d_{\text{model}} = 512$. The small measurement below times one
-# self-attention layer against one `nn.LSTM` layer of the same width. On a CPU, where both
-# are limited by arithmetic rather than by parallelism, it mostly shows the $n^2$ term:
-# attention's time grows faster with $n$ than the LSTM's. What Table 1 counts in
-# attention's favour — $O(1)$ sequential operations instead of $O(n)$ — pays off on
-# parallel hardware, which a 2-core CPU is not.
+# path between any two words is one layer long and all positions are computed at once;
+# an RNN must walk the sequence, one step per token. The price is the $n^2$ term:
+# attention costs less than a recurrent layer only while $n < d$, which holds for
+# sentences (tens of tokens) against $d_{\text{model}} = 512$. The small measurement
+# below times one self-attention layer against one `nn.LSTM` layer of the same width. On
+# a CPU, where both are limited by arithmetic rather than by parallelism, it mostly
+# shows the $n^2$ term: attention's time grows faster with $n$ than the LSTM's. What
+# Table 1 counts in attention's favour — $O(1)$ sequential operations instead of $O(n)$
+# — pays off on parallel hardware, which a 2-core CPU is not.
 
 
 # %%
@@ -946,11 +1043,16 @@ def time_layer(fn, *args, repeats: int = 3) -> float:
 @example
 def _():
     d = 256
-    self_attn, lstm = MultiHeadedAttention(8, d, 0.0).eval(), nn.LSTM(d, d, batch_first=True).eval()
+    self_attn, lstm = (
+        MultiHeadedAttention(8, d, 0.0).eval(),
+        nn.LSTM(d, d, batch_first=True).eval(),
+    )
     print(" n   self-attention (ms)   LSTM (ms)")
     for n in (16, 64, 256):
         x = torch.randn(8, n, d)
-        print(f"{n:3d}   {time_layer(self_attn, x, x, x):10.2f}   {time_layer(lstm, x):14.2f}")
+        print(
+            f"{n:3d}   {time_layer(self_attn, x, x, x):10.2f}   {time_layer(lstm, x):14.2f}"
+        )
 
 
 # %% [markdown]
@@ -963,12 +1065,12 @@ def _():
 # ## §5.1 Training Data and Batching
 #
 # > We trained on the standard WMT 2014 English-German dataset consisting of about 4.5
-# > million sentence pairs. Sentences were encoded using byte-pair encoding […], which has a
-# > shared source-target vocabulary of about 37000 tokens.
+# > million sentence pairs. Sentences were encoded using byte-pair encoding […], which
+# > has a shared source-target vocabulary of about 37000 tokens.
 #
-# > Sentence pairs were batched together by approximate sequence length. Each training batch
-# > contained a set of sentence pairs containing approximately 25000 source tokens and 25000
-# > target tokens.
+# > Sentence pairs were batched together by approximate sequence length. Each training
+# > batch contained a set of sentence pairs containing approximately 25000 source tokens
+# > and 25000 target tokens.
 #
 # — §5.1
 
@@ -979,8 +1081,8 @@ def _():
 #
 # * **Multi30k** (image captions, 29,000 training pairs, raw cased text): encoded with a
 #   joint BPE vocabulary (below); scored with detokenized, cased sacreBLEU.
-# * **IWSLT14** (TED talks, 160,239 training pairs): the common fairseq-prepared layout —
-#   Moses-tokenized, lowercased, one sentence per line. Published IWSLT14 numbers are
+# * **IWSLT14** (TED talks, 160,239 training pairs): the common fairseq-prepared layout
+#   — Moses-tokenized, lowercased, one sentence per line. Published IWSLT14 numbers are
 #   *tokenized* BLEU on this text, so that is how we score it too.
 #
 # Everything the program knows about a data set — its files, where they are published
@@ -990,26 +1092,29 @@ def _():
 #
 # ## §5.2 Hardware and Schedule
 #
-# > We trained our models on one machine with 8 NVIDIA P100 GPUs. For our base models using
-# > the hyperparameters described throughout the paper, each training step took about 0.4
-# > seconds. We trained the base models for a total of 100,000 steps or 12 hours.
+# > We trained our models on one machine with 8 NVIDIA P100 GPUs. For our base models
+# > using the hyperparameters described throughout the paper, each training step took
+# > about 0.4 seconds. We trained the base models for a total of 100,000 steps or 12
+# > hours.
 #
 # — §5.2
 #
 # Our runs are far smaller: the `multi30k-small` preset trains a 3-layer,
-# $d_{\text{model}}=256$ model for 15 epochs (about 3,200 updates of ~2,500 tokens), which
-# fits in well under an hour of a 2-core CPU; Part 4 scores that run. The code is the same
-# on a GPU (`--device cuda`), where bf16 and several processes make the paper's batch
-# sizes practical. A run's settings are one frozen `Config` (`machinery/config.py`), which
-# extends `ModelConfig` with the data, schedule and checkpoint fields; named presets hold
-# the runs of Part 4, and the command line changes any field with `--field value`.
+# $d_{\text{model}}=256$ model for 15 epochs (about 3,200 updates of ~2,500 tokens),
+# which fits in well under an hour of a 2-core CPU; Part 4 scores that run. The code is
+# the same on a GPU (`--device cuda`), where bf16 and several processes make the paper's
+# batch sizes practical. A run's settings are one frozen `Config`
+# (`machinery/config.py`), which extends `ModelConfig` with the data, schedule and
+# checkpoint fields; named presets hold the runs of Part 4, and the command line changes
+# any field with `--field value`.
 
 
 # %% [markdown]
 # ### Special tokens
 #
-# Four symbols every vocabulary starts with: `<s>` and `</s>` around every sentence (source
-# and target), `<blank>` for padding, and `<unk>` for what the vocabulary cannot spell.
+# Four symbols every vocabulary starts with: `<s>` and `</s>` around every sentence
+# (source and target), `<blank>` for padding, and `<unk>` for what the vocabulary cannot
+# spell.
 
 
 # %%
@@ -1021,16 +1126,17 @@ BOS, EOS, PAD, UNK = range(4)  # ids of the specials in every Vocab
 # ### Vocabulary
 #
 # A vocabulary maps tokens to ids and back. `Vocab` keeps the two lists a torchtext user
-# expects (`stoi`, `itos`), maps a token list with `vocab(tokens)`, and sends unknown tokens
-# to `<unk>`. It is built from the **training split only** (counting tokens that occur at
-# least `min_freq` times), shared between the two languages by default so that §3.4's
-# three-way weight sharing applies, and cached on disk under a key made from the training
-# files' contents and the settings.
+# expects (`stoi`, `itos`), maps a token list with `vocab(tokens)`, and sends unknown
+# tokens to `<unk>`. It is built from the **training split only** (counting tokens that
+# occur at least `min_freq` times), shared between the two languages by default so that
+# §3.4's three-way weight sharing applies, and cached on disk under a key made from the
+# training files' contents and the settings.
 
 
 # %%
 class Vocab:
-    """Token ↔ id mapping with the specials ``<s> </s> <blank> <unk>`` first (ids 0–3)."""
+    """Token ↔ id mapping with the specials ``<s> </s> <blank> <unk>`` first (ids
+    0–3)."""
 
     def __init__(self, itos: Sequence[str]):
         if tuple(itos[: len(SPECIALS)]) != SPECIALS:
@@ -1046,7 +1152,10 @@ class Vocab:
         counts = Counter(tok for sent in sentences for tok in sent)
         for s in SPECIALS:
             counts.pop(s, None)
-        kept = sorted((t for t, c in counts.items() if c >= min_freq), key=lambda t: (-counts[t], t))
+        kept = sorted(
+            (t for t, c in counts.items() if c >= min_freq),
+            key=lambda t: (-counts[t], t),
+        )
         return cls(list(SPECIALS) + kept)
 
     def __len__(self) -> int:
@@ -1066,31 +1175,34 @@ class Vocab:
 # %% [markdown]
 # ### Subwords: byte-pair encoding
 #
-# §5.1 (quoted above) encodes sentences with byte-pair encoding into "a shared source-target
-# vocabulary". Byte-pair encoding (Sennrich et al., 2016) starts from single characters and
-# repeatedly merges the most frequent adjacent pair into a new symbol, until the vocabulary
-# has the size asked for. Frequent words end up as one piece; a rare word is spelled with
-# several pieces, so nothing is ever out of vocabulary — every character of the training text
-# is kept as a piece of its own. Trained on both languages at once, the pieces form one
-# vocabulary, which is what lets §3.4 share one matrix between both embeddings and the
-# output layer.
+# §5.1 (quoted above) encodes sentences with byte-pair encoding into "a shared
+# source-target vocabulary". Byte-pair encoding (Sennrich et al., 2016) starts from
+# single characters and repeatedly merges the most frequent adjacent pair into a new
+# symbol, until the vocabulary has the size asked for. Frequent words end up as one
+# piece; a rare word is spelled with several pieces, so nothing is ever out of
+# vocabulary — every character of the training text is kept as a piece of its own.
+# Trained on both languages at once, the pieces form one vocabulary, which is what lets
+# §3.4 share one matrix between both embeddings and the output layer.
 #
-# We use **sentencepiece** (`model_type="bpe"`) rather than writing the merges out: it is
-# fast (about half a second on Multi30k), deterministic, and its model is one small file of
-# bytes that a checkpoint can carry, so a checkpoint alone is enough to translate. It works
-# on raw text: a space becomes part of the next piece (`▁`), so decoding the pieces gives
-# the sentence back exactly, with no detokenizer. Its ids are laid out to match `Vocab`: the
-# four specials first, so `<blank>` is padding and `<unk>` (printed as `<unk>`) is used only
-# for a character never seen in training. The model is trained on the **training split
-# only** and cached beside the word vocabularies, under a key made from the training files
-# and the settings. `Config.vocab = "words"` keeps the word-level vocabulary.
+# We use **sentencepiece** (`model_type="bpe"`) rather than writing the merges out: it
+# is fast (about half a second on Multi30k), deterministic, and its model is one small
+# file of bytes that a checkpoint can carry, so a checkpoint alone is enough to
+# translate. It works on raw text: a space becomes part of the next piece (`▁`), so
+# decoding the pieces gives the sentence back exactly, with no detokenizer. Its ids are
+# laid out to match `Vocab`: the four specials first, so `<blank>` is padding and
+# `<unk>` (printed as `<unk>`) is used only for a character never seen in training. The
+# model is trained on the **training split only** and cached beside the word
+# vocabularies, under a key made from the training files and the settings. `Config.vocab
+# = "words"` keeps the word-level vocabulary.
 
 
 # %%
 class Subwords:
-    r"""A joint byte-pair-encoding model (sentencepiece) — the shared BPE vocabulary of §5.1.
+    r"""A joint byte-pair-encoding model (sentencepiece) — the shared BPE vocabulary of
+    §5.1.
 
-    ``encode`` turns sentences into lists of pieces, ``decode`` turns piece lists back into
+    ``encode`` turns sentences into lists of pieces, ``decode`` turns piece lists back
+    into
     sentences; ``vocab`` is the matching :class:`Vocab` (piece ids = sentencepiece ids).
     """
 
@@ -1099,22 +1211,39 @@ class Subwords:
 
         self.model_proto = bytes(model_proto)
         self.sp = spm.SentencePieceProcessor(model_proto=self.model_proto)
-        self.vocab = Vocab([self.sp.id_to_piece(i) for i in range(self.sp.get_piece_size())])
+        self.vocab = Vocab(
+            [self.sp.id_to_piece(i) for i in range(self.sp.get_piece_size())]
+        )
 
     @classmethod
     def train(cls, sentences: Iterable[str], vocab_size: int) -> "Subwords":
-        """Learn a BPE model of at most ``vocab_size`` pieces (specials included) from ``sentences``."""
+        """Learn a BPE model of at most ``vocab_size`` pieces (specials included) from
+        ``sentences``."""
         import io
 
         import sentencepiece as spm
 
         model = io.BytesIO()
         spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences), model_writer=model, model_type="bpe", vocab_size=vocab_size,
-            hard_vocab_limit=False, character_coverage=1.0, normalization_rule_name="identity",
-            bos_id=BOS, eos_id=EOS, pad_id=PAD, unk_id=UNK, bos_piece=SPECIALS[BOS], eos_piece=SPECIALS[EOS],
-            pad_piece=SPECIALS[PAD], unk_piece=SPECIALS[UNK], unk_surface=SPECIALS[UNK],
-            num_threads=1, minloglevel=2)  # minloglevel 2: errors only, no progress log
+            sentence_iterator=iter(sentences),
+            model_writer=model,
+            model_type="bpe",
+            vocab_size=vocab_size,
+            hard_vocab_limit=False,
+            character_coverage=1.0,
+            normalization_rule_name="identity",
+            bos_id=BOS,
+            eos_id=EOS,
+            pad_id=PAD,
+            unk_id=UNK,
+            bos_piece=SPECIALS[BOS],
+            eos_piece=SPECIALS[EOS],
+            pad_piece=SPECIALS[PAD],
+            unk_piece=SPECIALS[UNK],
+            unk_surface=SPECIALS[UNK],
+            num_threads=1,
+            minloglevel=2,
+        )  # minloglevel 2: errors only, no progress log
         return cls(model.getvalue())
 
     def encode(self, lines: Sequence[str]) -> list[list[str]]:
@@ -1148,46 +1277,69 @@ def pad_sequences(seqs: Sequence[Sequence[int]], pad: int = PAD) -> torch.Tensor
 
 
 class Batch:
-    """A training batch: ``src``, ``tgt`` (decoder input), ``tgt_y`` (what to predict), masks, ``ntokens``."""
+    """A training batch: ``src``, ``tgt`` (decoder input), ``tgt_y`` (what to predict),
+    masks, ``ntokens``."""
 
-    def __init__(self, src: torch.Tensor, tgt: Optional[torch.Tensor] = None, pad: int = PAD):
+    def __init__(
+        self, src: torch.Tensor, tgt: Optional[torch.Tensor] = None, pad: int = PAD
+    ):
         self.src = src  # (batch, src_len)
         self.src_mask = padding_mask(src, pad)  # (batch, 1, src_len)
         if tgt is not None:
             self.tgt = tgt[:, :-1]  # (batch, tgt_len): decoder input
             self.tgt_y = tgt[:, 1:]  # (batch, tgt_len): next tokens
-            self.tgt_mask = self.make_std_mask(self.tgt, pad)  # (batch, tgt_len, tgt_len)
+            self.tgt_mask = self.make_std_mask(
+                self.tgt, pad
+            )  # (batch, tgt_len, tgt_len)
             self.ntokens = int((self.tgt_y != pad).sum())
 
     @staticmethod
     def make_std_mask(tgt: torch.Tensor, pad: int) -> torch.Tensor:
         """Target mask: not padding, and not a subsequent position."""
-        return padding_mask(tgt, pad) & subsequent_mask(tgt.size(-1), device=tgt.device)  # (batch, len, len)
+        return padding_mask(tgt, pad) & subsequent_mask(
+            tgt.size(-1), device=tgt.device
+        )  # (batch, len, len)
 
     def to(self, device) -> "Batch":
-        """The same batch on ``device``; to a GPU through pinned memory, so the copy overlaps computation."""
+        """The same batch on ``device``; to a GPU through pinned memory, so the copy
+        overlaps computation."""
         device = torch.device(device)
-        pin = device.type == "cuda"  # non_blocking copies from ordinary (pageable) memory are synchronous
+        pin = (
+            device.type == "cuda"
+        )  # non_blocking copies from ordinary (pageable) memory are synchronous
         for name in ("src", "src_mask", "tgt", "tgt_y", "tgt_mask"):
             if hasattr(self, name):
                 t = getattr(self, name)
-                setattr(self, name, (t.pin_memory() if pin else t).to(device, non_blocking=pin))
+                setattr(
+                    self,
+                    name,
+                    (t.pin_memory() if pin else t).to(device, non_blocking=pin),
+                )
         return self
 
 
 # %% [markdown]
-# Batching "by approximate sequence length" (§5.1): shuffle the pairs, sort them by length
-# (a stable sort, so equal lengths stay shuffled), cut the sorted list into batches holding
-# at most `batch_tokens` tokens on either side *including padding*, and shuffle the order of
-# the batches. Everything random comes from a generator seeded with (seed, epoch), so the
-# batches of an epoch can be recomputed exactly — that is what lets training resume in the
-# middle of an epoch. In a distributed run, rank $r$ of $W$ takes batches $r, r+W, …$.
+# Batching "by approximate sequence length" (§5.1): shuffle the pairs, sort them by
+# length (a stable sort, so equal lengths stay shuffled), cut the sorted list into
+# batches holding at most `batch_tokens` tokens on either side *including padding*, and
+# shuffle the order of the batches. Everything random comes from a generator seeded with
+# (seed, epoch), so the batches of an epoch can be recomputed exactly — that is what
+# lets training resume in the middle of an epoch. In a distributed run, rank $r$ of $W$
+# takes batches $r, r+W, …$.
 
 
 # %%
-def length_batches(lengths: Sequence[tuple[int, int]], batch_tokens: int, seed: int = 0, epoch: int = 0,
-                   shuffle: bool = True, rank: int = 0, world_size: int = 1) -> list[list[int]]:
-    """Index batches of similar-length pairs with ≤ ``batch_tokens`` padded tokens per side."""
+def length_batches(
+    lengths: Sequence[tuple[int, int]],
+    batch_tokens: int,
+    seed: int = 0,
+    epoch: int = 0,
+    shuffle: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
+) -> list[list[int]]:
+    """Index batches of similar-length pairs with ≤ ``batch_tokens`` padded tokens per
+    side."""
     rng = random.Random(f"{seed}-{epoch}")
     order = list(range(len(lengths)))
     if shuffle:
@@ -1212,7 +1364,10 @@ def length_batches(lengths: Sequence[tuple[int, int]], batch_tokens: int, seed: 
 
 def make_batch(pairs: Sequence[tuple[list, list]], idx: Sequence[int]) -> Batch:
     """A :class:`Batch` of the pairs at ``idx``."""
-    return Batch(pad_sequences([pairs[i][0] for i in idx]), pad_sequences([pairs[i][1] for i in idx]))
+    return Batch(
+        pad_sequences([pairs[i][0] for i in idx]),
+        pad_sequences([pairs[i][1] for i in idx]),
+    )
 
 
 # %% [markdown]
@@ -1228,37 +1383,51 @@ def make_batch(pairs: Sequence[tuple[list, list]], idx: Sequence[int]) -> Batch:
 # — §5.3, Eq. 3
 #
 # `rate` is Eq. 3 (times an optional `factor`), defined for $step\_num \ge 1$.
-# `torch.optim.Adam` does the rest, with `LambdaLR` setting the learning rate before each
-# update. `LambdaLR` counts the updates already taken (0 before the first), so update $k$ —
-# the paper's $step\_num = k$ — runs with `rate(k)` when the lambda is `rate(taken + 1)`.
-
+# `torch.optim.Adam` does the rest, with `LambdaLR` setting the learning rate before
+# each update. `LambdaLR` counts the updates already taken (0 before the first), so
+# update $k$ — the paper's $step\_num = k$ — runs with `rate(k)` when the lambda is
+# `rate(taken + 1)`.
 
 
 # %%
 def rate(step: int, d_model: int, factor: float = 1.0, warmup: int = 4000) -> float:
-    r"""Learning rate of §5.3, Eq. 3: $d_{model}^{-0.5} \min(step^{-0.5}, step \cdot warmup^{-1.5})$, step ≥ 1."""
+    r"""Learning rate of §5.3, Eq. 3: $d_{model}^{-0.5} \min(step^{-0.5}, step \cdot
+    warmup^{-1.5})$, step ≥ 1."""
     if step < 1:
         raise ValueError(f"Eq. 3 counts steps from 1, got step={step}")
-    return factor * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
+    return factor * d_model**-0.5 * min(step**-0.5, step * warmup**-1.5)
 
 
 def make_optimizer(model: nn.Module, cfg) -> tuple[torch.optim.Optimizer, LambdaLR]:
-    """Adam with §5.3's β1, β2, ε and the Eq. 3 schedule: update k (counting from 1) uses
+    """Adam with §5.3's β1, β2, ε and the Eq. 3 schedule: update k (counting from 1)
+    uses
     ``rate(k)``. ``cfg`` is a run's ``Config`` (its d_model, lr_factor, warmup, betas,
     adam_eps, weight_decay).
 
-    Adam's fused kernel (one pass over all parameters per step; the same arithmetic as the
+    Adam's fused kernel (one pass over all parameters per step; the same arithmetic as
+    the
     per-tensor loop, a test checks it) where the parameters' device has one. With
-    ``cfg.weight_decay`` > 0 (our addition, for the IWSLT recipe) it is AdamW: the decay is
+    ``cfg.weight_decay`` > 0 (our addition, for the IWSLT recipe) it is AdamW: the decay
+    is
     decoupled from the gradient, as fairseq's Adam applies it.
     """
     params = list(model.parameters())
-    fused = all(p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params)
+    fused = all(
+        p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params
+    )
     if cfg.weight_decay:
-        optimizer = torch.optim.AdamW(params, lr=1.0, betas=tuple(cfg.betas), eps=cfg.adam_eps,
-                                      weight_decay=cfg.weight_decay, fused=fused)
+        optimizer = torch.optim.AdamW(
+            params,
+            lr=1.0,
+            betas=tuple(cfg.betas),
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
+            fused=fused,
+        )
     else:
-        optimizer = torch.optim.Adam(params, lr=1.0, betas=tuple(cfg.betas), eps=cfg.adam_eps, fused=fused)
+        optimizer = torch.optim.Adam(
+            params, lr=1.0, betas=tuple(cfg.betas), eps=cfg.adam_eps, fused=fused
+        )
     scheduler = LambdaLR(
         optimizer, lambda taken: rate(taken + 1, cfg.d_model, cfg.lr_factor, cfg.warmup)
     )
@@ -1270,7 +1439,11 @@ def _():
     fig, ax = plt.subplots(figsize=(7, 3.5))
     steps = range(1, 20000)
     for d_model, warmup in ((512, 4000), (512, 8000), (256, 4000)):
-        ax.plot(steps, [rate(s, d_model, 1.0, warmup) for s in steps], label=f"d_model={d_model}, warmup={warmup}")
+        ax.plot(
+            steps,
+            [rate(s, d_model, 1.0, warmup) for s in steps],
+            label=f"d_model={d_model}, warmup={warmup}",
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("learning rate")
     ax.set_title("Eq. 3")
@@ -1283,38 +1456,41 @@ def _():
 #
 # > We employ three types of regularization during training:
 #
-# > We apply dropout […] to the output of each sub-layer, before it is added to the sub-layer
-# > input and normalized. In addition, we apply dropout to the sums of the embeddings and the
-# > positional encodings in both the encoder and decoder stacks. For the base model, we use a
-# > rate of $P_{drop}=0.1$.
+# > We apply dropout […] to the output of each sub-layer, before it is added to the
+# > sub-layer input and normalized. In addition, we apply dropout to the sums of the
+# > embeddings and the positional encodings in both the encoder and decoder stacks. For
+# > the base model, we use a rate of $P_{drop}=0.1$.
 #
 # — §5.4, Residual Dropout
 #
-# Both places are already in the model: `SublayerConnection` drops the sub-layer's output
-# before the residual sum, and `PositionalEncoding` drops the sum of embedding and
-# encoding. A test checks that those are the only dropout layers active by default.
+# Both places are already in the model: `SublayerConnection` drops the sub-layer's
+# output before the residual sum, and `PositionalEncoding` drops the sum of embedding
+# and encoding. A test checks that those are the only dropout layers active by default.
 #
-# > During training, we employed label smoothing of value $\epsilon_{ls}=0.1$ […]. This hurts
-# > perplexity, as the model learns to be more unsure, but improves accuracy and BLEU score.
+# > During training, we employed label smoothing of value $\epsilon_{ls}=0.1$ […]. This
+# > hurts perplexity, as the model learns to be more unsure, but improves accuracy and
+# > BLEU score.
 #
 # — §5.4, Label Smoothing
 #
 # Label smoothing (Szegedy et al., 2016) trains against a smoothed target distribution
-# instead of a one-hot vector: with $K$ classes and true class $y$,
-# $q(k) = (1-\epsilon_{ls})\,\delta_{k,y} + \epsilon_{ls}/K$. `LabelSmoothing` writes out the
-# Kullback–Leibler divergence $\mathrm{KL}(q \,\|\, p)$ summed over the non-padding positions.
-# Since $\mathrm{KL}(q\|p) = H(q, p) - H(q)$ and $H(q)$ does not depend on the model, this is
-# the smoothed cross-entropy that `F.cross_entropy(..., label_smoothing=ε)` computes, less a
-# constant; a test checks exactly that relation. The training loss, `loss_sum`, is that
-# cross-entropy written out from the generator's log-probabilities (a test checks it against
-# the library call, value and gradient).
+# instead of a one-hot vector: with $K$ classes and true class $y$, $q(k) =
+# (1-\epsilon_{ls})\,\delta_{k,y} + \epsilon_{ls}/K$. `LabelSmoothing` writes out the
+# Kullback–Leibler divergence $\mathrm{KL}(q \,\|\, p)$ summed over the non-padding
+# positions. Since $\mathrm{KL}(q\|p) = H(q, p) - H(q)$ and $H(q)$ does not depend on
+# the model, this is the smoothed cross-entropy that `F.cross_entropy(...,
+# label_smoothing=ε)` computes, less a constant; a test checks exactly that relation.
+# The training loss, `loss_sum`, is that cross-entropy written out from the generator's
+# log-probabilities (a test checks it against the library call, value and gradient).
 
 
 # %%
 class LabelSmoothing(nn.Module):
-    r"""Label-smoothed loss of §5.4: $\sum \mathrm{KL}(q\|p)$ with $q = (1-\epsilon)\,\mathrm{onehot} + \epsilon/K$.
+    r"""Label-smoothed loss of §5.4: $\sum \mathrm{KL}(q\|p)$ with $q =
+    (1-\epsilon)\,\mathrm{onehot} + \epsilon/K$.
 
-    ``forward(log_probs (n, K), target (n,))``; positions whose target is ``padding_idx``
+    ``forward(log_probs (n, K), target (n,))``; positions whose target is
+    ``padding_idx``
     contribute nothing.
     """
 
@@ -1324,10 +1500,20 @@ class LabelSmoothing(nn.Module):
         self.padding_idx = padding_idx
         self.smoothing = smoothing
 
-    def true_dist(self, target: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The smoothed target distribution q, (n, K); rows of padding positions are zero."""
-        q = torch.full((target.size(0), self.size), self.smoothing / self.size, dtype=dtype, device=target.device)
-        q.scatter_(1, target.unsqueeze(1), 1.0 - self.smoothing + self.smoothing / self.size)
+    def true_dist(
+        self, target: torch.Tensor, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """The smoothed target distribution q, (n, K); rows of padding positions are
+        zero."""
+        q = torch.full(
+            (target.size(0), self.size),
+            self.smoothing / self.size,
+            dtype=dtype,
+            device=target.device,
+        )
+        q.scatter_(
+            1, target.unsqueeze(1), 1.0 - self.smoothing + self.smoothing / self.size
+        )
         q[target == self.padding_idx] = 0.0
         return q
 
@@ -1336,12 +1522,18 @@ class LabelSmoothing(nn.Module):
         return F.kl_div(log_probs, q, reduction="sum")
 
 
-def loss_sum(log_probs: torch.Tensor, target: torch.Tensor, eps_ls: float, pad: int = PAD) -> torch.Tensor:
-    r"""Label-smoothed cross-entropy summed over non-pad positions (the training loss) — §5.4.
+def loss_sum(
+    log_probs: torch.Tensor, target: torch.Tensor, eps_ls: float, pad: int = PAD
+) -> torch.Tensor:
+    r"""Label-smoothed cross-entropy summed over non-pad positions (the training loss) —
+    §5.4.
 
-    $\sum_i (1-\epsilon)\,(-\log p_i(y_i)) + \epsilon \cdot \tfrac{1}{K}\sum_k (-\log p_i(k))$, the
-    quantity ``F.cross_entropy(logits, label_smoothing=ε)`` computes, taken directly from the
-    generator's log-probabilities (``cross_entropy`` would apply a second log-softmax to them).
+    $\sum_i (1-\epsilon)\,(-\log p_i(y_i)) + \epsilon \cdot \tfrac{1}{K}\sum_k (-\log
+    p_i(k))$, the
+    quantity ``F.cross_entropy(logits, label_smoothing=ε)`` computes, taken directly
+    from the
+    generator's log-probabilities (``cross_entropy`` would apply a second log-softmax to
+    them).
     """
     log_probs = log_probs.reshape(-1, log_probs.size(-1)).float()  # (tokens, K)
     target = target.reshape(-1)  # (tokens,)
@@ -1356,12 +1548,16 @@ def _():
     ls = LabelSmoothing(size=5, padding_idx=PAD, smoothing=0.4)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
     ax1.imshow(ls.true_dist(torch.tensor([1, 0, 3, 4, 2])), cmap="viridis")
-    ax1.set_title("target distribution q (ε = 0.4)\nrows: positions; the row of <blank> is zero")
+    ax1.set_title(
+        "target distribution q (ε = 0.4)\nrows: positions; the row of <blank> is zero"
+    )
     ax1.set_xlabel("class")
     ls = LabelSmoothing(size=5, padding_idx=PAD, smoothing=0.1)
     xs = torch.arange(1, 100)
     losses = []
-    for x in xs:  # the model puts x/(x+3) on the true class 1 and 1/(x+3) on three others
+    for (
+        x
+    ) in xs:  # the model puts x/(x+3) on the true class 1 and 1/(x+3) on three others
         p = torch.tensor([[1e-9, x / (x + 3), 1e-9, 1 / (x + 3), 1 / (x + 3)]])
         losses.append(float(ls((p / p.sum()).log(), torch.tensor([1]))))
     ax2.plot(xs, losses)
@@ -1383,13 +1579,17 @@ def _():
 # several batches, processes and precisions: it accumulates `batch_loss` over them
 # before the one step.)
 
+
 # %%
 class TrainingDiverged(RuntimeError):
     """The loss became NaN or infinite; the last good weights are kept."""
 
 
 def batch_loss(
-    model: EncoderDecoder, batch: Batch, eps_ls: float, forward: Optional[nn.Module] = None
+    model: EncoderDecoder,
+    batch: Batch,
+    eps_ls: float,
+    forward: Optional[nn.Module] = None,
 ) -> torch.Tensor:
     """The label-smoothed loss of §5.4, summed over the batch's target tokens.
 
@@ -1397,13 +1597,16 @@ def batch_loss(
     distributed wrapper of it); the generator is always the model's own.
     """
     out = (forward or model)(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
-    return loss_sum(model.generator(out), batch.tgt_y, eps_ls)  # out: (batch, len, d_model)
+    return loss_sum(
+        model.generator(out), batch.tgt_y, eps_ls
+    )  # out: (batch, len, d_model)
 
 
 def train_step(
     model: EncoderDecoder, batch: Batch, optimizer, scheduler, eps_ls: float
 ) -> tuple[float, float]:
-    """One optimizer update on ``batch`` — §5.3, §5.4: (loss per target token, rate used)."""
+    """One optimizer update on ``batch`` — §5.3, §5.4: (loss per target token, rate
+    used)."""
     loss = batch_loss(model, batch, eps_ls)
     if not math.isfinite(loss.item()):
         raise TrainingDiverged(f"loss is {loss.item()}")
@@ -1423,6 +1626,7 @@ def train_step(
 # falls from about $\ln 15 \approx 2.7$ towards zero; Part 3's decoders then copy
 # sequences the model has never seen.
 
+
 # %%
 def copy_pairs(n: int, length: int = 10, symbols: int = 11, seed: int = 0) -> list:
     """``n`` copy-task pairs (source ids, target ids), each ``<s>`` + ``length`` random
@@ -1437,7 +1641,8 @@ def copy_pairs(n: int, length: int = 10, symbols: int = 11, seed: int = 0) -> li
 
 def train_loop(model: EncoderDecoder, pairs: list, cfg) -> list[float]:
     """Train ``model`` on ``pairs`` for ``cfg.epochs`` — §5: length batches (§5.1), Adam
-    with Eq. 3 (§5.3), label smoothing (§5.4). Returns each epoch's mean loss per token."""
+    with Eq. 3 (§5.3), label smoothing (§5.4). Returns each epoch's mean loss per
+    token."""
     optimizer, scheduler = make_optimizer(model, cfg)
     lengths = [(len(s), len(t)) for s, t in pairs]
     losses = []
@@ -1465,12 +1670,13 @@ def _():
 # # Part 3 — Decoding and inference (§6.1)
 #
 # §6.1 reports its results with beam search over the average of the last checkpoints. In
-# our words, from the paper's §6.1: beam size 4, length penalty $\alpha = 0.6$ (Wu et al.,
-# 2016), a maximum output length of input length + 50, and stopping early when possible.
-# This part builds that up: greedy decoding first (the readable version), a key/value cache
-# that makes each step cost one position instead of the whole prefix, beam search on top of
-# the same step function, and `translate`, which decodes a test set in batches. The
-# parameters come from the end of training (Part 2) or from a checkpoint (Part 4).
+# our words, from the paper's §6.1: beam size 4, length penalty $\alpha = 0.6$ (Wu et
+# al., 2016), a maximum output length of input length + 50, and stopping early when
+# possible. This part builds that up: greedy decoding first (the readable version), a
+# key/value cache that makes each step cost one position instead of the whole prefix,
+# beam search on top of the same step function, and `translate`, which decodes a test
+# set in batches. The parameters come from the end of training (Part 2) or from a
+# checkpoint (Part 4).
 
 
 # %% [markdown]
@@ -1479,18 +1685,19 @@ def _():
 # Decoding is auto-regressive (§3): encode the source once, start the target with the
 # start symbol, and repeatedly append the most probable next token. A *decoder state*
 # feeds one token per sentence and returns the scores of the next one; the readable one,
-# `FullRecomputeDecoder`, runs the decoder over the whole prefix each time. `greedy_search`
-# is the loop around any such state: it takes the argmax for a whole batch at once and stops
-# when every sentence has produced the end symbol or the length limit is reached (§6.1 uses
-# input length + 50). The start symbol and the padding symbol are never chosen: their scores
-# are set to $-\infty$ before the argmax (`ban_tokens`), since neither can occur inside a
-# target sentence. An untrained model produces noise, but every piece above has now run end
-# to end.
+# `FullRecomputeDecoder`, runs the decoder over the whole prefix each time.
+# `greedy_search` is the loop around any such state: it takes the argmax for a whole
+# batch at once and stops when every sentence has produced the end symbol or the length
+# limit is reached (§6.1 uses input length + 50). The start symbol and the padding
+# symbol are never chosen: their scores are set to $-\infty$ before the argmax
+# (`ban_tokens`), since neither can occur inside a target sentence. An untrained model
+# produces noise, but every piece above has now run end to end.
 
 
 # %%
 def ban_tokens(scores, tokens: Sequence[int]):
-    """``scores`` (..., vocab) with the ids in ``tokens`` set to −∞, so decoding never picks them (§6.1)."""
+    """``scores`` (..., vocab) with the ids in ``tokens`` set to −∞, so decoding never
+    picks them (§6.1)."""
     tokens = list(tokens)
     if not tokens:
         return scores
@@ -1500,10 +1707,12 @@ def ban_tokens(scores, tokens: Sequence[int]):
 
 
 class FullRecomputeDecoder:
-    """Auto-regressive decoding state (§3) that recomputes the whole prefix at every step — the readable decoder.
+    """Auto-regressive decoding state (§3) that recomputes the whole prefix at every
+    step — the readable decoder.
 
     ``step`` feeds one token per row and returns the next token's log-probabilities;
-    ``reorder`` keeps some rows (beam search). Works with any model that has ``decode`` and
+    ``reorder`` keeps some rows (beam search). Works with any model that has ``decode``
+    and
     ``generator``.
     """
 
@@ -1514,9 +1723,15 @@ class FullRecomputeDecoder:
     def step(self, tokens):
         """tokens (batch,) → log-probabilities of the next token (batch, vocab)."""
         col = tokens.unsqueeze(1)  # (batch, 1)
-        self.ys = col if self.ys is None else torch.cat([self.ys, col], dim=1)  # (batch, t + 1)
-        out = self.model.decode(self.memory, self.src_mask, self.ys,
-                                subsequent_mask(self.ys.size(1), device=self.ys.device))
+        self.ys = (
+            col if self.ys is None else torch.cat([self.ys, col], dim=1)
+        )  # (batch, t + 1)
+        out = self.model.decode(
+            self.memory,
+            self.src_mask,
+            self.ys,
+            subsequent_mask(self.ys.size(1), device=self.ys.device),
+        )
         return self.model.generator(out[:, -1])
 
     def reorder(self, index):
@@ -1525,28 +1740,48 @@ class FullRecomputeDecoder:
 
 
 # %% [markdown]
-# `greedy_decode` is that loop around the readable state; the cached state below plugs into
-# the same loop.
+# `greedy_decode` is that loop around the readable state; the cached state below plugs
+# into the same loop.
 
 
 # %%
 @torch.no_grad()
-def greedy_decode(model: EncoderDecoder, src, src_mask, max_len: int, start_symbol: int,
-                  end_symbol: Optional[int] = None, pad: Optional[int] = None):
-    """Batched greedy decoding (§3: auto-regressive generation), recomputing the whole prefix each step.
+def greedy_decode(
+    model: EncoderDecoder,
+    src,
+    src_mask,
+    max_len: int,
+    start_symbol: int,
+    end_symbol: Optional[int] = None,
+    pad: Optional[int] = None,
+):
+    """Batched greedy decoding (§3: auto-regressive generation), recomputing the whole
+    prefix each step.
 
-    ``src`` (batch, src_len) → token ids (batch, ≤ max_len) beginning with ``start_symbol``.
+    ``src`` (batch, src_len) → token ids (batch, ≤ max_len) beginning with
+    ``start_symbol``.
     A sentence that has produced ``end_symbol`` is padded with ``pad`` (default: the end
-    symbol) afterwards, and decoding stops early once all have finished. ``start_symbol``
+    symbol) afterwards, and decoding stops early once all have finished.
+    ``start_symbol``
     and ``pad`` are never generated.
     """
     state = FullRecomputeDecoder(model, model.encode(src, src_mask), src_mask)
-    return greedy_search(state, src.size(0), max_len, start_symbol, end_symbol, pad, src.device)
+    return greedy_search(
+        state, src.size(0), max_len, start_symbol, end_symbol, pad, src.device
+    )
 
 
-def greedy_search(state, batch: int, max_len: int, start_symbol: int,
-                  end_symbol: Optional[int], pad: Optional[int], device):
-    """The loop of greedy decoding (§3): feed each newest token to ``state`` and append the argmax, until all end.
+def greedy_search(
+    state,
+    batch: int,
+    max_len: int,
+    start_symbol: int,
+    end_symbol: Optional[int],
+    pad: Optional[int],
+    device,
+):
+    """The loop of greedy decoding (§3): feed each newest token to ``state`` and append
+    the argmax, until all end.
 
     ``state.step(tokens (batch,))`` returns next-token scores (batch, vocab):
     :class:`FullRecomputeDecoder` or the cached :class:`IncrementalDecoder`.
@@ -1569,39 +1804,50 @@ def greedy_search(state, batch: int, max_len: int, start_symbol: int,
 @example
 def _():
     untrained = make_model(11, 11, MODEL_PRESETS["tiny"]).eval()
-    print("untrained model's output:", greedy_decode(untrained, torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]),
-                                                    torch.ones(1, 1, 10, dtype=torch.bool), max_len=10,
-                                                    start_symbol=0)[0].tolist())
+    print(
+        "untrained model's output:",
+        greedy_decode(
+            untrained,
+            torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]),
+            torch.ones(1, 1, 10, dtype=torch.bool),
+            max_len=10,
+            start_symbol=0,
+        )[0].tolist(),
+    )
 
 
 # %% [markdown]
 # ### Incremental decoding with a key/value cache
 #
-# `greedy_decode` above is the readable version: at step $t$ it runs the decoder over the
-# whole prefix $y_1 … y_t$ again, although only the last position's output is new. The
-# causal mask of §3.1 means that the outputs at positions $< t$ cannot change when a token
-# is appended, so everything computed for them can be kept. What the next position needs
-# from the past is, in each decoder layer, the keys and values of the masked
-# self-attention (§3.2.3) — one (batch, $h$, $t$, $d_k$) pair per layer, growing by one row
-# per step — and, for the encoder-decoder attention, the projections $\mathbf{z}W^K_i$ and
-# $\mathbf{z}W^V_i$ of the encoder output, which never change and are computed once.
+# `greedy_decode` above is the readable version: at step $t$ it runs the decoder over
+# the whole prefix $y_1 … y_t$ again, although only the last position's output is new.
+# The causal mask of §3.1 means that the outputs at positions $< t$ cannot change when a
+# token is appended, so everything computed for them can be kept. What the next position
+# needs from the past is, in each decoder layer, the keys and values of the masked
+# self-attention (§3.2.3) — one (batch, $h$, $t$, $d_k$) pair per layer, growing by one
+# row per step — and, for the encoder-decoder attention, the projections
+# $\mathbf{z}W^K_i$ and $\mathbf{z}W^V_i$ of the encoder output, which never change and
+# are computed once.
 #
-# `IncrementalDecoder` holds that state. Each `step` embeds one new token (its positional
-# encoding is that of position $t$, hence the `offset` argument of `PositionalEncoding`),
-# passes it through every layer's three sub-layers using the layer's own modules
-# (`SublayerConnection`, so post-norm and pre-norm both work), and returns the log
-# probabilities of the next token. Attention goes through the layer's `attend` method, so
-# the readable class uses `attention()` and the fast class uses PyTorch's fused kernel.
-# A step costs $O(t)$ instead of the $O(t^2)$ of recomputing the prefix. `reorder` picks
-# rows of the cache, which beam search (§6.1, below) needs when hypotheses are replaced.
+# `IncrementalDecoder` holds that state. Each `step` embeds one new token (its
+# positional encoding is that of position $t$, hence the `offset` argument of
+# `PositionalEncoding`), passes it through every layer's three sub-layers using the
+# layer's own modules (`SublayerConnection`, so post-norm and pre-norm both work), and
+# returns the log probabilities of the next token. Attention goes through the layer's
+# `attend` method, so the readable class uses `attention()` and the fast class uses
+# PyTorch's fused kernel. A step costs $O(t)$ instead of the $O(t^2)$ of recomputing the
+# prefix. `reorder` picks rows of the cache, which beam search (§6.1, below) needs when
+# hypotheses are replaced.
 
 
 # %%
 class IncrementalDecoder:
-    r"""Key/value-cached decoding for :class:`EncoderDecoder` — §3 auto-regression, §3.2.3 masking.
+    r"""Key/value-cached decoding for :class:`EncoderDecoder` — §3 auto-regression,
+    §3.2.3 masking.
 
     Holds each decoder layer's self-attention keys and values for the tokens fed so far,
-    and the encoder-decoder keys and values of ``memory`` (computed once). ``step`` feeds
+    and the encoder-decoder keys and values of ``memory`` (computed once). ``step``
+    feeds
     one token per row and returns the next token's log-probabilities, equal (up to
     rounding) to ``model.generator(model.decode(...))[:, -1]`` on the whole prefix.
     """
@@ -1613,25 +1859,35 @@ class IncrementalDecoder:
         for layer in model.decoder.layers:
             a = layer.src_attn
             self.cross.append(a.project_kv(memory, memory))
-        self.self_kv: list = [None] * len(model.decoder.layers)  # per layer: (k, v), (batch, h, t, d_k)
+        self.self_kv: list = [None] * len(
+            model.decoder.layers
+        )  # per layer: (k, v), (batch, h, t, d_k)
         self.length = 0  # positions fed so far
 
     def step(self, tokens):
-        """tokens (batch,) at position ``self.length`` → log-probabilities (batch, vocab)."""
-        embed, *between, posenc = self.model.tgt_embed  # between: WordDropout when the model has one
+        """tokens (batch,) at position ``self.length`` → log-probabilities (batch,
+        vocab)."""
+        embed, *between, posenc = (
+            self.model.tgt_embed
+        )  # between: WordDropout when the model has one
         x = embed(tokens.unsqueeze(1))  # (batch, 1, d_model)
         for module in between:
             x = module(x)
         x = posenc(x, offset=self.length)  # (batch, 1, d_model)
         for i, layer in enumerate(self.model.decoder.layers):
-            x = layer.sublayer[0](x, lambda y, i=i, a=layer.self_attn: self._self_attn(i, a, y))
-            x = layer.sublayer[1](x, lambda y, i=i, a=layer.src_attn: self._src_attn(i, a, y))
+            x = layer.sublayer[0](
+                x, lambda y, i=i, a=layer.self_attn: self._self_attn(i, a, y)
+            )
+            x = layer.sublayer[1](
+                x, lambda y, i=i, a=layer.src_attn: self._src_attn(i, a, y)
+            )
             x = layer.sublayer[2](x, layer.feed_forward)
         self.length += 1
         return self.model.generator(self.model.decoder.norm(x)[:, 0])  # (batch, vocab)
 
     def _self_attn(self, i: int, a: MultiHeadedAttention, y):
-        """Masked self-attention of the newest position over all positions so far (no mask needed)."""
+        """Masked self-attention of the newest position over all positions so far (no
+        mask needed)."""
         q, (k, v) = a.project_q(y), a.project_kv(y, y)  # (batch, h, 1, d_k) each
         if self.self_kv[i] is not None:
             k = torch.cat([self.self_kv[i][0], k], dim=2)  # (batch, h, t + 1, d_k)
@@ -1640,82 +1896,107 @@ class IncrementalDecoder:
         return a.combine(q, k, v)
 
     def _src_attn(self, i: int, a: MultiHeadedAttention, y):
-        """Encoder-decoder attention of the newest position, with the cached projections of ``memory``."""
+        """Encoder-decoder attention of the newest position, with the cached projections
+        of ``memory``."""
         k, v = self.cross[i]
         return a.combine(a.project_q(y), k, v, self.src_mask)
 
     def reorder(self, index):
         """Keep rows ``index`` (new_batch,) of the self-attention cache.
 
-        The encoder-decoder keys and values are not moved: ``index`` must map every row to a
+        The encoder-decoder keys and values are not moved: ``index`` must map every row
+        to a
         row of the same sentence (as beam search does), whose source is the same.
         """
-        self.self_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.self_kv]
+        self.self_kv = [
+            (k.index_select(0, index), v.index_select(0, index))
+            for k, v in self.self_kv
+        ]
 
 
 # %% [markdown]
-# Greedy decoding on top of it is the same loop, `greedy_search`, with one call to `step`
-# per token instead of a full decoder pass (§3). Same arguments, same result: a test checks that
-# both produce exactly the same tokens, in float64 and float32, with padded sources in the
-# batch, for the readable and the fast attention class, post-norm and pre-norm.
+# Greedy decoding on top of it is the same loop, `greedy_search`, with one call to
+# `step` per token instead of a full decoder pass (§3). Same arguments, same result: a
+# test checks that both produce exactly the same tokens, in float64 and float32, with
+# padded sources in the batch, for the readable and the fast attention class, post-norm
+# and pre-norm.
 
 
 # %%
 @torch.no_grad()
-def greedy_decode_cached(model: EncoderDecoder, src, src_mask, max_len: int, start_symbol: int,
-                         end_symbol: Optional[int] = None, pad: Optional[int] = None):
-    """Batched greedy decoding (§3) with :class:`IncrementalDecoder`; the tokens of :func:`greedy_decode`."""
+def greedy_decode_cached(
+    model: EncoderDecoder,
+    src,
+    src_mask,
+    max_len: int,
+    start_symbol: int,
+    end_symbol: Optional[int] = None,
+    pad: Optional[int] = None,
+):
+    """Batched greedy decoding (§3) with :class:`IncrementalDecoder`; the tokens of
+    :func:`greedy_decode`."""
     memory = model.encode(src, src_mask)
     state = IncrementalDecoder(model, memory, src_mask)
-    return greedy_search(state, src.size(0), max_len, start_symbol, end_symbol,
-                         pad, src.device)
+    return greedy_search(
+        state, src.size(0), max_len, start_symbol, end_symbol, pad, src.device
+    )
 
 
 # %% [markdown]
 # What the cache saves grows with the output (§3's auto-regression): the full recompute
 # does $1 + 2 + … + T$ position-steps of decoder work for $T$ tokens, the cache $T$. The
-# table below times both on an untrained model with $d_{\text{model}}=256$ (no end symbol,
-# so every sentence runs to the given length) and checks they produced the same tokens.
+# table below times both on an untrained model with $d_{\text{model}}=256$ (no end
+# symbol, so every sentence runs to the given length) and checks they produced the same
+# tokens.
 
 
 # %%
 @example
 def _():
     torch.manual_seed(0)
-    timing_model = make_model(1000, 1000, MODEL_PRESETS["tiny"], N=3, d_model=256, d_ff=1024, h=8).eval()
+    timing_model = make_model(
+        1000, 1000, MODEL_PRESETS["tiny"], N=3, d_model=256, d_ff=1024, h=8
+    ).eval()
     timing_src = torch.randint(4, 1000, (32, 20))
     timing_mask = torch.ones(32, 1, 20, dtype=torch.bool)
     print("output length   full recompute (s)   cached (s)   speed-up   same tokens")
     for length in (10, 25, 50, 100) if PROFILE == "full" else (10,):
         t0 = time.perf_counter()
-        full = greedy_decode(timing_model, timing_src, timing_mask, length + 1, start_symbol=0)
+        full = greedy_decode(
+            timing_model, timing_src, timing_mask, length + 1, start_symbol=0
+        )
         t1 = time.perf_counter()
-        fast = greedy_decode_cached(timing_model, timing_src, timing_mask, length + 1, start_symbol=0)
+        fast = greedy_decode_cached(
+            timing_model, timing_src, timing_mask, length + 1, start_symbol=0
+        )
         t2 = time.perf_counter()
-        print(f"{length:13d}   {t1 - t0:18.3f}   {t2 - t1:10.3f}   {(t1 - t0) / (t2 - t1):8.1f}×   "
-              f"{torch.equal(full, fast)}")
+        print(
+            f"{length:13d}   {t1 - t0:18.3f}   {t2 - t1:10.3f}   {(t1 - t0) / (t2 - t1):8.1f}×   "
+            f"{torch.equal(full, fast)}"
+        )
 
 
 # %% [markdown]
 # ### Decoding and score
 #
-# §6.1 translates with beam search (beam size 4, length penalty $\alpha = 0.6$, citing Wu
-# et al. 2016), sets the maximum output length to the input length + 50, and terminates
-# early when possible (our summary of §6.1, not a quotation). The pieces, in order: the
-# length limit, the length penalty, beam search, and `translate`, which decodes a whole set
-# of sentences either greedily or with a beam.
+# §6.1 translates with beam search (beam size 4, length penalty $\alpha = 0.6$, citing
+# Wu et al. 2016), sets the maximum output length to the input length + 50, and
+# terminates early when possible (our summary of §6.1, not a quotation). The pieces, in
+# order: the length limit, the length penalty, beam search, and `translate`, which
+# decodes a whole set of sentences either greedily or with a beam.
 #
 # **The length limit, precisely.** For a source sentence with $n$ tokens (BPE pieces or
 # words, whatever the vocabulary holds; not counting `<s>`, `</s>` and padding), at most
-# $n + $ `max_decode_extra` tokens are generated after `<s>`, and a final `</s>` counts as
-# one of them. So a translation that stops by itself has at most $n + 49$ tokens and
+# $n + $ `max_decode_extra` tokens are generated after `<s>`, and a final `</s>` counts
+# as one of them. So a translation that stops by itself has at most $n + 49$ tokens and
 # `</s>`, and one cut by the limit has exactly $n + 50$ tokens, without `</s>`. The same
-# rule holds for greedy, cached greedy and beam search, and tests check it exactly for all
-# three. The paper's models never meet the other limit, ours: the positional encoding covers
-# `max_len` positions, so the limit is min($n + 50$, `max_len` − 1), and the target `<s>`
-# $y_1 \dots y_L$ always fits. A source of more than `max_len` tokens (with `<s>` and
-# `</s>`) cannot be encoded at all; `translate` refuses it before decoding anything, naming
-# it, and the command line skips such lines and translates the rest.
+# rule holds for greedy, cached greedy and beam search, and tests check it exactly for
+# all three. The paper's models never meet the other limit, ours: the positional
+# encoding covers `max_len` positions, so the limit is min($n + 50$, `max_len` − 1), and
+# the target `<s>` $y_1 \dots y_L$ always fits. A source of more than `max_len` tokens
+# (with `<s>` and `</s>`) cannot be encoded at all; `translate` refuses it before
+# decoding anything, naming it, and the command line skips such lines and translates the
+# rest.
 #
 # **Special tokens.** No decoder ever emits `<s>` or `<blank>` (their scores are set to
 # $-\infty$). `<unk>` is an ordinary token to the decoder: the model may produce it, and
@@ -1724,7 +2005,8 @@ def _():
 
 # %%
 def max_output_tokens(src: torch.Tensor, extra: int, pad: int = PAD) -> torch.Tensor:
-    """§6.1's limit for each sentence: n + ``extra`` tokens after <s> (counting </s>), n = source words.
+    """§6.1's limit for each sentence: n + ``extra`` tokens after <s> (counting </s>), n
+    = source words.
 
     ``src`` (batch, src_len) holds ``<s> w_1 … w_n </s>`` and padding → (batch,) long.
     """
@@ -1732,9 +2014,11 @@ def max_output_tokens(src: torch.Tensor, extra: int, pad: int = PAD) -> torch.Te
 
 
 def length_penalty(length, alpha: float):
-    r"""GNMT length penalty $lp(Y) = ((5 + |Y|)/6)^\alpha$ (Wu et al. 2016, §7), used in §6.1 with $\alpha=0.6$.
+    r"""GNMT length penalty $lp(Y) = ((5 + |Y|)/6)^\alpha$ (Wu et al. 2016, §7), used in
+    §6.1 with $\alpha=0.6$.
 
-    A hypothesis is ranked by $\log P(Y|X) / lp(Y)$, $|Y|$ counting every generated token
+    A hypothesis is ranked by $\log P(Y|X) / lp(Y)$, $|Y|$ counting every generated
+    token
     including </s>. $\alpha = 0$ gives $lp = 1$: the raw log-probability.
     """
     return ((5.0 + length) / 6.0) ** alpha
@@ -1742,8 +2026,11 @@ def length_penalty(length, alpha: float):
 
 @torch.no_grad()
 def _beam_init(model, src, src_mask, beam_size: int, cached: bool):
-    """Encode once and build the decoder state for batch × beam rows (beam search, §6.1)."""
-    memory = model.encode(src, src_mask).repeat_interleave(beam_size, dim=0)  # (batch·k, src_len, d_model)
+    """Encode once and build the decoder state for batch × beam rows (beam search,
+    §6.1)."""
+    memory = model.encode(src, src_mask).repeat_interleave(
+        beam_size, dim=0
+    )  # (batch·k, src_len, d_model)
     mask = src_mask.repeat_interleave(beam_size, dim=0)  # (batch·k, 1, src_len)
     return (IncrementalDecoder if cached else FullRecomputeDecoder)(model, memory, mask)
 
@@ -1752,32 +2039,45 @@ def _beam_init(model, src, src_mask, beam_size: int, cached: bool):
 # **Beam search**, batched over sentences. Each sentence keeps $k$ *live* hypotheses
 # (prefixes without `</s>`) and, apart from them, the best *finished* one. At each step
 # every live hypothesis is extended by every token; of the resulting $k \cdot |V|$
-# candidates the $2k$ most probable are taken (so that $k$ live ones remain even if up to
-# $k$ of them end). A candidate ending in `</s>` among the top $k$ is finished, scored by
-# $\log P / lp$; at the length limit the top $k$ candidates are finished as they are. The
-# best $k$ candidates that did not end become the new live hypotheses, and the cache is
-# reordered to follow them.
+# candidates the $2k$ most probable are taken (so that $k$ live ones remain even if up
+# to $k$ of them end). A candidate ending in `</s>` among the top $k$ is finished,
+# scored by $\log P / lp$; at the length limit the top $k$ candidates are finished as
+# they are. The best $k$ candidates that did not end become the new live hypotheses, and
+# the cache is reordered to follow them.
 #
 # **Terminating early.** Log-probabilities only decrease as a hypothesis grows, and for
-# $\alpha \ge 0$ the penalty grows with length, so no live hypothesis with log-probability
-# $s$ can end with a score above $s / lp(\text{limit})$. A sentence is done as soon as its
-# best finished score is at least that bound for its best live hypothesis (or it reached
-# its limit); the batch stops when every sentence is done. With $k = 1$ and $\alpha = 0$
-# this is exactly greedy decoding; with $\alpha > 0$ a beam of 1 may still continue its
-# one live hypothesis after a shorter one has finished, and keep it if its normalised score
-# is better.
+# $\alpha \ge 0$ the penalty grows with length, so no live hypothesis with
+# log-probability $s$ can end with a score above $s / lp(\text{limit})$. A sentence is
+# done as soon as its best finished score is at least that bound for its best live
+# hypothesis (or it reached its limit); the batch stops when every sentence is done.
+# With $k = 1$ and $\alpha = 0$ this is exactly greedy decoding; with $\alpha > 0$ a
+# beam of 1 may still continue its one live hypothesis after a shorter one has finished,
+# and keep it if its normalised score is better.
 
 
 # %%
 @torch.no_grad()
-def beam_search(model, src, src_mask, max_new_tokens, start_symbol: int, end_symbol: int, beam_size: int = 4,
-                alpha: float = 0.6, banned: Sequence[int] = (), cached: bool = True) -> list[list[int]]:
+def beam_search(
+    model,
+    src,
+    src_mask,
+    max_new_tokens,
+    start_symbol: int,
+    end_symbol: int,
+    beam_size: int = 4,
+    alpha: float = 0.6,
+    banned: Sequence[int] = (),
+    cached: bool = True,
+) -> list[list[int]]:
     r"""Beam search with the GNMT length penalty and early termination — §6.1.
 
-    ``src`` (batch, src_len); ``max_new_tokens`` an int or (batch,) tensor: tokens allowed
-    after ``start_symbol``, counting ``end_symbol``. Returns each sentence's best hypothesis
+    ``src`` (batch, src_len); ``max_new_tokens`` an int or (batch,) tensor: tokens
+    allowed
+    after ``start_symbol``, counting ``end_symbol``. Returns each sentence's best
+    hypothesis
     under $\log P / lp$ (see :func:`length_penalty`): the generated ids, ending with
-    ``end_symbol`` unless cut by the limit. ``start_symbol`` and ``banned`` are never generated.
+    ``end_symbol`` unless cut by the limit. ``start_symbol`` and ``banned`` are never
+    generated.
     """
     if alpha < 0:
         raise ValueError("early termination needs alpha >= 0")
@@ -1785,25 +2085,42 @@ def beam_search(model, src, src_mask, max_new_tokens, start_symbol: int, end_sym
     limits = torch.as_tensor(max_new_tokens, device=device).expand(batch)  # (batch,)
     state = _beam_init(model, src, src_mask, k, cached)
     banned = [start_symbol, *banned]
-    scores = torch.full((batch, k), float("-inf"), dtype=torch.float64, device=device)  # log P of live hypotheses
+    scores = torch.full(
+        (batch, k), float("-inf"), dtype=torch.float64, device=device
+    )  # log P of live hypotheses
     scores[:, 0] = 0.0  # one live hypothesis, <s>, to begin with
-    tokens = torch.full((batch, k, 1), start_symbol, dtype=torch.long, device=device)  # (batch, k, t + 1)
+    tokens = torch.full(
+        (batch, k, 1), start_symbol, dtype=torch.long, device=device
+    )  # (batch, k, t + 1)
     best_score = torch.full((batch,), float("-inf"), dtype=torch.float64, device=device)
     best: list[list[int]] = [[] for _ in range(batch)]
     done = limits <= 0
     rank = torch.arange(2 * k, device=device)  # candidate rank, best first
-    offset = (torch.arange(batch, device=device) * k).unsqueeze(1)  # (batch, 1): first row of each sentence
+    offset = (torch.arange(batch, device=device) * k).unsqueeze(
+        1
+    )  # (batch, 1): first row of each sentence
     t = 0
     while not bool(done.all()):
-        last = tokens[:, :, -1].reshape(-1)  # (batch·k,): the newest token of every hypothesis
+        last = tokens[:, :, -1].reshape(
+            -1
+        )  # (batch·k,): the newest token of every hypothesis
         log_probs = ban_tokens(state.step(last), banned)  # (batch·k, V)
         vocab = log_probs.size(-1)
         t += 1  # length of every candidate (tokens after <s>)
-        scores = scores.masked_fill(done.unsqueeze(1), float("-inf"))  # (batch, k): finished sentences stop
-        cand = scores.unsqueeze(-1) + log_probs.view(batch, k, vocab).double()  # (batch, k, V)
-        cand = cand.view(batch, k * vocab)  # (batch, k·V): log P of every one-token extension
+        scores = scores.masked_fill(
+            done.unsqueeze(1), float("-inf")
+        )  # (batch, k): finished sentences stop
+        cand = (
+            scores.unsqueeze(-1) + log_probs.view(batch, k, vocab).double()
+        )  # (batch, k, V)
+        cand = cand.view(
+            batch, k * vocab
+        )  # (batch, k·V): log P of every one-token extension
         top, idx = cand.topk(min(2 * k, k * vocab), dim=-1)  # (batch, 2k), best first
-        origin, tok = idx // vocab, idx % vocab  # (batch, 2k): which live hypothesis, which token
+        origin, tok = (
+            idx // vocab,
+            idx % vocab,
+        )  # (batch, 2k): which live hypothesis, which token
         n = top.size(1)
         ends, valid = tok == end_symbol, top > float("-inf")
         at_limit = (t >= limits).unsqueeze(1)  # (batch, 1)
@@ -1814,42 +2131,69 @@ def beam_search(model, src, src_mask, max_new_tokens, start_symbol: int, end_sym
             best_score[b] = m[b]
             best[b] = tokens[b, origin[b, j[b]], 1:].tolist() + [int(tok[b, j[b]])]
         live = valid & ~ends & ~at_limit  # (batch, 2k)
-        order = torch.where(live, rank[:n], rank[:n] + n).argsort(dim=-1)[:, :k]  # first k live candidates
-        scores = torch.where(live.gather(1, order), top.gather(1, order), float("-inf"))  # (batch, k)
+        order = torch.where(live, rank[:n], rank[:n] + n).argsort(dim=-1)[
+            :, :k
+        ]  # first k live candidates
+        scores = torch.where(
+            live.gather(1, order), top.gather(1, order), float("-inf")
+        )  # (batch, k)
         rows = (offset + origin.gather(1, order)).reshape(-1)  # (batch·k,)
         state.reorder(rows)
-        tokens = torch.cat([tokens.view(batch * k, -1)[rows].view(batch, k, -1),
-                            tok.gather(1, order).unsqueeze(-1)], dim=-1)  # (batch, k, t + 2)
-        bound = scores[:, 0] / length_penalty(limits.float(), alpha)  # best any live hypothesis can still reach
+        tokens = torch.cat(
+            [
+                tokens.view(batch * k, -1)[rows].view(batch, k, -1),
+                tok.gather(1, order).unsqueeze(-1),
+            ],
+            dim=-1,
+        )  # (batch, k, t + 2)
+        bound = scores[:, 0] / length_penalty(
+            limits.float(), alpha
+        )  # best any live hypothesis can still reach
         done |= at_limit.squeeze(1) | (best_score >= bound)
     return best
 
 
 # %% [markdown]
 # `translate` decodes a list of id sequences in batches of similar length (so a batch
-# wastes little padding) and returns token lists without `<s>` and cut at `</s>`: greedily
-# with `beam_size=1`, otherwise with beam search; with the key/value cache whenever the
-# model is an `EncoderDecoder`. The result does not depend on how sentences are batched.
-# Decoding runs on the device it is asked for: the model is moved there first.
+# wastes little padding) and returns token lists without `<s>` and cut at `</s>`:
+# greedily with `beam_size=1`, otherwise with beam search; with the key/value cache
+# whenever the model is an `EncoderDecoder`. The result does not depend on how sentences
+# are batched. Decoding runs on the device it is asked for: the model is moved there
+# first.
 
 
 # %% [markdown]
-# `translate` itself: batches of similar length, each decoded greedily or by beam search.
+# `translate` itself: batches of similar length, each decoded greedily or by beam
+# search.
 
 
 # %%
 @torch.no_grad()
-def translate(model: EncoderDecoder, sources: Sequence[list[int]], tgt_vocab: Vocab, cfg,
-              device, progress: bool = False, beam_size: int = 1, alpha: float = 0.0,
-              cached: Optional[bool] = None) -> list[list[str]]:
-    """Translations (token lists, without <s>, cut at </s>) of id sequences — §6.1 decoding, batched by length.
+def translate(
+    model: EncoderDecoder,
+    sources: Sequence[list[int]],
+    tgt_vocab: Vocab,
+    cfg,
+    device,
+    progress: bool = False,
+    beam_size: int = 1,
+    alpha: float = 0.0,
+    cached: Optional[bool] = None,
+) -> list[list[str]]:
+    """Translations (token lists, without <s>, cut at </s>) of id sequences — §6.1
+    decoding, batched by length.
 
-    ``beam_size=1`` is greedy decoding, otherwise :func:`beam_search` with length penalty
-    ``alpha``. ``cached`` (default: when the model is an :class:`EncoderDecoder`) uses the
-    key/value cache. At most min(n + ``cfg.max_decode_extra``, ``cfg.max_len`` − 1) tokens follow <s>
+    ``beam_size=1`` is greedy decoding, otherwise :func:`beam_search` with length
+    penalty
+    ``alpha``. ``cached`` (default: when the model is an :class:`EncoderDecoder`) uses
+    the
+    key/value cache. At most min(n + ``cfg.max_decode_extra``, ``cfg.max_len`` − 1)
+    tokens follow <s>
     (see above); sources longer than ``cfg.max_len`` raise ``ValueError``."""
     if too_long := [i for i, s in enumerate(sources) if len(s) > cfg.max_len]:
-        raise ValueError(f"sources {too_long[:10]} are longer than max_len={cfg.max_len} positions")
+        raise ValueError(
+            f"sources {too_long[:10]} are longer than max_len={cfg.max_len} positions"
+        )
     model = model.to(device)
     model.eval()
     if cached is None:
@@ -1858,20 +2202,43 @@ def translate(model: EncoderDecoder, sources: Sequence[list[int]], tgt_vocab: Vo
     out: list = [None] * len(sources)
     starts = range(0, len(order), cfg.eval_batch_size)
     for s in tqdm(starts, desc="decoding", disable=not progress, leave=False):
-        idx = order[s: s + cfg.eval_batch_size]
+        idx = order[s : s + cfg.eval_batch_size]
         src = pad_sequences([sources[i] for i in idx]).to(device)
         src_mask = padding_mask(src, PAD)  # (batch, 1, src_len)
-        limits = max_output_tokens(src, cfg.max_decode_extra).clamp(max=cfg.max_len - 1)  # (batch,)
+        limits = max_output_tokens(src, cfg.max_decode_extra).clamp(
+            max=cfg.max_len - 1
+        )  # (batch,)
         if beam_size == 1:
             decode = greedy_decode_cached if cached else greedy_decode
-            ys = decode(model, src, src_mask, max_len=1 + int(limits.max()), start_symbol=BOS,
-                        end_symbol=EOS, pad=PAD)
-            rows = [row[1: 1 + n] for row, n in zip(ys.tolist(), limits.tolist())]  # each sentence's own limit
+            ys = decode(
+                model,
+                src,
+                src_mask,
+                max_len=1 + int(limits.max()),
+                start_symbol=BOS,
+                end_symbol=EOS,
+                pad=PAD,
+            )
+            rows = [
+                row[1 : 1 + n] for row, n in zip(ys.tolist(), limits.tolist())
+            ]  # each sentence's own limit
         else:
-            rows = beam_search(model, src, src_mask, limits, BOS, EOS, beam_size, alpha, banned=[PAD],
-                               cached=cached)
+            rows = beam_search(
+                model,
+                src,
+                src_mask,
+                limits,
+                BOS,
+                EOS,
+                beam_size,
+                alpha,
+                banned=[PAD],
+                cached=cached,
+            )
         for i, row in zip(idx, rows):
-            out[i] = tgt_vocab.lookup_tokens(row[: row.index(EOS)] if EOS in row else row)
+            out[i] = tgt_vocab.lookup_tokens(
+                row[: row.index(EOS)] if EOS in row else row
+            )
     return out
 
 
@@ -1880,14 +2247,17 @@ def translate(model: EncoderDecoder, sources: Sequence[list[int]], tgt_vocab: Vo
 # pieces are joined back by sentencepiece; a word-level vocabulary's Multi30k output is
 # detokenized with sacremoses. Multi30k is scored against the raw, cased references with
 # sacreBLEU's default tokenizer; IWSLT14 stays tokenized and lowercased and is scored
-# against the prepared references with `tokenize="none"`, the way published IWSLT14 numbers
-# are computed (sacreBLEU's warning that the text looks tokenized is switched off there,
-# since it is meant to be).
+# against the prepared references with `tokenize="none"`, the way published IWSLT14
+# numbers are computed (sacreBLEU's warning that the text looks tokenized is switched
+# off there, since it is meant to be).
 
 
 # %%
-def detokenize(tokens_list: Sequence[list[str]], dataset: str, subwords: Optional[Subwords] = None) -> list[str]:
-    """Token lists → strings in the form ``dataset``'s references have (its record says); BPE pieces are decoded."""
+def detokenize(
+    tokens_list: Sequence[list[str]], dataset: str, subwords: Optional[Subwords] = None
+) -> list[str]:
+    """Token lists → strings in the form ``dataset``'s references have (its record
+    says); BPE pieces are decoded."""
     if subwords is not None:
         return subwords.decode(tokens_list)
     if CORPORA[dataset].detokenize == "moses":
@@ -1907,7 +2277,8 @@ class Bleu(NamedTuple):
 
 
 def bleu(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> Bleu:
-    """Corpus BLEU (§6.1's metric) with sacreBLEU, tokenized as ``dataset``'s record says — the one BLEU here."""
+    """Corpus BLEU (§6.1's metric) with sacreBLEU, tokenized as ``dataset``'s record
+    says — the one BLEU here."""
     import sacrebleu
 
     tokenize = CORPORA[dataset].bleu_tokenize
@@ -1967,19 +2338,26 @@ if IN_NOTEBOOK:
 # %% [markdown]
 # ## A first example: learning to copy
 #
-# The task: given ten random symbols, output the same ten. It needs no data download, and
-# a two-layer model learns it in well under a minute on a CPU, which makes it the quickest
-# check that masking, the schedule, the loss and decoding work together. Scored with BLEU
-# like everything else, a perfect copy is 100.
+# The task: given ten random symbols, output the same ten. It needs no data download,
+# and a two-layer model learns it in well under a minute on a CPU, which makes it the
+# quickest check that masking, the schedule, the loss and decoding work together. Scored
+# with BLEU like everything else, a perfect copy is 100.
 
 
 # %%
 if IN_NOTEBOOK:
-    copy_cfg = get_config("copy", run_dir=str(NOTEBOOK_RUNS / "copy"),
-                          **({"epochs": 1, "max_steps": 5} if PROFILE == "smoke" else {}))
-    copy_summary = train(copy_cfg, data=make_copy_data(copy_cfg), progress=False)  # bars off in stored outputs
-    print(f"copy task: {copy_summary['steps']} updates in {copy_summary['total_minutes'] * 60:.0f} s, "
-          f"BLEU {copy_summary['bleu']:.1f}")
+    copy_cfg = get_config(
+        "copy",
+        run_dir=str(NOTEBOOK_RUNS / "copy"),
+        **({"epochs": 1, "max_steps": 5} if PROFILE == "smoke" else {}),
+    )
+    copy_summary = train(
+        copy_cfg, data=make_copy_data(copy_cfg), progress=False
+    )  # bars off in stored outputs
+    print(
+        f"copy task: {copy_summary['steps']} updates in {copy_summary['total_minutes'] * 60:.0f} s, "
+        f"BLEU {copy_summary['bleu']:.1f}"
+    )
 
 
 # %% [markdown]
@@ -1990,7 +2368,9 @@ if IN_NOTEBOOK:
 
 # %%
 if IN_NOTEBOOK:
-    m30k_train, _ = read_parallel(*locate_dataset("multi30k", get_config("multi30k-small")).files["train"])
+    m30k_train, _ = read_parallel(
+        *locate_dataset("multi30k", get_config("multi30k-small")).files["train"]
+    )
     bpe = build_subwords(m30k_train, get_config("multi30k-small"))
     sentence = "Ein Mann repariert das Kinderwagenrad vor der Eisenbahnbrücke."
     pieces = bpe.encode([sentence])[0]
@@ -2003,41 +2383,66 @@ if IN_NOTEBOOK:
 # ## A real example: Multi30k German→English
 #
 # The `multi30k-small` preset: $N=3$, $d_{\text{model}}=256$, $d_{ff}=1024$, $h=8$,
-# $P_{drop}=0.1$, $\epsilon_{ls}=0.1$, about 2,500 tokens per batch, Eq. 3 with 1,000 warm-up
-# steps, a joint BPE vocabulary of 8,000 pieces with three-way weight sharing, and the
-# attention path that is faster on the machine (the aside after §3.5); bf16 autocast is on only where the
-# hardware computes bf16 natively (`precision="auto"`, Appendix A.2). The data comes
-# from the mirror named by `DATA_MIRROR`, or is downloaded.
+# $P_{drop}=0.1$, $\epsilon_{ls}=0.1$, about 2,500 tokens per batch, Eq. 3 with 1,000
+# warm-up steps, a joint BPE vocabulary of 8,000 pieces with three-way weight sharing,
+# and the attention path that is faster on the machine (the aside after §3.5); bf16
+# autocast is on only where the hardware computes bf16 natively (`precision="auto"`,
+# Appendix A.2). The data comes from the mirror named by `DATA_MIRROR`, or is
+# downloaded.
 #
-# The full run is the command line's: `make train CONFIG=multi30k-small` trains 15 epochs
-# (about 18 minutes on a 2-core CPU with native bf16) into `runs/multi30k-small`. When that run is there, this
-# cell does not train again: it scores the average of the run's last 5 checkpoints on the
-# test set, greedy and with beam search (§6.1), which is what the stored outputs show.
-# Without it, the cell trains a short run of the same preset (4 epochs) and scores that.
-# Progress bars are off here so the stored outputs stay short; the command line shows them.
+# The full run is the command line's: `make train CONFIG=multi30k-small` trains 15
+# epochs (about 18 minutes on a 2-core CPU with native bf16) into `runs/multi30k-small`.
+# When that run is there, this cell does not train again: it scores the average of the
+# run's last 5 checkpoints on the test set, greedy and with beam search (§6.1), which is
+# what the stored outputs show. Without it, the cell trains a short run of the same
+# preset (4 epochs) and scores that. Progress bars are off here so the stored outputs
+# stay short; the command line shows them.
 
 
 # %%
 if IN_NOTEBOOK:
-    FULL_RUN = Path("runs/multi30k-small")  # where `make train CONFIG=multi30k-small` writes
+    FULL_RUN = Path(
+        "runs/multi30k-small"
+    )  # where `make train CONFIG=multi30k-small` writes
     use_full_run = PROFILE == "full" and (FULL_RUN / "results.json").is_file()
     if use_full_run:
         m30k_cfg = get_config("multi30k-small", run_dir=str(FULL_RUN))
         m30k_data = load_dataset(m30k_cfg)
         trained = json.loads((FULL_RUN / "results.json").read_text())
-        print(f"the full run: {trained['steps']} updates in {trained['train_minutes']:.1f} min of training")
-        m30k_model = make_model(len(m30k_data.src_vocab), len(m30k_data.tgt_vocab), m30k_cfg)
-        m30k_summary = evaluate_test(m30k_model, m30k_data, m30k_cfg, resolve_device("auto"), FULL_RUN,
-                                     progress=False)
+        print(
+            f"the full run: {trained['steps']} updates in {trained['train_minutes']:.1f} min of training"
+        )
+        m30k_model = make_model(
+            len(m30k_data.src_vocab), len(m30k_data.tgt_vocab), m30k_cfg
+        )
+        m30k_summary = evaluate_test(
+            m30k_model,
+            m30k_data,
+            m30k_cfg,
+            resolve_device("auto"),
+            FULL_RUN,
+            progress=False,
+        )
         m30k_summary["curve"] = str(FULL_RUN / "curve.png")
     else:
-        m30k_cfg = get_config("multi30k-small", run_dir=str(NOTEBOOK_RUNS / "multi30k"), epochs=4, average_last=0,
-                              **({"max_steps": 5, "max_eval_sentences": 40} if PROFILE == "smoke" else {}))
+        m30k_cfg = get_config(
+            "multi30k-small",
+            run_dir=str(NOTEBOOK_RUNS / "multi30k"),
+            epochs=4,
+            average_last=0,
+            **(
+                {"max_steps": 5, "max_eval_sentences": 40} if PROFILE == "smoke" else {}
+            ),
+        )
         m30k_data = load_dataset(m30k_cfg)
         m30k_summary = train(m30k_cfg, data=m30k_data, progress=False)
-        print(f"{m30k_summary['steps']} updates in {m30k_summary['total_minutes']:.1f} min")
-    print(f"test BLEU: beam {m30k_summary['bleu']:.2f}, greedy {m30k_summary['bleu_greedy']:.2f} "
-          f"({m30k_summary['bleu_kind']})")
+        print(
+            f"{m30k_summary['steps']} updates in {m30k_summary['total_minutes']:.1f} min"
+        )
+    print(
+        f"test BLEU: beam {m30k_summary['bleu']:.2f}, greedy {m30k_summary['bleu_greedy']:.2f} "
+        f"({m30k_summary['bleu_kind']})"
+    )
 
 
 # %% [markdown]
@@ -2055,15 +2460,15 @@ if IN_NOTEBOOK:
 # ### Learned positions instead of sinusoids (§3.5, Table 3 row (E))
 #
 # §3.5 (quoted in Part 1) reports that learned positional embeddings and the sinusoids
-# "produced nearly identical results"; Table 3 row (E) gives 4.92 perplexity and 25.7 BLEU
-# for learned positions against the base model's 4.92 and 25.8 (newstest2013, English→German).
-# The same experiment at our scale: the same preset, data, seed and number of epochs, with
-# `positional="learned"` as the only change. With both full runs in `runs/` (the second
-# is `make train CONFIG=multi30k-small ARGS="--positional learned --run_dir
-# runs/multi30k-small-learned"`) the cell shows their results, which is what the stored
-# outputs hold; otherwise it trains the learned variant with the budget of the run above.
-# Perplexity is per BPE piece on the validation set, so it compares the two rows, not our
-# numbers with the paper's.
+# "produced nearly identical results"; Table 3 row (E) gives 4.92 perplexity and 25.7
+# BLEU for learned positions against the base model's 4.92 and 25.8 (newstest2013,
+# English→German). The same experiment at our scale: the same preset, data, seed and
+# number of epochs, with `positional="learned"` as the only change. With both full runs
+# in `runs/` (the second is `make train CONFIG=multi30k-small ARGS="--positional learned
+# --run_dir runs/multi30k-small-learned"`) the cell shows their results, which is what
+# the stored outputs hold; otherwise it trains the learned variant with the budget of
+# the run above. Perplexity is per BPE piece on the validation set, so it compares the
+# two rows, not our numbers with the paper's.
 
 
 # %%
@@ -2072,22 +2477,39 @@ if IN_NOTEBOOK:
 
     def valid_ppl(run_dir: Path) -> tuple[float, float]:
         """(best, last) validation perplexity in a run's metrics log."""
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        records = [
+            json.loads(line)
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+        ]
         ppl = [r["valid_ppl"] for r in records if "valid_ppl" in r]
         return min(ppl), ppl[-1]
 
     if use_full_run and (LEARNED_RUN / "results.json").is_file():
-        pair = {"sinusoid": (json.loads((FULL_RUN / "results.json").read_text()), FULL_RUN),
-                "learned": (json.loads((LEARNED_RUN / "results.json").read_text()), LEARNED_RUN)}
+        pair = {
+            "sinusoid": (json.loads((FULL_RUN / "results.json").read_text()), FULL_RUN),
+            "learned": (
+                json.loads((LEARNED_RUN / "results.json").read_text()),
+                LEARNED_RUN,
+            ),
+        }
     else:
-        learned_cfg = dataclasses.replace(m30k_cfg, positional="learned", run_dir=str(NOTEBOOK_RUNS / "learned"))
-        pair = {"sinusoid": (m30k_summary, Path(m30k_cfg.run_dir)),
-                "learned": (train(learned_cfg, data=m30k_data, progress=False), Path(learned_cfg.run_dir))}
+        learned_cfg = dataclasses.replace(
+            m30k_cfg, positional="learned", run_dir=str(NOTEBOOK_RUNS / "learned")
+        )
+        pair = {
+            "sinusoid": (m30k_summary, Path(m30k_cfg.run_dir)),
+            "learned": (
+                train(learned_cfg, data=m30k_data, progress=False),
+                Path(learned_cfg.run_dir),
+            ),
+        }
     print("positional   BLEU beam   BLEU greedy   valid ppl best / last   updates")
     for name, (summary, run_dir) in pair.items():
         best, last = valid_ppl(run_dir)
-        print(f"{name:10s}   {summary['bleu']:9.2f}   {summary['bleu_greedy']:11.2f}   {best:10.2f} / {last:5.2f}"
-              f"   {summary['steps']:7d}")
+        print(
+            f"{name:10s}   {summary['bleu']:9.2f}   {summary['bleu_greedy']:11.2f}   {best:10.2f} / {last:5.2f}"
+            f"   {summary['steps']:7d}"
+        )
     del pair, valid_ppl
 
 
@@ -2096,12 +2518,12 @@ if IN_NOTEBOOK:
 #
 # §3.2.3 lists three uses of attention: encoder self-attention, masked decoder
 # self-attention and encoder-decoder attention. `attention_maps` returns the weights of
-# every layer and every head for all three, for one sentence pair. It works for any model,
-# the fast class included, which never materialises the weights: forward pre-hooks note
-# the inputs each attention module receives during one forward pass (and are removed
-# right after), then the weights are recomputed with the readable `attention()` from the
-# module's own $W^Q_i$ and $W^K_i$. Nothing is stored on the modules, so ordinary forward
-# passes keep no attention tensors alive.
+# every layer and every head for all three, for one sentence pair. It works for any
+# model, the fast class included, which never materialises the weights: forward
+# pre-hooks note the inputs each attention module receives during one forward pass (and
+# are removed right after), then the weights are recomputed with the readable
+# `attention()` from the module's own $W^Q_i$ and $W^K_i$. Nothing is stored on the
+# modules, so ordinary forward passes keep no attention tensors alive.
 
 
 # %%
@@ -2110,24 +2532,42 @@ ATTENTION_KINDS = ("encoder", "decoder_self", "decoder_src")
 
 @torch.no_grad()
 def attention_maps(model: EncoderDecoder, src, tgt) -> dict:
-    r"""Attention weights of every layer and head, for the three uses of attention of §3.2.3.
+    r"""Attention weights of every layer and head, for the three uses of attention of
+    §3.2.3.
 
-    ``src`` (src_len,) source ids; ``tgt`` (tgt_len,) decoder input ids (starting with <s>).
-    Returns ``{"encoder": (N, h, src_len, src_len), "decoder_self": (N_dec, h, tgt_len, tgt_len),
-    "decoder_src": (N_dec, h, tgt_len, src_len)}`` (N_dec: the decoder's layers, N unless set otherwise); each
+    ``src`` (src_len,) source ids; ``tgt`` (tgt_len,) decoder input ids (starting with
+    <s>).
+    Returns ``{"encoder": (N, h, src_len, src_len), "decoder_self": (N_dec, h, tgt_len,
+    tgt_len),
+    "decoder_src": (N_dec, h, tgt_len, src_len)}`` (N_dec: the decoder's layers, N
+    unless set otherwise); each
     row is a softmax of Eq. 1 and sums to 1.
     """
     was_training = model.training
     model.eval()
     src, tgt = src.view(1, -1), tgt.view(1, -1)  # (1, src_len), (1, tgt_len)
-    modules = {("encoder", i): layer.self_attn for i, layer in enumerate(model.encoder.layers)}
+    modules = {
+        ("encoder", i): layer.self_attn for i, layer in enumerate(model.encoder.layers)
+    }
     for i, layer in enumerate(model.decoder.layers):
-        modules[("decoder_self", i)], modules[("decoder_src", i)] = layer.self_attn, layer.src_attn
+        modules[("decoder_self", i)], modules[("decoder_src", i)] = (
+            layer.self_attn,
+            layer.src_attn,
+        )
     inputs: dict = {}
-    handles = [m.register_forward_pre_hook(lambda _m, args, key=key: inputs.__setitem__(key, args))
-               for key, m in modules.items()]
+    handles = [
+        m.register_forward_pre_hook(
+            lambda _m, args, key=key: inputs.__setitem__(key, args)
+        )
+        for key, m in modules.items()
+    ]
     try:
-        model(src, tgt, padding_mask(src, PAD), subsequent_mask(tgt.size(1), device=tgt.device))
+        model(
+            src,
+            tgt,
+            padding_mask(src, PAD),
+            subsequent_mask(tgt.size(1), device=tgt.device),
+        )
     finally:
         for handle in handles:
             handle.remove()
@@ -2135,48 +2575,79 @@ def attention_maps(model: EncoderDecoder, src, tgt) -> dict:
     maps = {}
     for kind in ATTENTION_KINDS:
         layers = []
-        for i in range(len(model.decoder.layers if kind != "encoder" else model.encoder.layers)):
+        for i in range(
+            len(model.decoder.layers if kind != "encoder" else model.encoder.layers)
+        ):
             a, (query, key, _value, mask) = modules[(kind, i)], inputs[(kind, i)]
-            q, (k, v) = a.project_q(query), a.project_kv(key, key)  # (1, h, len, d_k) each
-            layers.append(attention(q, k, v, per_head(mask))[1][0])  # the weights of Eq. 1: (h, len_q, len_k)
+            q, (k, v) = (
+                a.project_q(query),
+                a.project_kv(key, key),
+            )  # (1, h, len, d_k) each
+            layers.append(
+                attention(q, k, v, per_head(mask))[1][0]
+            )  # the weights of Eq. 1: (h, len_q, len_k)
         maps[kind] = torch.stack(layers)  # (layers of its stack, h, len_q, len_k)
     return maps
 
 
 # %% [markdown]
-# For one test sentence, the model that was scored above (for the full run the average of
-# its last 5 checkpoints) translates with §6.1's decoding — beam search, beam
-# 4, $\alpha = 0.6$, at most input length + 50 tokens, through `max_output_tokens` as
-# `translate` does — and `attention_maps` records the weights while the decoder reads that
-# translation. In the encoder-decoder map each row is an output token, each column a
-# source token; in the decoder's self-attention each row is the token being predicted, each
-# column a token already read.
+# For one test sentence, the model that was scored above (for the full run the average
+# of its last 5 checkpoints) translates with §6.1's decoding — beam search, beam 4,
+# $\alpha = 0.6$, at most input length + 50 tokens, through `max_output_tokens` as
+# `translate` does — and `attention_maps` records the weights while the decoder reads
+# that translation. In the encoder-decoder map each row is an output token, each column
+# a source token; in the decoder's self-attention each row is the token being predicted,
+# each column a token already read.
 
 
 # %%
 if IN_NOTEBOOK:
-    viz = make_model(len(m30k_data.src_vocab), len(m30k_data.tgt_vocab), m30k_cfg)  # the attention path this machine trains with
+    viz = make_model(
+        len(m30k_data.src_vocab), len(m30k_data.tgt_vocab), m30k_cfg
+    )  # the attention path this machine trains with
     paths = checkpoint_paths(Path(m30k_cfg.run_dir))
-    viz.load_state_dict(average_checkpoints(paths[-m30k_cfg.average_last:]) if m30k_cfg.average_last > 1
-                        else load_checkpoint(paths[-1])["model"])
+    viz.load_state_dict(
+        average_checkpoints(paths[-m30k_cfg.average_last :])
+        if m30k_cfg.average_last > 1
+        else load_checkpoint(paths[-1])["model"]
+    )
     viz.eval()
     src_ids = m30k_data.splits["test"][1][0]
     src = torch.tensor([src_ids])  # (1, src_len)
     limit = max_output_tokens(src, m30k_cfg.max_decode_extra)  # (1,): §6.1's n + 50
-    out_ids = [BOS] + beam_search(viz, src, padding_mask(src, PAD), limit, BOS, EOS, m30k_cfg.beam_size,
-                                  m30k_cfg.length_penalty_alpha, banned=[PAD])[0]
+    out_ids = [BOS] + beam_search(
+        viz,
+        src,
+        padding_mask(src, PAD),
+        limit,
+        BOS,
+        EOS,
+        m30k_cfg.beam_size,
+        m30k_cfg.length_penalty_alpha,
+        banned=[PAD],
+    )[0]
     maps = attention_maps(viz, src[0], torch.tensor(out_ids[:-1]))
     src_words = m30k_data.src_vocab.lookup_tokens(src_ids)
-    out_words = m30k_data.tgt_vocab.lookup_tokens(out_ids[1:])  # the token each decoder position predicts
-    in_words = m30k_data.tgt_vocab.lookup_tokens(out_ids[:-1])  # the token each decoder position reads
-    labels = {"encoder": (src_words, src_words), "decoder_self": (out_words, in_words),
-              "decoder_src": (out_words, src_words)}
-    print(f"{len(out_ids) - 1} tokens generated (limit {int(limit[0])}):", " ".join(out_words))
+    out_words = m30k_data.tgt_vocab.lookup_tokens(
+        out_ids[1:]
+    )  # the token each decoder position predicts
+    in_words = m30k_data.tgt_vocab.lookup_tokens(
+        out_ids[:-1]
+    )  # the token each decoder position reads
+    labels = {
+        "encoder": (src_words, src_words),
+        "decoder_self": (out_words, in_words),
+        "decoder_src": (out_words, src_words),
+    }
+    print(
+        f"{len(out_ids) - 1} tokens generated (limit {int(limit[0])}):",
+        " ".join(out_words),
+    )
 
 
 # %% [markdown]
-# The overview first, then one head per kind, large (click a figure on the web page to see
-# it at full size):
+# The overview first, then one head per kind, large (click a figure on the web page to
+# see it at full size):
 
 
 # %%
@@ -2186,67 +2657,89 @@ if IN_NOTEBOOK:
     from IPython.display import Image, display
 
     def show(fig, alt: str):
-        """Display ``fig`` as a PNG that carries alt text (the web page uses it); whatever the backend."""
+        """Display ``fig`` as a PNG that carries alt text (the web page uses it);
+        whatever the backend."""
         png = io.BytesIO()
         fig.savefig(png, format="png", bbox_inches="tight")
         display(Image(data=png.getvalue()), metadata={"image/png": {"alt": alt}})
 
-    show(draw_attention_overview(maps), "Attention weights of every layer and head, for encoder self-attention, "
-         "masked decoder self-attention and encoder-decoder attention, as small unlabelled heat maps")
+    show(
+        draw_attention_overview(maps),
+        "Attention weights of every layer and head, for encoder self-attention, "
+        "masked decoder self-attention and encoder-decoder attention, as small unlabelled heat maps",
+    )
     for kind in ATTENTION_KINDS:
         layer, head = sharpest_head(maps[kind])
         title = f"{ATTENTION_TITLES[kind]}, layer {layer + 1}, head {head + 1}"
         rows, cols = labels[kind]
-        show(draw_attention_head(maps[kind][layer, head], rows, cols, title),
-             f"Heat map of {title}: rows are the tokens {' '.join(rows)}; columns are the tokens {' '.join(cols)}")
+        show(
+            draw_attention_head(maps[kind][layer, head], rows, cols, title),
+            f"Heat map of {title}: rows are the tokens {' '.join(rows)}; columns are the tokens {' '.join(cols)}",
+        )
 
 
 # %% [markdown]
 # ## IWSLT14 German→English: on a GPU, and on a CPU
 #
 # IWSLT14 (TED talks) is the usual "small" benchmark of the Transformer literature: its
-# published 6-layer models reach about 34.5–35.6 tokenized BLEU, trained for hours on a GPU
-# with the full 160,239 training pairs. So this section trains what the machine can:
+# published 6-layer models reach about 34.5–35.6 tokenized BLEU, trained for hours on a
+# GPU with the full 160,239 training pairs. So this section trains what the machine can:
 #
 # * **on a GPU**, `iwslt14-small` (the recipe of those published models) on the full
 #   training set, which the Appendix's `locate_dataset` downloads and prepares;
-# * **on a CPU**, `iwslt14-sample`: the full set would take days there, and a model sized for
-#   it overfits a small one, so this preset is sized for the 8,746-pair training sample (about
-#   180,000 English words — a low-resource setting, where a small model (here a decoder of 2
-#   layers under an encoder of 3), a small BPE vocabulary, strong dropout and label smoothing 0.2
-#   matter; the README gives the published anchors) and trains in under half an hour of two cores.
+# * **on a CPU**, `iwslt14-sample`: the full set would take days there, and a model
+#   sized for it overfits a small one, so this preset is sized for the 8,746-pair
+#   training sample (about 180,000 English words — a low-resource setting, where a small
+#   model (here a decoder of 2 layers under an encoder of 3), a small BPE vocabulary,
+#   strong dropout and label smoothing 0.2 matter; the README gives the published
+#   anchors) and trains in under half an hour of two cores.
 #
-# The command line's run (`make train` picks the preset for the machine) is shown with the
-# scores it wrote when it is in `runs/`, and a run is trained here otherwise. Scores are tokenized BLEU on the
-# lowercased, tokenized text, as the published IWSLT14 numbers are; the test set has 6,750
-# sentences.
+# The command line's run (`make train` picks the preset for the machine) is shown with
+# the scores it wrote when it is in `runs/`, and a run is trained here otherwise. Scores
+# are tokenized BLEU on the lowercased, tokenized text, as the published IWSLT14 numbers
+# are; the test set has 6,750 sentences.
 
 
 # %%
 if IN_NOTEBOOK:
     iwslt_device = resolve_device("auto")
     iwslt_preset = "iwslt14-small" if iwslt_device.type == "cuda" else "iwslt14-sample"
-    IWSLT_RUN = Path(f"runs/{iwslt_preset}")  # where `make train` writes on this kind of machine
+    IWSLT_RUN = Path(
+        f"runs/{iwslt_preset}"
+    )  # where `make train` writes on this kind of machine
     if PROFILE == "full" and (IWSLT_RUN / "results.json").is_file():
-        # The test set is scored once per run: show the command line's scores instead of decoding again.
+        # The test set is scored once per run: show the command line's scores instead of
+        # decoding again.
         iwslt_summary = json.loads((IWSLT_RUN / "results.json").read_text())
         iwslt_summary["curve"] = str(IWSLT_RUN / "curve.png")
-        print(f"the command line's run: {iwslt_summary['steps']} updates in "
-              f"{iwslt_summary['train_minutes']:.1f} min of training on {iwslt_summary['device']}")
+        print(
+            f"the command line's run: {iwslt_summary['steps']} updates in "
+            f"{iwslt_summary['train_minutes']:.1f} min of training on {iwslt_summary['device']}"
+        )
         for example in iwslt_summary["examples"]:
-            print(f"  source:    {example['source']}\n  reference: {example['reference']}\n"
-                  f"  output:    {example['output']}")
+            print(
+                f"  source:    {example['source']}\n  reference: {example['reference']}\n"
+                f"  output:    {example['output']}"
+            )
     else:
-        iwslt_cfg = get_config(iwslt_preset, run_dir=str(NOTEBOOK_RUNS / "iwslt14"),
-                               **({"max_steps": 5, "max_eval_sentences": 40} if PROFILE == "smoke" else {}))
+        iwslt_cfg = get_config(
+            iwslt_preset,
+            run_dir=str(NOTEBOOK_RUNS / "iwslt14"),
+            **(
+                {"max_steps": 5, "max_eval_sentences": 40} if PROFILE == "smoke" else {}
+            ),
+        )
         iwslt_summary = train(iwslt_cfg, progress=False)
-    print(f"{iwslt_preset}, test BLEU: beam {iwslt_summary['bleu']:.2f}, greedy {iwslt_summary['bleu_greedy']:.2f} "
-          f"({iwslt_summary['bleu_kind']}, {iwslt_summary['test_sentences']:,} sentences)")
+    print(
+        f"{iwslt_preset}, test BLEU: beam {iwslt_summary['bleu']:.2f}, greedy {iwslt_summary['bleu_greedy']:.2f} "
+        f"({iwslt_summary['bleu_kind']}, {iwslt_summary['test_sentences']:,} sentences)"
+    )
     display(Image(filename=iwslt_summary["curve"]))
 
 
 # %% [markdown]
-# Run as a script with a command (`train`, `translate`, `evaluate`), the file is the command line.
+# Run as a script with a command (`train`, `translate`, `evaluate`), the file is the
+# command line.
 
 
 # %%

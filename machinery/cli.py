@@ -18,7 +18,14 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .config import PRESETS, Config, default_preset, device_problem, get_config, run_dir_for
+from .config import (
+    PRESETS,
+    Config,
+    default_preset,
+    device_problem,
+    get_config,
+    run_dir_for,
+)
 from .data import (
     CORPORA,
     DataError,
@@ -48,10 +55,12 @@ if TYPE_CHECKING:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line on stderr and exit status 2 — our addition."""
+    """An argument parser whose errors are one line on stderr and exit status 2 — our
+    addition."""
 
     def error(self, message: str):
-        """Print ``message`` as one line and exit with status 2 (argparse prints the usage too)."""
+        """Print ``message`` as one line and exit with status 2 (argparse prints the
+        usage too)."""
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
@@ -69,7 +78,11 @@ def _parse_value(text: str, like, name: str = ""):
             return tuple(float(x) for x in text.split(","))
         return type(like)(text)
     except ValueError:
-        kind = {int: "a whole number", float: "a number", tuple: "numbers separated by commas"}
+        kind = {
+            int: "a whole number",
+            float: "a number",
+            tuple: "numbers separated by commas",
+        }
         raise argparse.ArgumentTypeError(
             f"expected {kind.get(type(like)) or 'text'}, got {text!r}"
         ) from None
@@ -77,19 +90,36 @@ def _parse_value(text: str, like, name: str = ""):
 
 def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
     """(command, Config) from ``train --config NAME --field value ...``."""
-    parser = OneLineParser(prog="the_annotated_transformer.py",
-                           description="Train and evaluate the Transformer of Vaswani et al. (2017).")
-    parser.add_argument("command", choices=["train"])  # translate and evaluate: run_inference_command
-    parser.add_argument("--config", default=None, choices=list(PRESETS),
-                        help="a preset (default: iwslt14-small where CUDA is available, else iwslt14-sample)")
+    parser = OneLineParser(
+        prog="the_annotated_transformer.py",
+        description="Train and evaluate the Transformer of Vaswani et al. (2017).",
+    )
+    parser.add_argument(
+        "command", choices=["train"]
+    )  # translate and evaluate: run_inference_command
+    parser.add_argument(
+        "--config",
+        default=None,
+        choices=list(PRESETS),
+        help="a preset (default: iwslt14-small where CUDA is available, else iwslt14-sample)",
+    )
     defaults = Config()
     for f in dataclasses.fields(Config):
         like = getattr(defaults, f.name)
         names = sorted({f"--{f.name}", f"--{f.name.replace('_', '-')}"})
-        parser.add_argument(*names, dest=f.name, default=None,
-                            type=lambda text, like=like, name=f.name: _parse_value(text, like, name), help=f"(default from preset)")
+        parser.add_argument(
+            *names,
+            dest=f.name,
+            default=None,
+            type=lambda text, like=like, name=f.name: _parse_value(text, like, name),
+            help=f"(default from preset)",
+        )
     args = parser.parse_args(argv)
-    overrides = {f.name: getattr(args, f.name) for f in dataclasses.fields(Config) if getattr(args, f.name) is not None}
+    overrides = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(Config)
+        if getattr(args, f.name) is not None
+    }
     preset = args.config or default_preset()
     try:  # the preset with the overrides: Config.__post_init__ checks every field
         cfg = get_config(preset, **overrides)
@@ -102,61 +132,102 @@ def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
 
 # ### Translating and scoring with a trained model
 #
-# A checkpoint carries its config, its vocabularies and (with `vocab="bpe"`) its BPE model,
-# so a trained model can be rebuilt from it alone: `load_for_inference` reads one
+# A checkpoint carries its config, its vocabularies and (with `vocab="bpe"`) its BPE
+# model, so a trained model can be rebuilt from it alone: `load_for_inference` reads one
 # checkpoint file, or the last $K$ of a run directory averaged as §6.1 does.
-# `encode_sources` tokenizes raw sentences the way training did: into BPE pieces with the
-# checkpoint's own model, or, for word vocabularies, with spaCy (Multi30k) or at spaces
-# (IWSLT14, the copy task). IWSLT14 input is expected in its prepared form (tokenized,
-# lowercased) either way. `detokenize` above turns the output back into text.
+# `encode_sources` tokenizes raw sentences the way training did: into BPE pieces with
+# the checkpoint's own model, or, for word vocabularies, with spaCy (Multi30k) or at
+# spaces (IWSLT14, the copy task). IWSLT14 input is expected in its prepared form
+# (tokenized, lowercased) either way. `detokenize` above turns the output back into
+# text.
+
 
 def config_from_dict(values: dict) -> Config:
-    """A :class:`Config` from a checkpoint's saved fields (unknown to it: defaults) — for §6.1 inference."""
-    names = {f.name for f in dataclasses.fields(Config)} - {"device"}  # trained elsewhere: decode anywhere
-    kept = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items() if k in names}
+    """A :class:`Config` from a checkpoint's saved fields (unknown to it: defaults) —
+    for §6.1 inference."""
+    names = {f.name for f in dataclasses.fields(Config)} - {
+        "device"
+    }  # trained elsewhere: decode anywhere
+    kept = {
+        k: (tuple(v) if isinstance(v, list) else v)
+        for k, v in values.items()
+        if k in names
+    }
     return Config(**kept)
 
 
-def load_for_inference(checkpoint: Optional[Path] = None, run_dir: Optional[Path] = None, average_last: int = 1,
-                       device="cpu") -> tuple[EncoderDecoder, Config, Vocab, Vocab, Optional[Subwords]]:
-    """(model in eval mode, config, source vocab, target vocab, BPE model or None) from a checkpoint
-    file, or the average of the last ``average_last`` checkpoints of ``run_dir`` (§6.1 averages the last 5)."""
+def load_for_inference(
+    checkpoint: Optional[Path] = None,
+    run_dir: Optional[Path] = None,
+    average_last: int = 1,
+    device="cpu",
+) -> tuple[EncoderDecoder, Config, Vocab, Vocab, Optional[Subwords]]:
+    """(model in eval mode, config, source vocab, target vocab, BPE model or None) from
+    a checkpoint
+    file, or the average of the last ``average_last`` checkpoints of ``run_dir`` (§6.1
+    averages the last 5)."""
     nb = notebook()
     if checkpoint is not None:
         paths = [Path(checkpoint)]
     else:
-        paths = checkpoint_paths(Path(run_dir))[-max(average_last, 1):]
+        paths = checkpoint_paths(Path(run_dir))[-max(average_last, 1) :]
         if not paths:
-            raise CheckpointError(f"no checkpoint-*.pt in {run_dir}"
-                                  + ("" if Path(run_dir).is_dir() else " (it is not a directory)"))
+            raise CheckpointError(
+                f"no checkpoint-*.pt in {run_dir}"
+                + ("" if Path(run_dir).is_dir() else " (it is not a directory)")
+            )
     state = load_checkpoint(paths[-1])
     try:
         cfg = config_from_dict(state["config"])
-        src_vocab, tgt_vocab = nb.Vocab(state["vocab"]["src"]), nb.Vocab(state["vocab"]["tgt"])
+        src_vocab, tgt_vocab = (
+            nb.Vocab(state["vocab"]["src"]),
+            nb.Vocab(state["vocab"]["tgt"]),
+        )
         attention = resolve_attention(cfg.attention, torch.device(device))[0]
         model = nb.make_model(len(src_vocab), len(tgt_vocab), cfg, attention=attention)
-        model.load_state_dict(average_checkpoints(paths) if len(paths) > 1 else state["model"])
+        model.load_state_dict(
+            average_checkpoints(paths) if len(paths) > 1 else state["model"]
+        )
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         if isinstance(e, CheckpointError):
             raise
-        raise CheckpointError(f"{paths[-1]} does not hold a model this program can build ({first_line(e)})") from e
-    return model.to(device).eval(), cfg, src_vocab, tgt_vocab, checkpoint_subwords(state)
+        raise CheckpointError(
+            f"{paths[-1]} does not hold a model this program can build ({first_line(e)})"
+        ) from e
+    return (
+        model.to(device).eval(),
+        cfg,
+        src_vocab,
+        tgt_vocab,
+        checkpoint_subwords(state),
+    )
 
 
-def encode_sources(lines: Sequence[str], dataset: str, src_vocab: Vocab,
-                   subwords: Optional[Subwords] = None) -> list[list[int]]:
-    """Raw source sentences → ``<s> ids </s>``, tokenized as in training (§5.1: BPE pieces, or words)."""
+def encode_sources(
+    lines: Sequence[str],
+    dataset: str,
+    src_vocab: Vocab,
+    subwords: Optional[Subwords] = None,
+) -> list[list[int]]:
+    """Raw source sentences → ``<s> ids </s>``, tokenized as in training (§5.1: BPE
+    pieces, or words)."""
     nb = notebook()
-    tokenize = subwords.encode if subwords is not None else make_tokenizer(dataset, CORPORA[dataset].src)
+    tokenize = (
+        subwords.encode
+        if subwords is not None
+        else make_tokenizer(dataset, CORPORA[dataset].src)
+    )
     return [[nb.BOS] + src_vocab(toks) + [nb.EOS] for toks in tokenize(list(lines))]
 
 
 # What `evaluate` scores: two aligned files given on the command line, or the test or
-# validation split of the checkpoint's data set — the copy task's are regenerated from its
-# seed; for Multi30k it can also be the 2017 or 2018 test set.
+# validation split of the checkpoint's data set — the copy task's are regenerated from
+# its seed; for Multi30k it can also be the 2017 or 2018 test set.
+
 
 def evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
-    """(source lines, reference lines) for ``evaluate`` (§6.1): ``--src``/``--ref``, or a split; the first ``--first``."""
+    """(source lines, reference lines) for ``evaluate`` (§6.1): ``--src``/``--ref``, or
+    a split; the first ``--first``."""
     src, ref = _all_evaluation_pairs(args, cfg)
     return (src[: args.first], ref[: args.first]) if args.first else (src, ref)
 
@@ -164,21 +235,31 @@ def evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
 def _all_evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
     """Every (source line, reference line) that ``evaluate`` was pointed at."""
     if (args.src is None) != (args.ref is None):
-        raise DataError("give both --src and --ref, or neither (to score the test split)")
+        raise DataError(
+            "give both --src and --ref, or neither (to score the test split)"
+        )
     if args.src is not None:
         src, ref = read_lines(args.src), read_lines(args.ref)
         if len(src) != len(ref):
-            raise DataError(f"misaligned files: {args.src} has {len(src)} lines, {args.ref} has {len(ref)}")
+            raise DataError(
+                f"misaligned files: {args.src} has {len(src)} lines, {args.ref} has {len(ref)}"
+            )
         if not src:
-            raise DataError(f"nothing to score: {args.src} and {args.ref} hold no lines")
+            raise DataError(
+                f"nothing to score: {args.src} and {args.ref} hold no lines"
+            )
         return src, ref
     if CORPORA[cfg.dataset].synthetic:
         if args.split not in ("test", "valid"):
-            raise DataError(f"the {cfg.dataset} task has no split {args.split!r} (known: test, valid)")
+            raise DataError(
+                f"the {cfg.dataset} task has no split {args.split!r} (known: test, valid)"
+            )
         data = make_copy_data(cfg)
         pairs = data.splits[args.split]
-        return ([" ".join(data.src_vocab.lookup_tokens(s[1:-1])) for s, _ in pairs],
-                [" ".join(data.tgt_vocab.lookup_tokens(t[1:-1])) for _, t in pairs])
+        return (
+            [" ".join(data.src_vocab.lookup_tokens(s[1:-1])) for s, _ in pairs],
+            [" ".join(data.tgt_vocab.lookup_tokens(t[1:-1])) for _, t in pairs],
+        )
     if args.data_mirror is not None:
         cfg = dataclasses.replace(cfg, data_mirror=args.data_mirror)
     pairs, _ = read_parallel(*locate_test_split(cfg.dataset, args.split, cfg))
@@ -187,23 +268,28 @@ def _all_evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
 
 # The two commands. `translate` reads sentences from its arguments, from a file
 # (`--input`), or from standard input, and prints one translation per line; `evaluate`
-# scores a pair of parallel files (`--src`, `--ref`; by default the data set's test split,
-# `--split valid` its validation split, `--first N` only the first N pairs)
-# and prints sacreBLEU's score and signature line. Both decode with beam size 4 and
-# $\alpha = 0.6$ (§6.1) unless told otherwise (`--beam 1` is greedy). Their options are
-# checked as they are parsed: a beam of at least 1, a finite $\alpha \ge 0$ (beam search's
-# early stop needs it), at least one checkpoint to average, a device this machine has.
+# scores a pair of parallel files (`--src`, `--ref`; by default the data set's test
+# split, `--split valid` its validation split, `--first N` only the first N pairs) and
+# prints sacreBLEU's score and signature line. Both decode with beam size 4 and $\alpha
+# = 0.6$ (§6.1) unless told otherwise (`--beam 1` is greedy). Their options are checked
+# as they are parsed: a beam of at least 1, a finite $\alpha \ge 0$ (beam search's early
+# stop needs it), at least one checkpoint to average, a device this machine has.
+
 
 def _whole_number(low: int) -> Callable[[str], int]:
     """An argparse type: a whole number of at least ``low`` (our addition)."""
+
     def check(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected a whole number, got {text!r}"
+            ) from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
         return value
+
     return check
 
 
@@ -214,7 +300,9 @@ def _alpha(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
     if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"must be a finite number, 0 or more, got {text!r}"
+        )
     return value
 
 
@@ -230,50 +318,117 @@ def inference_parser(command: str) -> argparse.ArgumentParser:
     """Options of the ``translate`` and ``evaluate`` commands (§6.1 decoding)."""
     parser = OneLineParser(prog=f"the_annotated_transformer.py {command}")
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--run_dir", "--run-dir", type=Path, help="a run directory: average its last checkpoints")
+    where.add_argument(
+        "--run_dir",
+        "--run-dir",
+        type=Path,
+        help="a run directory: average its last checkpoints",
+    )
     where.add_argument("--checkpoint", type=Path, help="one checkpoint file")
-    parser.add_argument("--average_last", "--average-last", type=_whole_number(1), default=5,
-                        help="checkpoints of --run_dir to average (default 5, fewer if fewer exist)")
-    parser.add_argument("--beam", type=_whole_number(1), default=4, help="beam size (1 = greedy; default 4, §6.1)")
-    parser.add_argument("--alpha", type=_alpha, default=0.6, help="length penalty α (default 0.6, §6.1)")
+    parser.add_argument(
+        "--average_last",
+        "--average-last",
+        type=_whole_number(1),
+        default=5,
+        help="checkpoints of --run_dir to average (default 5, fewer if fewer exist)",
+    )
+    parser.add_argument(
+        "--beam",
+        type=_whole_number(1),
+        default=4,
+        help="beam size (1 = greedy; default 4, §6.1)",
+    )
+    parser.add_argument(
+        "--alpha", type=_alpha, default=0.6, help="length penalty α (default 0.6, §6.1)"
+    )
     parser.add_argument("--device", type=_device, default="auto")
     if command == "translate":
-        parser.add_argument("sentences", nargs="*", help="sentences to translate (else --input or stdin)")
-        parser.add_argument("--input", type=Path, help="a file with one sentence per line")
+        parser.add_argument(
+            "sentences",
+            nargs="*",
+            help="sentences to translate (else --input or stdin)",
+        )
+        parser.add_argument(
+            "--input", type=Path, help="a file with one sentence per line"
+        )
     else:
-        parser.add_argument("--src", type=Path, help="source sentences, one per line (default: test split)")
+        parser.add_argument(
+            "--src",
+            type=Path,
+            help="source sentences, one per line (default: test split)",
+        )
         parser.add_argument("--ref", type=Path, help="references, aligned with --src")
-        parser.add_argument("--split", default="test",
-                            help="without --src/--ref: test, valid, or for Multi30k test_2017_flickr / test_2018_flickr")
-        parser.add_argument("--first", type=_whole_number(1), default=0,
-                            help="score only the first N pairs (default: all)")
-        parser.add_argument("--data_mirror", "--data-mirror", default=None, help="folder holding the data sets")
+        parser.add_argument(
+            "--split",
+            default="test",
+            help="without --src/--ref: test, valid, or for Multi30k test_2017_flickr / test_2018_flickr",
+        )
+        parser.add_argument(
+            "--first",
+            type=_whole_number(1),
+            default=0,
+            help="score only the first N pairs (default: all)",
+        )
+        parser.add_argument(
+            "--data_mirror",
+            "--data-mirror",
+            default=None,
+            help="folder holding the data sets",
+        )
     return parser
 
 
-# Output line $i$ is the translation of input line $i$, whatever the input holds. A blank
-# line gives a blank line without decoding (the model would otherwise invent a sentence for
-# `<s> </s>`). A line longer than the model's positional encoding covers (`max_len`
-# positions, `<s>` and `</s>` included) cannot be encoded; rather than failing every other
-# line with it, the commands translate the rest, print an empty line in its place, name it on
-# standard error and exit with status 1.
+# Output line $i$ is the translation of input line $i$, whatever the input holds. A
+# blank line gives a blank line without decoding (the model would otherwise invent a
+# sentence for `<s> </s>`). A line longer than the model's positional encoding covers
+# (`max_len` positions, `<s>` and `</s>` included) cannot be encoded; rather than
+# failing every other line with it, the commands translate the rest, print an empty line
+# in its place, name it on standard error and exit with status 1.
 
-def translate_lines(lines: Sequence[str], model: EncoderDecoder, cfg: Config, src_vocab: Vocab, tgt_vocab: Vocab,
-                    subwords: Optional[Subwords], device, beam_size: int, alpha: float) -> tuple[list[str], list]:
-    """One translation per line (§6.1 decoding); blank and over-long lines give ""; returns (outputs, skipped).
 
-    ``skipped`` lists (line number from 1, tokens) of the lines longer than ``cfg.max_len`` positions.
+def translate_lines(
+    lines: Sequence[str],
+    model: EncoderDecoder,
+    cfg: Config,
+    src_vocab: Vocab,
+    tgt_vocab: Vocab,
+    subwords: Optional[Subwords],
+    device,
+    beam_size: int,
+    alpha: float,
+) -> tuple[list[str], list]:
+    """One translation per line (§6.1 decoding); blank and over-long lines give "";
+    returns (outputs, skipped).
+
+    ``skipped`` lists (line number from 1, tokens) of the lines longer than
+    ``cfg.max_len`` positions.
     """
     nb = notebook()
     wanted = [i for i, line in enumerate(lines) if line.strip()]
-    sources = encode_sources([lines[i] for i in wanted], cfg.dataset, src_vocab, subwords)
-    skipped = [(i + 1, len(ids) - 2) for i, ids in zip(wanted, sources) if len(ids) > cfg.max_len]
+    sources = encode_sources(
+        [lines[i] for i in wanted], cfg.dataset, src_vocab, subwords
+    )
+    skipped = [
+        (i + 1, len(ids) - 2)
+        for i, ids in zip(wanted, sources)
+        if len(ids) > cfg.max_len
+    ]
     todo = [(i, ids) for i, ids in zip(wanted, sources) if len(ids) <= cfg.max_len]
     out = [""] * len(lines)
     if todo:
-        tokens = nb.translate(model, [ids for _, ids in todo], tgt_vocab, cfg, device, beam_size=beam_size, alpha=alpha)
+        tokens = nb.translate(
+            model,
+            [ids for _, ids in todo],
+            tgt_vocab,
+            cfg,
+            device,
+            beam_size=beam_size,
+            alpha=alpha,
+        )
         for (i, _), text in zip(todo, nb.detokenize(tokens, cfg.dataset, subwords)):
-            out[i] = " ".join(text.splitlines())  # one output line per input line, always
+            out[i] = " ".join(
+                text.splitlines()
+            )  # one output line per input line, always
     return out, skipped
 
 
@@ -281,12 +436,15 @@ def skipped_message(skipped: Sequence[tuple[int, int]], max_len: int) -> str:
     """One line naming the input lines too long for the model (our addition)."""
     named = ", ".join(f"line {n} ({k:,} tokens)" for n, k in skipped[:10])
     more = f" and {len(skipped) - 10:,} more" if len(skipped) > 10 else ""
-    return (f"error: skipped {named}{more}: longer than the model's max_len={max_len:,} positions "
-            "(<s> and </s> included); each gave an empty output line")
+    return (
+        f"error: skipped {named}{more}: longer than the model's max_len={max_len:,} positions "
+        "(<s> and </s> included); each gave an empty output line"
+    )
 
 
 def run_inference_command(command: str, argv: Sequence[str]) -> int:
-    """``translate`` or ``evaluate``: load, decode (beam search, §6.1), print; 1 if lines were skipped."""
+    """``translate`` or ``evaluate``: load, decode (beam search, §6.1), print; 1 if
+    lines were skipped."""
     nb = notebook()
     args = inference_parser(command).parse_args(argv)
     refs = None
@@ -298,14 +456,21 @@ def run_inference_command(command: str, argv: Sequence[str]) -> int:
         else:
             lines = split_lines(sys.stdin.buffer.read(), "standard input")
     device = resolve_device(args.device)
-    model, cfg, src_vocab, tgt_vocab, subwords = load_for_inference(args.checkpoint, args.run_dir,
-                                                                    args.average_last, device)
+    model, cfg, src_vocab, tgt_vocab, subwords = load_for_inference(
+        args.checkpoint, args.run_dir, args.average_last, device
+    )
     if command == "evaluate":
         lines, refs = evaluation_pairs(args, cfg)
-        if args.first > len(lines):  # asked for more than there is: say so, rather than score fewer unannounced
-            print(f"note: --first {args.first:,}, but there are only {len(lines):,} pairs: scoring all of them",
-                  file=sys.stderr)
-    hyps, skipped = translate_lines(lines, model, cfg, src_vocab, tgt_vocab, subwords, device, args.beam, args.alpha)
+        if args.first > len(
+            lines
+        ):  # asked for more than there is: say so, rather than score fewer unannounced
+            print(
+                f"note: --first {args.first:,}, but there are only {len(lines):,} pairs: scoring all of them",
+                file=sys.stderr,
+            )
+    hyps, skipped = translate_lines(
+        lines, model, cfg, src_vocab, tgt_vocab, subwords, device, args.beam, args.alpha
+    )
     if refs is None:
         for h in hyps:
             print(h)
@@ -320,12 +485,15 @@ def run_inference_command(command: str, argv: Sequence[str]) -> int:
 
 # `main` runs a command and turns every failure into one line: the program's own errors
 # (bad data, a checkpoint that does not fit, a run directory in use) and the operating
-# system's (a missing file, a full disk) with status 2, an interruption with 130, anything
-# unforeseen with 1 — and `--debug` anywhere on the line shows the traceback instead. In a
-# run of several processes, the first one speaks for all of an interruption.
+# system's (a missing file, a full disk) with status 2, an interruption with 130,
+# anything unforeseen with 1 — and `--debug` anywhere on the line shows the traceback
+# instead. In a run of several processes, the first one speaks for all of an
+# interruption.
+
 
 def main(argv: Sequence[str]) -> int:
-    """Entry point of the command line: ``train``, ``translate`` or ``evaluate``; returns the exit status."""
+    """Entry point of the command line: ``train``, ``translate`` or ``evaluate``;
+    returns the exit status."""
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     try:
@@ -335,17 +503,31 @@ def main(argv: Sequence[str]) -> int:
         if command == "train":
             summary = train(cfg)
             if summary.get("bleu") is not None:
-                print(f"done in {summary['total_minutes']:.1f} min: BLEU {summary['bleu']:.2f}; "
-                      f"results in {summary['run_dir']}/results.json")
+                print(
+                    f"done in {summary['total_minutes']:.1f} min: BLEU {summary['bleu']:.2f}; "
+                    f"results in {summary['run_dir']}/results.json"
+                )
     except TrainingInterrupted as e:
-        if not dist.is_initialized() or dist.get_rank() == 0:  # one message, not one per process
+        if (
+            not dist.is_initialized() or dist.get_rank() == 0
+        ):  # one message, not one per process
             print(f"interrupted: {e}", file=sys.stderr)
         return 130
-    except (DataError, CheckpointError, TrainingDiverged, RunDirectoryError, OSError) as e:
+    except (
+        DataError,
+        CheckpointError,
+        TrainingDiverged,
+        RunDirectoryError,
+        OSError,
+    ) as e:
         if debug:
             raise
-        print(f"error: {e.strerror}: {e.filename}" if isinstance(e, OSError) and e.filename and e.strerror
-              else f"error: {first_line(e)}", file=sys.stderr)
+        print(
+            f"error: {e.strerror}: {e.filename}"
+            if isinstance(e, OSError) and e.filename and e.strerror
+            else f"error: {first_line(e)}",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         if debug:
@@ -355,10 +537,12 @@ def main(argv: Sequence[str]) -> int:
     except Exception as e:  # unforeseen: still one line, with the way to see more
         if debug:
             raise
-        print(f"error: {type(e).__name__}: {first_line(e)} (run again with --debug to see where)", file=sys.stderr)
+        print(
+            f"error: {type(e).__name__}: {first_line(e)} (run again with --debug to see where)",
+            file=sys.stderr,
+        )
         return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
-

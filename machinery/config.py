@@ -1,4 +1,5 @@
-"""Configuration: the model's sizes, a training run's settings, their checks and presets.
+"""Configuration: the model's sizes, a training run's settings, their checks and
+presets.
 
 `ModelConfig` holds the model's settings with the paper's names (§3, Table 3); `Config`
 extends it with everything a training run needs. Both are frozen dataclasses; the
@@ -26,7 +27,8 @@ PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model's settings — §3 and Table 3 (base model by default); names as in the paper.
+    """The model's settings — §3 and Table 3 (base model by default); names as in the
+    paper.
 
     Fields marked ``SAME_WEIGHTS`` can differ between a checkpoint and the model loading
     it.
@@ -93,7 +95,11 @@ def _config_rules(c: "Config") -> list:
 
     d_k_rule = "must be 0 (d_model / h) or more (§3.2.2)"
     return [
-        ("precision", c.precision in PRECISIONS, f"must be one of {', '.join(PRECISIONS)}"),
+        (
+            "precision",
+            c.precision in PRECISIONS,
+            f"must be one of {', '.join(PRECISIONS)}",
+        ),
         ("vocab", c.vocab in ("bpe", "words"), "must be bpe or words"),
         ("N", c.N >= 1, "must be at least 1"),
         ("N_dec", c.N_dec >= 0, "must be 0 (as many as N) or more"),
@@ -136,7 +142,11 @@ def _config_rules(c: "Config") -> list:
             len(c.betas) == 2 and all(_finite(b) and 0 <= b < 1 for b in c.betas),
             "must be two numbers in [0, 1), e.g. 0.9,0.98",
         ),
-        ("adam_eps", _finite(c.adam_eps) and c.adam_eps > 0, "must be a finite number above 0"),
+        (
+            "adam_eps",
+            _finite(c.adam_eps) and c.adam_eps > 0,
+            "must be a finite number above 0",
+        ),
         (
             "weight_decay",
             _finite(c.weight_decay) and c.weight_decay >= 0,
@@ -144,7 +154,11 @@ def _config_rules(c: "Config") -> list:
         ),
         ("eps_ls", _prob(c.eps_ls), "must be in [0, 1)"),
         ("accum_steps", c.accum_steps >= 1, "must be at least 1"),
-        ("clip_grad", _finite(c.clip_grad) and c.clip_grad >= 0, "must be a finite number, 0 or more"),
+        (
+            "clip_grad",
+            _finite(c.clip_grad) and c.clip_grad >= 0,
+            "must be a finite number, 0 or more",
+        ),
         ("epochs", c.epochs >= 1, "must be at least 1"),
         ("max_steps", c.max_steps >= 0, "must be 0 (no limit) or more"),
         ("keep_checkpoints", c.keep_checkpoints >= 1, "must be at least 1"),
@@ -154,14 +168,22 @@ def _config_rules(c: "Config") -> list:
             "must be a finite number, 0 (off) or more",
         ),
         ("average_last", c.average_last >= 0, "must be 0 or more"),
-        ("max_decode_extra", 0 <= c.max_decode_extra <= 10_000, "must be from 0 to 10000"),
+        (
+            "max_decode_extra",
+            0 <= c.max_decode_extra <= 10_000,
+            "must be from 0 to 10000",
+        ),
         ("beam_size", 1 <= c.beam_size <= 1000, "must be from 1 (greedy) to 1000"),
         (
             "length_penalty_alpha",
             _finite(c.length_penalty_alpha) and 0 <= c.length_penalty_alpha <= 10,
             "must be a number from 0 to 10 (§6.1 uses 0.6)",
         ),
-        ("eval_batch_size", 1 <= c.eval_batch_size <= 100_000, "must be from 1 to 100000"),
+        (
+            "eval_batch_size",
+            1 <= c.eval_batch_size <= 100_000,
+            "must be from 1 to 100000",
+        ),
         ("max_eval_sentences", c.max_eval_sentences >= 0, "must be 0 (all) or more"),
         ("max_valid_sentences", c.max_valid_sentences >= 0, "must be 0 (all) or more"),
         ("examples_to_show", c.examples_to_show >= 0, "must be 0 or more"),
@@ -169,7 +191,8 @@ def _config_rules(c: "Config") -> list:
 
 
 def device_problem(name: str) -> Optional[str]:
-    """Why ``name`` cannot be used as a device here (None if it can), checked up front."""
+    """Why ``name`` cannot be used as a device here (None if it can), checked up
+    front."""
     if name == "auto":
         return None
     try:
@@ -183,7 +206,9 @@ def device_problem(name: str) -> Optional[str]:
                 "device; use --device cpu"
             )
         if device.index is not None and device.index >= torch.cuda.device_count():
-            return f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) here"
+            return (
+                f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) here"
+            )
     elif device.type == "mps" and not torch.backends.mps.is_available():
         return f"device {name!r}: MPS is not available here; use --device cpu"
     elif device.type not in ("cpu", "cuda", "mps"):
@@ -194,7 +219,8 @@ def device_problem(name: str) -> Optional[str]:
 @dataclass(frozen=True)
 class Config(ModelConfig):
     """A training run: the model (:class:`ModelConfig`) plus data, optimisation and
-    machinery settings. Each field is explained where the notebook or package uses it."""
+    machinery settings. Each field is explained where the notebook or package uses
+    it."""
 
     # --- data (§5.1) ---
     dataset: str = "multi30k"  # a name in CORPORA: "copy", "multi30k" or "iwslt14"
@@ -208,7 +234,9 @@ class Config(ModelConfig):
     lr_factor: float = 1.0  # multiplies Eq. 3
     betas: tuple = (0.9, 0.98)
     adam_eps: float = 1e-9
-    weight_decay: float = 0.0  # decoupled weight decay (AdamW) when > 0; not in the paper
+    weight_decay: float = (
+        0.0  # decoupled weight decay (AdamW) when > 0; not in the paper
+    )
     eps_ls: float = 0.1  # label smoothing
     accum_steps: int = 1  # batches per optimizer update
     clip_grad: float = 0.0  # max grad norm; 0 = off
@@ -223,12 +251,16 @@ class Config(ModelConfig):
     checkpoint_minutes: float = 10.0  # also save every this many minutes; 0 = off
     average_last: int = 0  # evaluate the average of the last K checkpoints; 0 = last
     run_dir: str = ""  # checkpoints and logs; "" = runs/<preset> (see run_dir_for)
-    data_dir: str = ""  # downloads and caches; "" = $ANNOTATED_TRANSFORMER_DATA or ./data
+    data_dir: str = (
+        ""  # downloads and caches; "" = $ANNOTATED_TRANSFORMER_DATA or ./data
+    )
     data_mirror: str = ""  # a local folder holding the data sets; "" = $DATA_MIRROR
     download: bool = True  # fetch missing data when no mirror has it
     # --- decoding (§6.1, Part 3) ---
     max_decode_extra: int = 50  # at most input length + this many tokens (§6.1)
-    beam_size: int = 4  # beam search at the end of training (§6.1); greedy is scored too
+    beam_size: int = (
+        4  # beam search at the end of training (§6.1); greedy is scored too
+    )
     length_penalty_alpha: float = 0.6  # GNMT length penalty α (§6.1); 0 = none
     eval_batch_size: int = 128  # sentences per decoding batch
     max_eval_sentences: int = 0  # decode only the first N test sentences; 0 = all
@@ -254,13 +286,15 @@ def _model(name: str) -> dict:
 
 
 # fairseq's transformer_iwslt_de_en recipe: peak lr 5e-4 at update 4,000 (Eq. 3 times
-# this factor peaks there), AdamW weight decay 1e-4, 4,096 tokens, dropout 0.3, ε_ls 0.1,
-# no clipping; average the last 5.
+# this factor peaks there), AdamW weight decay 1e-4, 4,096 tokens, dropout 0.3, ε_ls
+# 0.1, no clipping; average the last 5.
 _IWSLT_LR_FACTOR = 5e-4 * (512 * 4000) ** 0.5
 
 PRESETS = MappingProxyType(
     {
-        "base": Config(**_model("base"), epochs=10**6, max_steps=100_000, average_last=5),
+        "base": Config(
+            **_model("base"), epochs=10**6, max_steps=100_000, average_last=5
+        ),
         "big": Config(
             **_model("big"),
             epochs=10**6,
@@ -270,31 +304,75 @@ PRESETS = MappingProxyType(
         ),
         "tiny": Config(**_model("tiny"), vocab="words", bpe_size=1000),
         "copy": Config(
-            N=2, d_model=64, d_ff=128, h=4, P_drop=0.0, dataset="copy",
-            batch_tokens=1280, warmup=200, epochs=16, min_freq=1,
+            N=2,
+            d_model=64,
+            d_ff=128,
+            h=4,
+            P_drop=0.0,
+            dataset="copy",
+            batch_tokens=1280,
+            warmup=200,
+            epochs=16,
+            min_freq=1,
         ),  # fmt: skip
         "multi30k-small": Config(
-            N=3, d_model=256, d_ff=1024, h=8, dataset="multi30k", bpe_size=8000,
-            batch_tokens=2500, warmup=1000, lr_factor=0.7, epochs=15, clip_grad=1.0,
+            N=3,
+            d_model=256,
+            d_ff=1024,
+            h=8,
+            dataset="multi30k",
+            bpe_size=8000,
+            batch_tokens=2500,
+            warmup=1000,
+            lr_factor=0.7,
+            epochs=15,
+            clip_grad=1.0,
             average_last=5,
         ),  # fmt: skip
         "iwslt14-small": Config(
-            N=6, d_model=512, d_ff=1024, h=4, P_drop=0.3, dataset="iwslt14",
-            bpe_size=10000, batch_tokens=4096, warmup=4000, lr_factor=_IWSLT_LR_FACTOR,
-            weight_decay=1e-4, epochs=50, min_freq=3, clip_grad=0.0, average_last=5,
+            N=6,
+            d_model=512,
+            d_ff=1024,
+            h=4,
+            P_drop=0.3,
+            dataset="iwslt14",
+            bpe_size=10000,
+            batch_tokens=4096,
+            warmup=4000,
+            lr_factor=_IWSLT_LR_FACTOR,
+            weight_decay=1e-4,
+            epochs=50,
+            min_freq=3,
+            clip_grad=0.0,
+            average_last=5,
         ),  # fmt: skip
         "iwslt14-sample": Config(
-            N=3, N_dec=2, d_model=256, d_ff=1024, h=4, P_drop=0.1, attn_dropout=0.1,
-            ffn_dropout=0.1, dataset="iwslt14", bpe_size=4000, batch_tokens=2048,
-            warmup=1000, lr_factor=0.7, eps_ls=0.2, epochs=33, clip_grad=1.0,
-            average_last=5, max_valid_sentences=1000,
+            N=3,
+            N_dec=2,
+            d_model=256,
+            d_ff=1024,
+            h=4,
+            P_drop=0.1,
+            attn_dropout=0.1,
+            ffn_dropout=0.1,
+            dataset="iwslt14",
+            bpe_size=4000,
+            batch_tokens=2048,
+            warmup=1000,
+            lr_factor=0.7,
+            eps_ls=0.2,
+            epochs=33,
+            clip_grad=1.0,
+            average_last=5,
+            max_valid_sentences=1000,
         ),  # fmt: skip
     }
 )
 
 
 def get_config(name: str = "base", **overrides) -> Config:
-    """The preset ``name`` with ``overrides`` applied (unknown names raise a clear error)."""
+    """The preset ``name`` with ``overrides`` applied (unknown names raise a clear
+    error)."""
     if name not in PRESETS:
         raise KeyError(f"unknown config {name!r}; presets: {', '.join(PRESETS)}")
     return dataclasses.replace(PRESETS[name], **overrides)

@@ -1,7 +1,8 @@
 """Data sets: their records, where their files come from, reading them, and loading one.
 
 Each data set is one `Corpus` record (§5.1 names the paper's; ours are Multi30k, IWSLT14
-and the copy task). `load_dataset` locates the files (a local mirror, the data folder, or
+and the copy task). `load_dataset` locates the files (a local mirror, the data folder,
+or
 a download), reads them carefully, builds the vocabulary with the notebook's `Vocab` or
 `Subwords` (cached), and numbers every split.
 """
@@ -31,20 +32,30 @@ if TYPE_CHECKING:
 
     from .config import Config
 
+
 @dataclass(frozen=True)
 class Corpus:
-    """One data set, as every part of the program needs it (our addition; §5.1 names the paper's)."""
+    """One data set, as every part of the program needs it (our addition; §5.1 names the
+    paper's)."""
 
     name: str
     src: str = "de"  # source language
     tgt: str = "en"  # target language
-    files: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # split → (source file, target file) in the data set's folder
-    url: str = ""  # where the files are published (a folder), or the one archive that holds them
-    sha256: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # file → pinned SHA-256 of the download; others unchecked
+    files: MappingProxyType = field(
+        default_factory=lambda: MappingProxyType({})
+    )  # split → (source file, target file) in the data set's folder
+    # where the files are published (a folder), or the one archive that holds them
+    url: str = ""
+    sha256: MappingProxyType = field(
+        default_factory=lambda: MappingProxyType({})
+    )  # file → pinned SHA-256 of the download; others unchecked
     prepare: str = ""  # "": the files are downloaded as they are; "fairseq-iwslt14": an archive to prepare
     sample: str = ""  # a split that stands in for "train" when only it is there (a training sample)
-    valid_from_train: bool = False  # the validation pairs were held out of the training talks (may train; see Config)
-    extra_tests: MappingProxyType = field(default_factory=lambda: MappingProxyType({}))  # further test splits, looked for only when asked
+    # the validation pairs were held out of the training talks (may train; see Config)
+    valid_from_train: bool = False
+    extra_tests: MappingProxyType = field(
+        default_factory=lambda: MappingProxyType({})
+    )  # further test splits, looked for only when asked
     words: str = "whitespace"  # word-level tokenizer: "spacy" (its rules, for raw text) or "whitespace"
     detokenize: str = "join"  # words back to text: "moses" (sacremoses, for raw text) or "join" (with spaces)
     bleu_tokenize: str = "none"  # sacreBLEU's tokenizer: "13a" for raw, cased text; "none" for tokenized text
@@ -52,47 +63,86 @@ class Corpus:
 
     @property
     def bleu_kind(self) -> str:
-        """How its BLEU is described in logs and results, from how it is tokenized for scoring."""
+        """How its BLEU is described in logs and results, from how it is tokenized for
+        scoring."""
         return "tokenized" if self.bleu_tokenize == "none" else "detokenized cased"
 
 
 # The three records. Multi30k's files are published one by one and pinned; IWSLT14 is
 # published as the raw TED archive, which `prepare_iwslt14` (Appendix) turns into the
 # standard layout, and a folder holding only its training sample still trains (Part 4).
-# IWSLT14's validation pairs are every 23rd line of the training talks (`valid_from_train`).
+# IWSLT14's validation pairs are every 23rd line of the training talks
+# (`valid_from_train`).
 
-CORPORA = MappingProxyType({c.name: c for c in (
-    Corpus("copy", synthetic=True),
-    Corpus("multi30k",  # raw, cased image captions; test = test2016 (flickr)
-           files=MappingProxyType({"train": ("train.de.gz", "train.en.gz"), "valid": ("val.de.gz", "val.en.gz"),
-                                   "test": ("test_2016_flickr.de.gz", "test_2016_flickr.en.gz")}),
-           url="https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/",
-           sha256=MappingProxyType({
-               "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
-               "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
-               "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
-               "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
-               "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
-               "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9"}),
-           extra_tests=MappingProxyType({  # the 2017 and 2018 shared tasks' test sets; no checksum known
-               "test_2017_flickr": ("test_2017_flickr.de.gz", "test_2017_flickr.en.gz"),
-               "test_2018_flickr": ("test_2018_flickr.de.gz", "test_2018_flickr.en.gz")}),
-           words="spacy", detokenize="moses", bleu_tokenize="13a"),
-    Corpus("iwslt14",  # TED talks, fairseq's layout: Moses-tokenized, lowercased (REPRODUCTION_NOTES.md)
-           files=MappingProxyType({"train": ("train.de", "train.en"), "valid": ("valid.de", "valid.en"),
-                                   "test": ("test.de", "test.en"),
-                                   "train-sample": ("train-sample.de", "train-sample.en")}),
-           url="http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz",  # the archive: not pinned
-           prepare="fairseq-iwslt14", sample="train-sample", valid_from_train=True),
-)})
+CORPORA = MappingProxyType(
+    {
+        c.name: c
+        for c in (
+            Corpus("copy", synthetic=True),
+            Corpus(
+                "multi30k",  # raw, cased image captions; test = test2016 (flickr)
+                files=MappingProxyType(
+                    {
+                        "train": ("train.de.gz", "train.en.gz"),
+                        "valid": ("val.de.gz", "val.en.gz"),
+                        "test": ("test_2016_flickr.de.gz", "test_2016_flickr.en.gz"),
+                    }
+                ),
+                url="https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/",
+                sha256=MappingProxyType(
+                    {
+                        "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
+                        "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
+                        "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
+                        "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
+                        "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
+                        "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",
+                    }
+                ),
+                extra_tests=MappingProxyType(
+                    {  # the 2017 and 2018 shared tasks' test sets; no checksum known
+                        "test_2017_flickr": (
+                            "test_2017_flickr.de.gz",
+                            "test_2017_flickr.en.gz",
+                        ),
+                        "test_2018_flickr": (
+                            "test_2018_flickr.de.gz",
+                            "test_2018_flickr.en.gz",
+                        ),
+                    }
+                ),
+                words="spacy",
+                detokenize="moses",
+                bleu_tokenize="13a",
+            ),
+            Corpus(
+                "iwslt14",  # TED talks, fairseq's layout: Moses-tokenized, lowercased (REPRODUCTION_NOTES.md)
+                files=MappingProxyType(
+                    {
+                        "train": ("train.de", "train.en"),
+                        "valid": ("valid.de", "valid.en"),
+                        "test": ("test.de", "test.en"),
+                        "train-sample": ("train-sample.de", "train-sample.en"),
+                    }
+                ),
+                # the archive: not pinned
+                url="http://dl.fbaipublicfiles.com/fairseq/data/iwslt14/de-en.tgz",
+                prepare="fairseq-iwslt14",
+                sample="train-sample",
+                valid_from_train=True,
+            ),
+        )
+    }
+)
 
 
 class DataError(RuntimeError):
     """A data set is missing, malformed or cannot be fetched."""
 
 
-# Building a vocabulary means tokenizing the whole training split, so the result is cached
-# under a key made from the training files' bytes and the settings that shape it.
+# Building a vocabulary means tokenizing the whole training split, so the result is
+# cached under a key made from the training files' bytes and the settings that shape it.
+
 
 def _files_digest(paths: Iterable[Path], extra: str) -> str:
     """SHA-256 over the files' bytes and ``extra``: the key of a vocabulary cache."""
@@ -104,15 +154,22 @@ def _files_digest(paths: Iterable[Path], extra: str) -> str:
     return h.hexdigest()[:16]
 
 
-def build_vocabs(train_tokens: tuple[list, list], cfg: Config, cache_key: Optional[str] = None,
-                 cache_dir: Optional[Path] = None) -> tuple[Vocab, Vocab]:
-    """(source vocab, target vocab) from the training tokens; one shared object if ``cfg.shared_vocab``.
+def build_vocabs(
+    train_tokens: tuple[list, list],
+    cfg: Config,
+    cache_key: Optional[str] = None,
+    cache_dir: Optional[Path] = None,
+) -> tuple[Vocab, Vocab]:
+    """(source vocab, target vocab) from the training tokens; one shared object if
+    ``cfg.shared_vocab``.
 
     With ``cache_key`` and ``cache_dir`` the result is read from / written to
     ``cache_dir/vocab-<key>.json``.
     """
     nb = notebook()
-    path = Path(cache_dir) / f"vocab-{cache_key}.json" if cache_key and cache_dir else None
+    path = (
+        Path(cache_dir) / f"vocab-{cache_key}.json" if cache_key and cache_dir else None
+    )
     if path is not None and path.is_file():
         saved = json.loads(path.read_text(encoding="utf-8"))
         src = nb.Vocab(saved["src"])
@@ -121,20 +178,34 @@ def build_vocabs(train_tokens: tuple[list, list], cfg: Config, cache_key: Option
     if cfg.shared_vocab:
         src = tgt = nb.Vocab.build(list(src_sents) + list(tgt_sents), cfg.min_freq)
     else:
-        src, tgt = nb.Vocab.build(src_sents, cfg.min_freq), nb.Vocab.build(tgt_sents, cfg.min_freq)
+        src, tgt = (
+            nb.Vocab.build(src_sents, cfg.min_freq),
+            nb.Vocab.build(tgt_sents, cfg.min_freq),
+        )
     if path is not None:
-        write_atomic(path, [json.dumps({"src": src.itos, "tgt": tgt.itos}, ensure_ascii=False)])
+        write_atomic(
+            path, [json.dumps({"src": src.itos, "tgt": tgt.itos}, ensure_ascii=False)]
+        )
     return src, tgt
 
 
-def build_subwords(train_pairs: Sequence[tuple[str, str]], cfg: Config, cache_key: Optional[str] = None,
-                   cache_dir: Optional[Path] = None) -> Subwords:
-    """The joint BPE model of the training pairs (both sides), read from / written to ``cache_dir/bpe-<key>.model``."""
+def build_subwords(
+    train_pairs: Sequence[tuple[str, str]],
+    cfg: Config,
+    cache_key: Optional[str] = None,
+    cache_dir: Optional[Path] = None,
+) -> Subwords:
+    """The joint BPE model of the training pairs (both sides), read from / written to
+    ``cache_dir/bpe-<key>.model``."""
     nb = notebook()
-    path = Path(cache_dir) / f"bpe-{cache_key}.model" if cache_key and cache_dir else None
+    path = (
+        Path(cache_dir) / f"bpe-{cache_key}.model" if cache_key and cache_dir else None
+    )
     if path is not None and path.is_file():
         return nb.Subwords(path.read_bytes())
-    subwords = nb.Subwords.train([s for pair in train_pairs for s in pair], cfg.bpe_size)
+    subwords = nb.Subwords.train(
+        [s for pair in train_pairs for s in pair], cfg.bpe_size
+    )
     if path is not None:
         write_atomic(path, subwords.model_proto)
     return subwords
@@ -143,57 +214,80 @@ def build_subwords(train_pairs: Sequence[tuple[str, str]], cfg: Config, cache_ke
 # ## A.1 Where the data comes from
 #
 # Each data set is a folder of parallel files. The loader looks, in order, in a local
-# **mirror** folder (`Config.data_mirror`, or the environment variable `DATA_MIRROR`), then
-# in its own data folder (`Config.data_dir`, or `ANNOTATED_TRANSFORMER_DATA`, or `./data`),
-# and finally downloads what is missing. Downloads are checked against a pinned SHA-256
-# where one is known and are written atomically (to a temporary file that is renamed only
-# when complete). For IWSLT14 the download is the raw TED archive, which
+# **mirror** folder (`Config.data_mirror`, or the environment variable `DATA_MIRROR`),
+# then in its own data folder (`Config.data_dir`, or `ANNOTATED_TRANSFORMER_DATA`, or
+# `./data`), and finally downloads what is missing. Downloads are checked against a
+# pinned SHA-256 where one is known and are written atomically (to a temporary file that
+# is renamed only when complete). For IWSLT14 the download is the raw TED archive, which
 # `prepare_iwslt14` turns into the standard layout.
 
-# Where the files are published and which checksums are pinned is in each data set's record
-# (Part 2, `CORPORA`). Downloads and caches go to the data folder:
+# Where the files are published and which checksums are pinned is in each data set's
+# record (Part 2, `CORPORA`). Downloads and caches go to the data folder:
+
 
 def default_data_dir() -> Path:
     """``$ANNOTATED_TRANSFORMER_DATA`` or ``./data``: where downloads and caches go."""
     return Path(os.environ.get("ANNOTATED_TRANSFORMER_DATA", "data"))
 
 
-# `download` writes through `atomic_file` (Part 2), and checks the checksum before the rename.
+# `download` writes through `atomic_file` (Part 2), and checks the checksum before the
+# rename.
 
-def download(url: str, dest: Path, sha256: Optional[str] = None, desc: Optional[str] = None) -> Path:
+
+def download(
+    url: str, dest: Path, sha256: Optional[str] = None, desc: Optional[str] = None
+) -> Path:
     """Fetch ``url`` to ``dest`` atomically, checking ``sha256`` when given.
 
-    Any URL scheme ``urllib`` knows works, ``file://`` included. A corrupt or interrupted
+    Any URL scheme ``urllib`` knows works, ``file://`` included. A corrupt or
+    interrupted
     download never leaves a file at ``dest``.
     """
     digest = hashlib.sha256()
     with atomic_file(dest) as out, urllib.request.urlopen(url, timeout=60) as resp:
         total = int(resp.headers.get("Content-Length") or 0) or None
-        with tqdm(total=total, unit="B", unit_scale=True, desc=desc or Path(dest).name, leave=False) as bar:
+        with tqdm(
+            total=total,
+            unit="B",
+            unit_scale=True,
+            desc=desc or Path(dest).name,
+            leave=False,
+        ) as bar:
             while chunk := resp.read(1 << 20):
                 out.write(chunk)
                 digest.update(chunk)
                 bar.update(len(chunk))
         if sha256 is not None and digest.hexdigest() != sha256:
-            raise DataError(f"checksum mismatch for {url}: expected sha256 {sha256}, got {digest.hexdigest()}")
+            raise DataError(
+                f"checksum mismatch for {url}: expected sha256 {sha256}, got {digest.hexdigest()}"
+            )
     return Path(dest)
 
 
-# IWSLT14 is published as the raw TED archive; we follow the widely used fairseq recipe: drop the
-# metadata lines of the training talks (URL, talk id, keywords, speaker, …) and keep the
-# text of titles and descriptions; take the `<seg>` lines of the evaluation XML files;
-# Moses-tokenize (sacremoses) with `&apos;`/`&quot;` escaping; drop pairs with an empty or
-# over-175-token side or a length ratio above 1.5; lowercase; hold out every 23rd training
-# pair as the validation set; the test set is dev2010 + dev2012 + tst2010 + tst2011 + tst2012.
-# First, the two kinds of file in the archive: a training file's text lines, and an XML file's segments.
+# IWSLT14 is published as the raw TED archive; we follow the widely used fairseq recipe:
+# drop the metadata lines of the training talks (URL, talk id, keywords, speaker, …) and
+# keep the text of titles and descriptions; take the `<seg>` lines of the evaluation XML
+# files; Moses-tokenize (sacremoses) with `&apos;`/`&quot;` escaping; drop pairs with an
+# empty or over-175-token side or a length ratio above 1.5; lowercase; hold out every
+# 23rd training pair as the validation set; the test set is dev2010 + dev2012 + tst2010
+# + tst2011 + tst2012. First, the two kinds of file in the archive: a training file's
+# text lines, and an XML file's segments.
 
-_IWSLT_META = re.compile(r"^\s*<(url|talkid|keywords|speaker|reviewer|translator|doc|/doc)\b")
-_IWSLT_TEST_SETS = ("IWSLT14.TED.dev2010", "IWSLT14.TEDX.dev2012", "IWSLT14.TED.tst2010",
-                    "IWSLT14.TED.tst2011", "IWSLT14.TED.tst2012")
+_IWSLT_META = re.compile(
+    r"^\s*<(url|talkid|keywords|speaker|reviewer|translator|doc|/doc)\b"
+)
+_IWSLT_TEST_SETS = (
+    "IWSLT14.TED.dev2010",
+    "IWSLT14.TEDX.dev2012",
+    "IWSLT14.TED.tst2010",
+    "IWSLT14.TED.tst2011",
+    "IWSLT14.TED.tst2012",
+)
 
 
 def _iwslt_train_lines(text: str) -> list[str]:
-    """Text lines of a ``train.tags.*`` file: metadata dropped, title/description tags removed."""
+    """Text lines of a ``train.tags.*`` file: metadata dropped, title/description tags
+    removed."""
     lines = []
     for line in text.split("\n"):
         if _IWSLT_META.match(line):
@@ -205,15 +299,21 @@ def _iwslt_train_lines(text: str) -> list[str]:
 
 def _iwslt_xml_segments(text: str) -> list[str]:
     """The ``<seg id="N">…</seg>`` contents of an IWSLT evaluation XML file."""
-    return [m.group(1).strip().replace("\u2019", "'")
-            for m in re.finditer(r"<seg id=\"?\d+\"?>(.*?)</seg>", text)]
+    return [
+        m.group(1).strip().replace("\u2019", "'")
+        for m in re.finditer(r"<seg id=\"?\d+\"?>(.*?)</seg>", text)
+    ]
 
 
-# Then the recipe, `prepare_iwslt14`: read the archive's members, tokenize, filter, hold out
-# every 23rd training pair for validation, and write the three splits.
+# Then the recipe, `prepare_iwslt14`: read the archive's members, tokenize, filter, hold
+# out every 23rd training pair for validation, and write the three splits.
 
-def prepare_iwslt14(archive: Path, out_dir: Path, src: str = "de", tgt: str = "en") -> dict:
-    """Turn the raw IWSLT14 TED archive (``de-en.tgz``) into ``{train,valid,test}.{de,en}``.
+
+def prepare_iwslt14(
+    archive: Path, out_dir: Path, src: str = "de", tgt: str = "en"
+) -> dict:
+    """Turn the raw IWSLT14 TED archive (``de-en.tgz``) into
+    ``{train,valid,test}.{de,en}``.
 
     Returns the number of pairs written per split. Output files are written atomically.
     """
@@ -234,12 +334,19 @@ def prepare_iwslt14(archive: Path, out_dir: Path, src: str = "de", tgt: str = "e
         raw_src = _iwslt_train_lines(members[f"train.tags.{pair}.{src}"])
         raw_tgt = _iwslt_train_lines(members[f"train.tags.{pair}.{tgt}"])
     except KeyError as e:
-        raise DataError(f"{archive} has no {e.args[0]}: is it the IWSLT14 {pair} archive?") from None
+        raise DataError(
+            f"{archive} has no {e.args[0]}: is it the IWSLT14 {pair} archive?"
+        ) from None
     if len(raw_src) != len(raw_tgt):
-        raise DataError(f"{archive}: training talks misaligned ({len(raw_src)} vs {len(raw_tgt)} lines)")
+        raise DataError(
+            f"{archive}: training talks misaligned ({len(raw_src)} vs {len(raw_tgt)} lines)"
+        )
     train, valid = [], []
     for s, t in zip(raw_src, raw_tgt):
-        s, t = tok[src].tokenize(s, escape=True, return_str=True), tok[tgt].tokenize(t, escape=True, return_str=True)
+        s, t = (
+            tok[src].tokenize(s, escape=True, return_str=True),
+            tok[tgt].tokenize(t, escape=True, return_str=True),
+        )
         ls, lt = len(s.split()), len(t.split())
         if not (1 <= ls <= 175 and 1 <= lt <= 175) or ls / lt > 1.5 or lt / ls > 1.5:
             continue
@@ -252,9 +359,14 @@ def prepare_iwslt14(archive: Path, out_dir: Path, src: str = "de", tgt: str = "e
         fs, ft = f"{name}.{pair}.{src}.xml", f"{name}.{pair}.{tgt}.xml"
         if fs not in members or ft not in members:
             raise DataError(f"{archive} has no {fs} / {ft}")
-        segs_s, segs_t = _iwslt_xml_segments(members[fs]), _iwslt_xml_segments(members[ft])
+        segs_s, segs_t = (
+            _iwslt_xml_segments(members[fs]),
+            _iwslt_xml_segments(members[ft]),
+        )
         if len(segs_s) != len(segs_t):
-            raise DataError(f"{archive}: {fs} has {len(segs_s)} segments but {ft} has {len(segs_t)}")
+            raise DataError(
+                f"{archive}: {fs} has {len(segs_s)} segments but {ft} has {len(segs_t)}"
+            )
         test += [(prep(src, s), prep(tgt, t)) for s, t in zip(segs_s, segs_t)]
     counts = {}
     for split, pairs in (("train", kept), ("valid", valid), ("test", test)):
@@ -264,53 +376,73 @@ def prepare_iwslt14(archive: Path, out_dir: Path, src: str = "de", tgt: str = "e
     return counts
 
 
-# Finding a data set yields a `DataSource`: its files, and a sentence saying where they came
-# from, which the run log repeats.
+# Finding a data set yields a `DataSource`: its files, and a sentence saying where they
+# came from, which the run log repeats.
+
 
 @dataclass(frozen=True)
 class DataSource:
-    """Where a data set's files are: ``files`` maps split → (source path, target path)."""
+    """Where a data set's files are: ``files`` maps split → (source path, target
+    path)."""
 
     name: str
     files: dict
     origin: str  # a sentence for the user: "mirror $DATA_MIRROR/multi30k", "downloaded to …"
 
 
-# Downloading, as the record says: files as published (Multi30k's six, checked against the
-# pinned sums), or an archive to prepare (IWSLT14's, through `prepare_iwslt14`). A corrupt
-# archive is removed so that the next attempt downloads it again.
+# Downloading, as the record says: files as published (Multi30k's six, checked against
+# the pinned sums), or an archive to prepare (IWSLT14's, through `prepare_iwslt14`). A
+# corrupt archive is removed so that the next attempt downloads it again.
+
 
 def fetch_dataset(name: str, data_dir: Path, url_base: Optional[str] = None) -> Path:
-    """Download data set ``name`` into ``data_dir/name`` as its record says (``url_base`` replaces its url)."""
+    """Download data set ``name`` into ``data_dir/name`` as its record says
+    (``url_base`` replaces its url)."""
     corpus, folder = CORPORA[name], Path(data_dir) / name
-    if not corpus.prepare:  # the files as published, each checked against its pinned sum
+    if (
+        not corpus.prepare
+    ):  # the files as published, each checked against its pinned sum
         for pair in corpus.files.values():
             for f in pair:
                 if not (folder / f).is_file():
-                    download((url_base or corpus.url) + f, folder / f, corpus.sha256.get(f))
+                    download(
+                        (url_base or corpus.url) + f, folder / f, corpus.sha256.get(f)
+                    )
         return folder
     archive = Path(data_dir) / "downloads" / f"{name}-{Path(corpus.url).name}"
     if not archive.is_file():
-        download(url_base or corpus.url, archive, corpus.sha256.get(Path(corpus.url).name))
+        download(
+            url_base or corpus.url, archive, corpus.sha256.get(Path(corpus.url).name)
+        )
     try:
-        {"fairseq-iwslt14": prepare_iwslt14}[corpus.prepare](archive, folder, corpus.src, corpus.tgt)
+        {"fairseq-iwslt14": prepare_iwslt14}[corpus.prepare](
+            archive, folder, corpus.src, corpus.tgt
+        )
     except (tarfile.TarError, EOFError) as e:
         archive.unlink(missing_ok=True)  # a corrupt download must not stick
-        raise DataError(f"{archive} is not a readable archive ({e}); removed, try again") from e
+        raise DataError(
+            f"{archive} is not a readable archive ({e}); removed, try again"
+        ) from e
     return folder
 
 
-# `locate_dataset` tries the mirror, then the data folder, then downloading, and says which
-# one it used. Offline, with no mirror and nothing downloaded before, it fails once, with a
-# message that names both ways to get the data.
+# `locate_dataset` tries the mirror, then the data folder, then downloading, and says
+# which one it used. Offline, with no mirror and nothing downloaded before, it fails
+# once, with a message that names both ways to get the data.
 
-def locate_dataset(name: str, cfg: Config, url_base: Optional[str] = None) -> DataSource:
-    """Find (or fetch) data set ``name`` — mirror first, then the data folder, then download.
+
+def locate_dataset(
+    name: str, cfg: Config, url_base: Optional[str] = None
+) -> DataSource:
+    """Find (or fetch) data set ``name`` — mirror first, then the data folder, then
+    download.
 
     ``url_base`` replaces the download location (tests pass ``file://`` URLs).
     """
     if name not in CORPORA or CORPORA[name].synthetic:
-        raise DataError(f"unknown data set {name!r} (known: {', '.join(n for n, c in CORPORA.items() if c.files)})")
+        raise DataError(
+            f"unknown data set {name!r} (known: {', '.join(n for n, c in CORPORA.items() if c.files)})"
+        )
     corpus = CORPORA[name]
     layout = corpus.files
     mirror = cfg.data_mirror or os.environ.get("DATA_MIRROR", "")
@@ -327,26 +459,37 @@ def locate_dataset(name: str, cfg: Config, url_base: Optional[str] = None) -> Da
         files.pop(corpus.sample, None)
         return files if all(k in files for k in ("train", "valid", "test")) else None
 
-    shown = Path(cfg.data_mirror or "$DATA_MIRROR") / name  # name the setting, not this machine's path
-    candidates = ([(Path(mirror) / name, f"mirror {shown}")] if mirror else [])
+    shown = (
+        Path(cfg.data_mirror or "$DATA_MIRROR") / name
+    )  # name the setting, not this machine's path
+    candidates = [(Path(mirror) / name, f"mirror {shown}")] if mirror else []
     candidates.append((data_dir / name, f"data folder {data_dir / name}"))
-    sample = None  # a folder with only the IWSLT14 training sample, used if no full one exists
+    # a folder with only the IWSLT14 training sample, used if no full one exists
+    sample = None
     for folder, origin in candidates:
         files = complete(folder)
         if files and files.pop("train-is-sample", False):
             sample = sample or DataSource(
-                name, files, origin + f" (the training *sample* {'/'.join(corpus.files[corpus.sample])}: "
-                                      f"the full {'/'.join(corpus.files['train'])} are not there)")
+                name,
+                files,
+                origin
+                + f" (the training *sample* {'/'.join(corpus.files[corpus.sample])}: "
+                f"the full {'/'.join(corpus.files['train'])} are not there)",
+            )
         elif files:
             return DataSource(name, files, origin)
     if sample is not None:
         return sample
 
-    how = (f"Either point DATA_MIRROR (or --data_mirror) at a folder that holds {name}/ "
-           f"with {', '.join(f for pair in layout.values() for f in pair)}, "
-           f"or go online so that it can be downloaded into {data_dir / name}.")
+    how = (
+        f"Either point DATA_MIRROR (or --data_mirror) at a folder that holds {name}/ "
+        f"with {', '.join(f for pair in layout.values() for f in pair)}, "
+        f"or go online so that it can be downloaded into {data_dir / name}."
+    )
     if not cfg.download:
-        raise DataError(f"{name} not found (looked in: {', '.join(o for _, o in candidates)}). {how}")
+        raise DataError(
+            f"{name} not found (looked in: {', '.join(o for _, o in candidates)}). {how}"
+        )
     folder = data_dir / name
     try:
         fetch_dataset(name, data_dir, url_base)
@@ -359,24 +502,32 @@ def locate_dataset(name: str, cfg: Config, url_base: Optional[str] = None) -> Da
     return DataSource(name, files, f"downloaded to {folder}")
 
 
-# Multi30k has two more test sets of Flickr captions, from the 2017 and 2018 shared tasks,
-# in the same `raw/` folder (its record's `extra_tests`). Training never needs them;
-# `evaluate --split test_2017_flickr` (or `test_2018_flickr`) scores a model on them. They
-# are looked for in the same places and downloaded the same way, but **without** a
-# checksum: we know no authoritative SHA-256 for them, so they are not pinned.
+# Multi30k has two more test sets of Flickr captions, from the 2017 and 2018 shared
+# tasks, in the same `raw/` folder (its record's `extra_tests`). Training never needs
+# them; `evaluate --split test_2017_flickr` (or `test_2018_flickr`) scores a model on
+# them. They are looked for in the same places and downloaded the same way, but
+# **without** a checksum: we know no authoritative SHA-256 for them, so they are not
+# pinned.
 
-def locate_test_split(name: str, split: str, cfg: Config, url_base: Optional[str] = None) -> tuple[Path, Path]:
-    """(source file, target file) of a test split of data set ``name``: mirror, then data folder, then download.
 
-    ``split`` is ``"test"`` (the one training scores), ``"valid"`` (the one it validates on) or one of the
+def locate_test_split(
+    name: str, split: str, cfg: Config, url_base: Optional[str] = None
+) -> tuple[Path, Path]:
+    """(source file, target file) of a test split of data set ``name``: mirror, then
+    data folder, then download.
+
+    ``split`` is ``"test"`` (the one training scores), ``"valid"`` (the one it validates
+    on) or one of the
     record's ``extra_tests``.
     """
     corpus = CORPORA[name]
     if split in ("test", "valid"):
         return locate_dataset(name, cfg, url_base=url_base).files[split]
     if split not in corpus.extra_tests:
-        raise DataError(f"{name} has no split {split!r} here (known: {', '.join(['test', 'valid', *corpus.extra_tests])}); "
-                        "give --src and --ref")
+        raise DataError(
+            f"{name} has no split {split!r} here (known: {', '.join(['test', 'valid', *corpus.extra_tests])}); "
+            "give --src and --ref"
+        )
     names = corpus.extra_tests[split]
     mirror = cfg.data_mirror or os.environ.get("DATA_MIRROR", "")
     data_dir = Path(cfg.data_dir) if cfg.data_dir else default_data_dir()
@@ -385,25 +536,31 @@ def locate_test_split(name: str, split: str, cfg: Config, url_base: Optional[str
         if all((folder / f).is_file() for f in names):
             return folder / names[0], folder / names[1]
     if not cfg.download:
-        raise DataError(f"{split} not found in {', '.join(map(str, folders))}, and downloading is off")
+        raise DataError(
+            f"{split} not found in {', '.join(map(str, folders))}, and downloading is off"
+        )
     try:
-        return tuple(download((url_base or corpus.url) + f, data_dir / name / f) for f in names)
+        return tuple(
+            download((url_base or corpus.url) + f, data_dir / name / f) for f in names
+        )
     except (OSError, urllib.error.URLError) as e:
         raise DataError(f"could not download {name} {split} ({e})") from e
 
 
 # ### Reading parallel text, carefully
 #
-# Bad data fails loudly and precisely: files of different lengths name both files and both
-# line counts; invalid UTF-8 names the file and line; empty lines are skipped and counted.
-# Only `\n` and `\r\n` end a line — not the form feed, a lone carriage return, U+0085 or
-# U+2028 that Python's `str.splitlines` also splits at — so line $i$ of a file is line $i$
-# of its translation; a leading byte-order mark is dropped. Standard input is read the same way.
-# Over-long pairs are filtered out of the *training* data with a count (never truncated);
-# the test set is always scored in full.
+# Bad data fails loudly and precisely: files of different lengths name both files and
+# both line counts; invalid UTF-8 names the file and line; empty lines are skipped and
+# counted. Only `\n` and `\r\n` end a line — not the form feed, a lone carriage return,
+# U+0085 or U+2028 that Python's `str.splitlines` also splits at — so line $i$ of a file
+# is line $i$ of its translation; a leading byte-order mark is dropped. Standard input
+# is read the same way. Over-long pairs are filtered out of the *training* data with a
+# count (never truncated); the test set is always scored in full.
+
 
 def split_lines(raw: bytes, name: str) -> list[str]:
-    """Lines of UTF-8 bytes (our addition): only ``\n`` and ``\r\n`` end one, a leading BOM is dropped,
+    """Lines of UTF-8 bytes (our addition): only ``\n`` and ``\r\n`` end one, a leading
+    BOM is dropped,
     bad bytes name the line."""
     if raw.startswith(b"\xef\xbb\xbf"):
         raw = raw[3:]
@@ -415,12 +572,15 @@ def split_lines(raw: bytes, name: str) -> list[str]:
         try:
             out.append(line.decode("utf-8").removesuffix("\r"))
         except UnicodeDecodeError as e:
-            raise DataError(f"{name}, line {i}: invalid UTF-8 ({e.reason} at byte {e.start})") from None
+            raise DataError(
+                f"{name}, line {i}: invalid UTF-8 ({e.reason} at byte {e.start})"
+            ) from None
     return out
 
 
 def read_lines(path: Path) -> list[str]:
-    """Lines of a UTF-8 text file (``.gz`` allowed), as :func:`split_lines` reads them; names what is wrong."""
+    """Lines of a UTF-8 text file (``.gz`` allowed), as :func:`split_lines` reads them;
+    names what is wrong."""
     path = Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     try:
@@ -432,18 +592,22 @@ def read_lines(path: Path) -> list[str]:
 
 
 def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[tuple[str, str]], int]:
-    """Aligned (source, target) sentence pairs and the number of pairs skipped as empty."""
+    """Aligned (source, target) sentence pairs and the number of pairs skipped as
+    empty."""
     src, tgt = read_lines(src_path), read_lines(tgt_path)
     if len(src) != len(tgt):
-        raise DataError(f"misaligned parallel files: {src_path} has {len(src)} lines, "
-                        f"{tgt_path} has {len(tgt)} lines")
+        raise DataError(
+            f"misaligned parallel files: {src_path} has {len(src)} lines, "
+            f"{tgt_path} has {len(tgt)} lines"
+        )
     pairs = [(s.strip(), t.strip()) for s, t in zip(src, tgt)]
     kept = [p for p in pairs if p[0] and p[1]]
     return kept, len(pairs) - len(kept)
 
 
 def make_tokenizer(dataset: str, lang: str) -> Callable[[list[str]], list[list[str]]]:
-    """A batch word tokenizer as ``dataset``'s record says: spaCy's rules for ``lang``, or whitespace.
+    """A batch word tokenizer as ``dataset``'s record says: spaCy's rules for ``lang``,
+    or whitespace.
 
     ``spacy.blank(lang)`` carries the same tokenizer rules as spaCy's trained pipelines,
     without their weights.
@@ -454,7 +618,10 @@ def make_tokenizer(dataset: str, lang: str) -> Callable[[list[str]], list[list[s
         nlp = spacy.blank(lang)
 
         def spacy_tokenize(lines: list[str]) -> list[list[str]]:
-            return [[t.text for t in doc if not t.is_space] for doc in nlp.tokenizer.pipe(lines, batch_size=2000)]
+            return [
+                [t.text for t in doc if not t.is_space]
+                for doc in nlp.tokenizer.pipe(lines, batch_size=2000)
+            ]
 
         return spacy_tokenize
     return lambda lines: [line.split() for line in lines]
@@ -462,13 +629,16 @@ def make_tokenizer(dataset: str, lang: str) -> Callable[[list[str]], list[list[s
 
 # ### Putting a data set together
 #
-# A `Dataset` is everything training needs: the vocabularies, the id sequences of each split
-# (each with `<s>` … `</s>` around it), the raw test references for BLEU, and the counts of
-# what was skipped or filtered. The copy task of Part 4 is generated straight into one.
+# A `Dataset` is everything training needs: the vocabularies, the id sequences of each
+# split (each with `<s>` … `</s>` around it), the raw test references for BLEU, and the
+# counts of what was skipped or filtered. The copy task of Part 4 is generated straight
+# into one.
+
 
 @dataclass
 class Dataset:
-    """Splits as lists of (source ids, target ids), vocabularies, and what was dropped."""
+    """Splits as lists of (source ids, target ids), vocabularies, and what was
+    dropped."""
 
     name: str
     src_vocab: Vocab
@@ -480,8 +650,9 @@ class Dataset:
     subwords: Optional[Subwords] = None  # the BPE model when cfg.vocab == "bpe"
 
 
-def make_copy_data(cfg: Config, vocab_size: int = 11, length: int = 10,
-                   sizes: tuple = (1600, 160, 100)) -> Dataset:
+def make_copy_data(
+    cfg: Config, vocab_size: int = 11, length: int = 10, sizes: tuple = (1600, 160, 100)
+) -> Dataset:
     """The synthetic copy task: random sequences of symbols that the target repeats.
 
     Symbols are the strings "1" … str(vocab_size - 1); with the four specials that is a
@@ -501,11 +672,16 @@ def make_copy_data(cfg: Config, vocab_size: int = 11, length: int = 10,
     return Dataset("copy", vocab, vocab, splits, refs, origin="generated", stats={})
 
 
-# `load_dataset` is the one entry point: locate, read, build the vocabulary (words or BPE),
-# filter over-long training pairs, turn every split into ids, and report what it dropped.
+# `load_dataset` is the one entry point: locate, read, build the vocabulary (words or
+# BPE), filter over-long training pairs, turn every split into ids, and report what it
+# dropped.
 
-def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = None) -> Dataset:
-    """Locate, read, tokenize and number the data set ``cfg.dataset``; report what was dropped."""
+
+def load_dataset(
+    cfg: Config, log: Callable = print, url_base: Optional[str] = None
+) -> Dataset:
+    """Locate, read, tokenize and number the data set ``cfg.dataset``; report what was
+    dropped."""
     nb = notebook()
     corpus = CORPORA[cfg.dataset]
     if corpus.synthetic:
@@ -513,7 +689,9 @@ def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = N
     source = locate_dataset(cfg.dataset, cfg, url_base=url_base)
     raw, stats = {}, {}
     for split in ("train", "valid", "test"):
-        raw[split], stats[f"{split}_empty_skipped"] = read_parallel(*source.files[split])
+        raw[split], stats[f"{split}_empty_skipped"] = read_parallel(
+            *source.files[split]
+        )
         stats[f"{split}_pairs"] = len(raw[split])
     vocab_files, held = source.files["train"], ""
     data_dir = Path(cfg.data_dir) if cfg.data_dir else default_data_dir()
@@ -523,26 +701,57 @@ def load_dataset(cfg: Config, log: Callable = print, url_base: Optional[str] = N
         subwords = build_subwords(raw["train"], cfg, key, data_dir / "cache")
         tok_src = tok_tgt = subwords.encode
     else:
-        tok_src, tok_tgt = make_tokenizer(cfg.dataset, corpus.src), make_tokenizer(cfg.dataset, corpus.tgt)
-    tokens = {split: (tok_src([p[0] for p in pairs]), tok_tgt([p[1] for p in pairs])) for split, pairs in raw.items()}
+        tok_src, tok_tgt = (
+            make_tokenizer(cfg.dataset, corpus.src),
+            make_tokenizer(cfg.dataset, corpus.tgt),
+        )
+    tokens = {
+        split: (tok_src([p[0] for p in pairs]), tok_tgt([p[1] for p in pairs]))
+        for split, pairs in raw.items()
+    }
     src_t, tgt_t = tokens["train"]
-    keep = [i for i in range(len(src_t)) if len(src_t[i]) <= cfg.max_tokens and len(tgt_t[i]) <= cfg.max_tokens]
+    keep = [
+        i
+        for i in range(len(src_t))
+        if len(src_t[i]) <= cfg.max_tokens and len(tgt_t[i]) <= cfg.max_tokens
+    ]
     stats["train_too_long_filtered"] = len(src_t) - len(keep)
     tokens["train"] = ([src_t[i] for i in keep], [tgt_t[i] for i in keep])
     stats["train_pairs"] = len(keep)
     if subwords is not None:
         src_vocab = tgt_vocab = subwords.vocab
     else:
-        key = _files_digest(vocab_files, f"{cfg.dataset}|{cfg.min_freq}|{cfg.shared_vocab}|{cfg.max_tokens}{held}")
-        src_vocab, tgt_vocab = build_vocabs(tokens["train"], cfg, key, data_dir / "cache")
+        key = _files_digest(
+            vocab_files,
+            f"{cfg.dataset}|{cfg.min_freq}|{cfg.shared_vocab}|{cfg.max_tokens}{held}",
+        )
+        src_vocab, tgt_vocab = build_vocabs(
+            tokens["train"], cfg, key, data_dir / "cache"
+        )
     splits = {
-        split: [([nb.BOS] + src_vocab(s) + [nb.EOS], [nb.BOS] + tgt_vocab(t) + [nb.EOS]) for s, t in zip(*tokens[split])]
+        split: [
+            ([nb.BOS] + src_vocab(s) + [nb.EOS], [nb.BOS] + tgt_vocab(t) + [nb.EOS])
+            for s, t in zip(*tokens[split])
+        ]
         for split in ("train", "valid", "test")
     }
     unk = sum(ids.count(nb.UNK) for pair in splits["test"] for ids in pair)
-    stats["test_unk_share"] = round(unk / max(sum(len(ids) - 2 for pair in splits["test"] for ids in pair), 1), 4)
-    log(f"data: {cfg.dataset} from {source.origin}; " + ", ".join(f"{k}={v:,}" for k, v in stats.items())
+    stats["test_unk_share"] = round(
+        unk / max(sum(len(ids) - 2 for pair in splits["test"] for ids in pair), 1), 4
+    )
+    log(
+        f"data: {cfg.dataset} from {source.origin}; "
+        + ", ".join(f"{k}={v:,}" for k, v in stats.items())
         + f"; {'BPE' if subwords else 'word'} vocab {len(src_vocab):,}"
-        + ("" if src_vocab is tgt_vocab else f"/{len(tgt_vocab):,}"))
-    return Dataset(cfg.dataset, src_vocab, tgt_vocab, splits, [p[1] for p in raw["test"]], source.origin, stats,
-                   subwords)
+        + ("" if src_vocab is tgt_vocab else f"/{len(tgt_vocab):,}")
+    )
+    return Dataset(
+        cfg.dataset,
+        src_vocab,
+        tgt_vocab,
+        splits,
+        [p[1] for p in raw["test"]],
+        source.origin,
+        stats,
+        subwords,
+    )

@@ -21,35 +21,51 @@ import torch.distributed as dist
 import torch.nn as nn
 
 
-def resolve_attention(setting: str, device: Optional[torch.device] = None) -> tuple[str, str]:
-    """Decide ``ModelConfig.attention`` ("auto" | "readable" | "fast") for ``device``: (path, a line for the log).
+def resolve_attention(
+    setting: str, device: Optional[torch.device] = None
+) -> tuple[str, str]:
+    """Decide ``ModelConfig.attention`` ("auto" | "readable" | "fast") for ``device``:
+    (path, a line for the log).
 
-    ``auto``: the fused path on CUDA, where SDPA has fused kernels; the readable one elsewhere
+    ``auto``: the fused path on CUDA, where SDPA has fused kernels; the readable one
+    elsewhere
     (on a CPU it is as fast or faster at our sentence lengths — measured in the aside).
     """
     if setting not in ("auto", "readable", "fast"):
         raise ValueError(f"attention must be auto, readable or fast, not {setting!r}")
     if setting != "auto":
         return setting, f"attention: {setting} path (asked for)"
-    kind = "cpu" if device is None else torch.device(device).type  # make_model builds on the CPU
+    kind = (
+        "cpu" if device is None else torch.device(device).type
+    )  # make_model builds on the CPU
     path = "fast" if kind == "cuda" else "readable"
-    why = ("SDPA's fused kernels on CUDA" if path == "fast"
-           else f"on {kind} the readable path is as fast or faster at our sentence lengths")
+    why = (
+        "SDPA's fused kernels on CUDA"
+        if path == "fast"
+        else f"on {kind} the readable path is as fast or faster at our sentence lengths"
+    )
     return path, f"attention: {path} path (auto: {why})"
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model inside DistributedDataParallel and/or torch.compile wrappers (our addition)."""
+    """The plain model inside DistributedDataParallel and/or torch.compile wrappers (our
+    addition)."""
     model = getattr(model, "module", model)
     return getattr(model, "_orig_mod", model)
 
 
 def on_device(model: nn.Module, device) -> nn.Module:
-    """``model`` on ``device``: moved there (in place) when its parameters are elsewhere (our addition)."""
+    """``model`` on ``device``: moved there (in place) when its parameters are elsewhere
+    (our addition)."""
     device = torch.device(device)
     param = next(model.parameters(), None)
-    if param is not None and (param.device.type, param.device.index) != (device.type, device.index):
-        if not (device.index is None and param.device.type == device.type):  # "cuda" means the current GPU
+    if param is not None and (param.device.type, param.device.index) != (
+        device.type,
+        device.index,
+    ):
+        if not (
+            device.index is None and param.device.type == device.type
+        ):  # "cuda" means the current GPU
             model.to(device)
     return model
 
@@ -60,6 +76,7 @@ def on_device(model: nn.Module, device) -> nn.Module:
 # there, whether several processes train together (`torchrun` sets `WORLD_SIZE`), and a
 # way to turn Ctrl-C into "save and stop after this update".
 
+
 def resolve_device(name: str) -> torch.device:
     """``"auto"`` → CUDA when available, else CPU; anything else as given."""
     if name == "auto":
@@ -68,44 +85,64 @@ def resolve_device(name: str) -> torch.device:
 
 
 # **A precision the hardware computes fast.** bf16 autocast roughly doubles the matrix
-# throughput of a CPU with native bf16 instructions (AVX-512 BF16 or AMX) and of GPUs from
-# compute capability 8.0 (A100, H100, RTX 30xx and later); where bf16 is only *emulated* —
-# most AVX2 CPUs, and the T4 and V100 — it runs many times slower than float32. Those GPUs
-# have fast fp16 instead, whose narrow range needs a **gradient scaler**: the loss is
-# multiplied by a large factor before the backward pass so that small gradients do not
-# round to zero, the gradients are divided by it before the step, and an update whose
-# gradients overflowed is skipped while the factor shrinks. So `precision="auto"` (the
-# default) picks bf16 where it is native, fp16 with the scaler on older GPUs with fast fp16,
-# float32 elsewhere, and the run log says which and why; `fp32`, `bf16` and `fp16` override
-# it (the former `bf16` switch still works and maps onto them). The loss is summed in
-# float32 under either autocast, and masked attention scores are $-\infty$, which fp16
-# represents, so masks stay exact.
+# throughput of a CPU with native bf16 instructions (AVX-512 BF16 or AMX) and of GPUs
+# from compute capability 8.0 (A100, H100, RTX 30xx and later); where bf16 is only
+# *emulated* — most AVX2 CPUs, and the T4 and V100 — it runs many times slower than
+# float32. Those GPUs have fast fp16 instead, whose narrow range needs a **gradient
+# scaler**: the loss is multiplied by a large factor before the backward pass so that
+# small gradients do not round to zero, the gradients are divided by it before the step,
+# and an update whose gradients overflowed is skipped while the factor shrinks. So
+# `precision="auto"` (the default) picks bf16 where it is native, fp16 with the scaler
+# on older GPUs with fast fp16, float32 elsewhere, and the run log says which and why;
+# `fp32`, `bf16` and `fp16` override it (the former `bf16` switch still works and maps
+# onto them). The loss is summed in float32 under either autocast, and masked attention
+# scores are $-\infty$, which fp16 represents, so masks stay exact.
+
 
 def native_bf16(device: torch.device) -> tuple[bool, str]:
-    """Whether ``device`` computes in bf16 natively (not emulated), with the reason in words (our addition).
+    """Whether ``device`` computes in bf16 natively (not emulated), with the reason in
+    words (our addition).
 
-    A CUDA device does from compute capability 8.0 (Ampere) on. ``torch.cuda.is_bf16_supported()``
-    is not the test: by default it also counts emulation (T4, V100), and it asks about the
+    A CUDA device does from compute capability 8.0 (Ampere) on.
+    ``torch.cuda.is_bf16_supported()``
+    is not the test: by default it also counts emulation (T4, V100), and it asks about
+    the
     current device rather than the run's.
     """
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) >= (8, 0):
-            return True, f"the GPU (compute capability {major}.{minor}) computes bf16 natively"
-        return False, f"the GPU (compute capability {major}.{minor}) would only emulate bf16"
+            return (
+                True,
+                f"the GPU (compute capability {major}.{minor}) computes bf16 natively",
+            )
+        return (
+            False,
+            f"the GPU (compute capability {major}.{minor}) would only emulate bf16",
+        )
     if device.type == "cpu":
-        kernels = torch.backends.cpu.get_cpu_capability()  # the vector kernels torch runs: "AVX512", "AVX2", …
-        unit = ("AMX" if torch.cpu._is_amx_tile_supported()
-                else "AVX-512 BF16" if torch.cpu._is_avx512_bf16_supported() else None)
+        kernels = (
+            torch.backends.cpu.get_cpu_capability()
+        )  # the vector kernels torch runs: "AVX512", "AVX2", …
+        unit = (
+            "AMX"
+            if torch.cpu._is_amx_tile_supported()
+            else "AVX-512 BF16"
+            if torch.cpu._is_avx512_bf16_supported()
+            else None
+        )
         if unit and kernels.startswith("AVX512"):
             return True, f"the CPU has native bf16 ({unit})"
-        return False, (f"the CPU has no native bf16 (kernels: {kernels}), so bf16 would be emulated "
-                       "and much slower than float32")
+        return False, (
+            f"the CPU has no native bf16 (kernels: {kernels}), so bf16 would be emulated "
+            "and much slower than float32"
+        )
     return False, f"bf16 autocast is not used on {device.type}"
 
 
 def fast_fp16(device: torch.device) -> tuple[bool, str]:
-    """Whether ``device`` is a GPU where fp16 autocast pays (our addition): tensor cores (capability ≥ 7.0), or 6.0."""
+    """Whether ``device`` is a GPU where fp16 autocast pays (our addition): tensor cores
+    (capability ≥ 7.0), or 6.0."""
     if device.type != "cuda":
         return False, f"fp16 autocast is not chosen on {device.type}"
     major, minor = torch.cuda.get_device_capability(device)
@@ -115,10 +152,13 @@ def fast_fp16(device: torch.device) -> tuple[bool, str]:
 
 
 def resolve_precision(setting: str, device: torch.device) -> tuple[str, str]:
-    """Decide ``Config.precision`` for ``device`` (our addition): ("fp32" | "bf16" | "fp16", a line for the log).
+    """Decide ``Config.precision`` for ``device`` (our addition): ("fp32" | "bf16" |
+    "fp16", a line for the log).
 
-    ``auto``: bf16 where the device computes it natively, else fp16 (with a gradient scaler)
-    on GPUs where fp16 is fast, else fp32. Anything else is obeyed, with a note when slow.
+    ``auto``: bf16 where the device computes it natively, else fp16 (with a gradient
+    scaler)
+    on GPUs where fp16 is fast, else fp32. Anything else is obeyed, with a note when
+    slow.
     """
     if setting == "auto":
         bf16, why_bf16 = native_bf16(device)
@@ -126,60 +166,79 @@ def resolve_precision(setting: str, device: torch.device) -> tuple[str, str]:
             return "bf16", f"precision: bf16 autocast (auto: {why_bf16})"
         fp16, why_fp16 = fast_fp16(device)
         if fp16:
-            return "fp16", f"precision: fp16 autocast with a gradient scaler (auto: {why_bf16}; {why_fp16})"
+            return (
+                "fp16",
+                f"precision: fp16 autocast with a gradient scaler (auto: {why_bf16}; {why_fp16})",
+            )
         return "fp32", f"precision: float32 (auto: {why_bf16})"
     if setting == "bf16":
         on, why = native_bf16(device)
-        return "bf16", "precision: bf16 autocast (asked for" + ("" if on else f"; note: {why}") + ")"
+        return "bf16", "precision: bf16 autocast (asked for" + (
+            "" if on else f"; note: {why}"
+        ) + ")"
     if setting == "fp16":
         return "fp16", "precision: fp16 autocast with a gradient scaler (asked for)"
     return "fp32", "precision: float32 (asked for)"
 
 
 # **Memory that is freed and asked for again.** On a CPU, PyTorch takes each tensor's
-# memory from the C library's `malloc` and gives it back when the tensor dies. glibc (the C
-# library of most Linux systems) serves a block of more than 32 MB (and, until it adapts,
-# of more than 128 KB) with a fresh mapping from the operating system and unmaps it when it
-# is freed, so a training step that makes the same large tensors every time (the
-# (tokens × vocabulary) logits and their gradient: 77 MB in float32 for a `multi30k-small`
-# batch) pays every time for the system to hand over and zero fresh pages. A whole
-# `multi30k-small` step ran 1.22× faster in bf16 and 1.10× in float32 with the memory
-# reused (`benchmarks/profile_step.py`, run with and without the settings below). Two of glibc's settings, read from the environment when a process starts, make it
-# keep freed memory for reuse: `MALLOC_MMAP_MAX_=0` (no separate mappings) and a large
-# `MALLOC_TRIM_THRESHOLD_` (do not give the top of the heap back). The `Makefile` sets both
-# for everything it runs; a CPU run started another way says in its log when they are not
-# set. A process then keeps its largest footprint until it ends, which is what a training
-# run does anyway. Other C libraries (macOS, musl) ignore the variables.
+# memory from the C library's `malloc` and gives it back when the tensor dies. glibc
+# (the C library of most Linux systems) serves a block of more than 32 MB (and, until it
+# adapts, of more than 128 KB) with a fresh mapping from the operating system and unmaps
+# it when it is freed, so a training step that makes the same large tensors every time
+# (the (tokens × vocabulary) logits and their gradient: 77 MB in float32 for a
+# `multi30k-small` batch) pays every time for the system to hand over and zero fresh
+# pages. A whole `multi30k-small` step ran 1.22× faster in bf16 and 1.10× in float32
+# with the memory reused (`benchmarks/profile_step.py`, run with and without the
+# settings below). Two of glibc's settings, read from the environment when a process
+# starts, make it keep freed memory for reuse: `MALLOC_MMAP_MAX_=0` (no separate
+# mappings) and a large `MALLOC_TRIM_THRESHOLD_` (do not give the top of the heap back).
+# The `Makefile` sets both for everything it runs; a CPU run started another way says in
+# its log when they are not set. A process then keeps its largest footprint until it
+# ends, which is what a training run does anyway. Other C libraries (macOS, musl) ignore
+# the variables.
 
-GLIBC_MALLOC_SETTINGS = MappingProxyType({"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2 ** 34)})
+GLIBC_MALLOC_SETTINGS = MappingProxyType(
+    {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**34)}
+)
 
 
 def allocator_note(device: torch.device, environ=None) -> str:
-    """A line for the log on how freed CPU memory is reused (our addition); "" off the CPU or off glibc."""
+    """A line for the log on how freed CPU memory is reused (our addition); "" off the
+    CPU or off glibc."""
     environ = os.environ if environ is None else environ
-    if device.type != "cpu" or not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+    if (
+        device.type != "cpu"
+        or not sys.platform.startswith("linux")
+        or platform.libc_ver()[0] != "glibc"
+    ):
         return ""
     settings = " ".join(f"{k}={v}" for k, v in GLIBC_MALLOC_SETTINGS.items())
     if all(environ.get(k) == v for k, v in GLIBC_MALLOC_SETTINGS.items()):
         return f"memory: glibc keeps freed memory for reuse ({settings})"
-    return (f"memory: not {settings} (what `make` sets), so with glibc's defaults large tensors get fresh "
-            "pages every step; setting them made CPU training steps faster (README: Performance)")
+    return (
+        f"memory: not {settings} (what `make` sets), so with glibc's defaults large tensors get fresh "
+        "pages every step; setting them made CPU training steps faster (README: Performance)"
+    )
 
 
 # Several processes. The backend follows the device the run trains on — not whether CUDA
 # exists: `--device cpu` on a GPU machine is a Gloo run — and every tensor handed to a
-# collective lives on that device (NCCL takes CUDA tensors only). Each process keeps its own
-# random streams: the first process continues the stream of `seed`, the others start their
-# own (`seed_process`), so dropout differs between GPUs; a checkpoint stores each process's
-# state and a resume with as many processes restores each its own.
+# collective lives on that device (NCCL takes CUDA tensors only). Each process keeps its
+# own random streams: the first process continues the stream of `seed`, the others start
+# their own (`seed_process`), so dropout differs between GPUs; a checkpoint stores each
+# process's state and a resume with as many processes restores each its own.
+
 
 def process_group_backend(device: torch.device) -> str:
-    """The ``torch.distributed`` backend for a run on ``device`` (our addition): NCCL for CUDA, Gloo otherwise."""
+    """The ``torch.distributed`` backend for a run on ``device`` (our addition): NCCL
+    for CUDA, Gloo otherwise."""
     return "nccl" if device.type == "cuda" else "gloo"
 
 
 def _distributed(device: torch.device = torch.device("cpu")) -> tuple[int, int]:
-    """(rank, world size); starts the process group, for a run on ``device``, when launched by ``torchrun``."""
+    """(rank, world size); starts the process group, for a run on ``device``, when
+    launched by ``torchrun``."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
@@ -189,12 +248,14 @@ def _distributed(device: torch.device = torch.device("cpu")) -> tuple[int, int]:
 
 
 def _barrier(device: torch.device) -> None:
-    """Wait for every process (our addition; NCCL is told which GPU this process uses)."""
+    """Wait for every process (our addition; NCCL is told which GPU this process
+    uses)."""
     dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
 
 
 def any_process(flags: Sequence[bool], world: int, device: torch.device) -> list[bool]:
-    """Each flag, true if it is true in any process (our addition: one collective, on the training device)."""
+    """Each flag, true if it is true in any process (our addition: one collective, on
+    the training device)."""
     if world == 1:
         return [bool(f) for f in flags]
     t = torch.tensor([float(f) for f in flags], device=device)
@@ -203,41 +264,55 @@ def any_process(flags: Sequence[bool], world: int, device: torch.device) -> list
 
 
 def seed_process(seed: int, rank: int, step: int = 0) -> None:
-    """Seed this process's torch and Python streams (our addition): ``seed`` for process 0 at step 0, else distinct."""
+    """Seed this process's torch and Python streams (our addition): ``seed`` for process
+    0 at step 0, else distinct."""
     value = seed + 1_000_003 * rank + 7_919 * step
     torch.manual_seed(value)
     random.seed(value)
 
 
 def rng_state(device: torch.device) -> dict:
-    """This process's random-number state (our addition): torch's CPU stream, Python's, its own GPU's (if any)."""
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+    """This process's random-number state (our addition): torch's CPU stream, Python's,
+    its own GPU's (if any)."""
+    return {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
+    }
 
 
 def restore_rng(state: dict, device: torch.device) -> None:
-    """Put back a state of :func:`rng_state` (our addition); older checkpoints list every visible GPU's: by index."""
+    """Put back a state of :func:`rng_state` (our addition); older checkpoints list
+    every visible GPU's: by index."""
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     cuda = state.get("cuda")
     if device.type == "cuda" and cuda is not None:
         if isinstance(cuda, (list, tuple)):
-            index = device.index if device.index is not None else torch.cuda.current_device()
+            index = (
+                device.index
+                if device.index is not None
+                else torch.cuda.current_device()
+            )
             cuda = cuda[index] if index < len(cuda) else None
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, device)
 
 
 # Ctrl-C during training should not throw away the update in progress, nor leave without
-# a checkpoint. `StopRequest` turns SIGINT and SIGTERM into a flag that the loop reads after
-# each update.
+# a checkpoint. `StopRequest` turns SIGINT and SIGTERM into a flag that the loop reads
+# after each update.
+
 
 class StopRequest:
     """Turns SIGINT/SIGTERM into a request to stop after the current update.
 
-    A context manager: inside it the first signal only sets ``signum``; the training loop
-    checks :meth:`requested` after each update, saves and stops. A second signal stops at
-    once (``KeyboardInterrupt``). Handlers are installed only in the main thread, and the
+    A context manager: inside it the first signal only sets ``signum``; the training
+    loop
+    checks :meth:`requested` after each update, saves and stops. A second signal stops
+    at
+    once (``KeyboardInterrupt``). Handlers are installed only in the main thread, and
+    the
     previous ones are put back on exit.
     """
 
@@ -260,7 +335,9 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
-    def requested(self, world: int = 1, device: torch.device = torch.device("cpu")) -> bool:
-        """True once a signal arrived (in any process of a distributed run on ``device``: all stop together)."""
+    def requested(
+        self, world: int = 1, device: torch.device = torch.device("cpu")
+    ) -> bool:
+        """True once a signal arrived (in any process of a distributed run on
+        ``device``: all stop together)."""
         return any_process([self.signum is not None], world, device)[0]
-

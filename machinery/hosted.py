@@ -2,7 +2,8 @@
 
 Opened in Colab or Kaggle, the notebook has the host's own packages (torch among them,
 built for its GPU) but not all of ours. `hosted_setup_plan` decides what is missing and
-`hosted_setup` installs it, at the versions of ``requirements.txt``, with the host's torch
+`hosted_setup` installs it, at the versions of ``requirements.txt``, with the host's
+torch
 pinned as it is so that nothing replaces it. Outside a hosted notebook both do nothing.
 The tests check the decisions with the environment faked.
 """

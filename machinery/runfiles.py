@@ -35,11 +35,14 @@ if TYPE_CHECKING:
     from .data import Dataset
     from .training import Trainer
 
+
 @contextmanager
 def atomic_file(path: Path, mode: str = "wb"):
-    """Open a temporary file beside ``path`` that replaces ``path`` only if the block completes.
+    """Open a temporary file beside ``path`` that replaces ``path`` only if the block
+    completes.
 
-    Downloads, prepared data, caches, checkpoints and logs all go through this one helper, so
+    Downloads, prepared data, caches, checkpoints and logs all go through this one
+    helper, so
     an interrupted write never leaves a file that looks finished.
     """
     path = Path(path)
@@ -58,9 +61,12 @@ def atomic_file(path: Path, mode: str = "wb"):
 
 
 def sync_directory(folder: Path) -> None:
-    """Force ``folder``'s entries (a rename, a new file) to the disk — our addition; a no-op where unsupported."""
+    """Force ``folder``'s entries (a rename, a new file) to the disk — our addition; a
+    no-op where unsupported."""
     try:
-        fd = os.open(folder, os.O_RDONLY)  # Windows cannot open a directory: OSError, nothing to do
+        fd = os.open(
+            folder, os.O_RDONLY
+        )  # Windows cannot open a directory: OSError, nothing to do
         try:
             os.fsync(fd)
         finally:
@@ -80,13 +86,14 @@ def write_atomic(path: Path, data) -> None:
                 f.write(line + "\n")
 
 
-# Three small helpers for the files of A.3 and A.4: reading back a metrics log that a crash
-# may have torn, and the short forms of an error and of the free disk space that their
-# messages quote.
+# Three small helpers for the files of A.3 and A.4: reading back a metrics log that a
+# crash may have torn, and the short forms of an error and of the free disk space that
+# their messages quote.
 
 
 def metrics_lines_upto(raw: bytes, step: int) -> tuple[list[str], int, int]:
-    """(records of step ≤ ``step``, lines that are not whole records, records after ``step``) — our addition."""
+    """(records of step ≤ ``step``, lines that are not whole records, records after
+    ``step``) — our addition."""
     kept, torn, later = [], 0, 0
     for line in raw.decode("utf-8", errors="replace").split("\n"):
         if not line.strip():
@@ -106,13 +113,15 @@ def metrics_lines_upto(raw: bytes, step: int) -> tuple[list[str], int, int]:
 
 
 def first_line(e: BaseException) -> str:
-    """An exception's message, first line only (torch's can run to many lines) — our addition, for one-line errors."""
+    """An exception's message, first line only (torch's can run to many lines) — our
+    addition, for one-line errors."""
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
 
 
 def free_space(folder: Path) -> str:
-    """How much room the disk of ``folder`` has left, in words — our addition, for error messages."""
+    """How much room the disk of ``folder`` has left, in words — our addition, for error
+    messages."""
     try:
         return f"{shutil.disk_usage(folder).free / 2**20:,.0f} MiB free there"
     except OSError:
@@ -121,59 +130,75 @@ def free_space(folder: Path) -> str:
 
 # ## A.3 Checkpoint files
 #
-# A checkpoint holds the model, optimizer, scheduler and gradient-scaler states, the step and
-# the position in the epoch, every process's random-number states, the config and the
-# vocabulary. It is written to a
-# temporary file and renamed, so a crash never leaves a half-written checkpoint; the last
-# `keep_checkpoints` are kept, for averaging (§6.1 averages the last 5). Loading uses
-# `torch.load(weights_only=True)`, which never runs code from the file. Resuming restores
-# everything, so that N steps, a stop and N more steps give exactly the parameters of 2N
-# steps in one go (a test checks it).
+# A checkpoint holds the model, optimizer, scheduler and gradient-scaler states, the
+# step and the position in the epoch, every process's random-number states, the config
+# and the vocabulary. It is written to a temporary file and renamed, so a crash never
+# leaves a half-written checkpoint; the last `keep_checkpoints` are kept, for averaging
+# (§6.1 averages the last 5). Loading uses `torch.load(weights_only=True)`, which never
+# runs code from the file. Resuming restores everything, so that N steps, a stop and N
+# more steps give exactly the parameters of 2N steps in one go (a test checks it).
 #
 # A checkpoint is written at the end of every epoch and, inside long epochs, every
-# `checkpoint_minutes` (10 by default — the interval at which §6.1 says the paper wrote its
-# checkpoints). Ctrl-C (SIGINT) or SIGTERM does not kill training mid-update: the current
-# update finishes, a checkpoint is saved, and the run stops with a message saying that the
-# same command continues it (a second Ctrl-C stops at once). On resuming, the records the
-# metrics log received after the checkpoint are dropped, so no step is logged twice.
+# `checkpoint_minutes` (10 by default — the interval at which §6.1 says the paper wrote
+# its checkpoints). Ctrl-C (SIGINT) or SIGTERM does not kill training mid-update: the
+# current update finishes, a checkpoint is saved, and the run stops with a message
+# saying that the same command continues it (a second Ctrl-C stops at once). On
+# resuming, the records the metrics log received after the checkpoint are dropped, so no
+# step is logged twice.
 #
-# The file is a plain dictionary of tensors and numbers, written with `torch.save` through
-# `atomic_file` (Part 2) and checked on loading against the config, the vocabularies and
-# the BPE model it must match.
+# The file is a plain dictionary of tensors and numbers, written with `torch.save`
+# through `atomic_file` (Part 2) and checked on loading against the config, the
+# vocabularies and the BPE model it must match.
+
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be used: unreadable, truncated, or from another config or vocabulary."""
+    """A checkpoint cannot be used: unreadable, truncated, or from another config or
+    vocabulary."""
 
 
 class UnreadableCheckpoint(CheckpointError):
-    """A checkpoint file is missing, truncated or not one this program wrote (resuming falls back past it)."""
+    """A checkpoint file is missing, truncated or not one this program wrote (resuming
+    falls back past it)."""
 
 
 class RunDirectoryError(RuntimeError):
-    """The run directory cannot be used: not writable, or in use by another run (our addition)."""
+    """The run directory cannot be used: not writable, or in use by another run (our
+    addition)."""
 
 
 class TrainingInterrupted(RuntimeError):
-    """SIGINT or SIGTERM stopped training after the current update; a checkpoint was saved first."""
-
-
+    """SIGINT or SIGTERM stopped training after the current update; a checkpoint was
+    saved first."""
 
 
 @dataclass
 class Position:
-    """Where training stands: updates taken, the epoch (from 0), global batches of the epoch consumed."""
+    """Where training stands: updates taken, the epoch (from 0), global batches of the
+    epoch consumed."""
 
     step: int = 0
     epoch: int = 0
-    batch_in_epoch: int = 0  # batches of the epoch's global order consumed, by all processes together
+    batch_in_epoch: int = (
+        0  # batches of the epoch's global order consumed, by all processes together
+    )
 
 
-def save_checkpoint(path: Path, trainer: Trainer, data: Dataset, pos: Position, rng: Optional[list] = None) -> Path:
-    """Write a complete training checkpoint of ``trainer`` at ``pos`` to ``path`` atomically (our addition).
+def save_checkpoint(
+    path: Path,
+    trainer: Trainer,
+    data: Dataset,
+    pos: Position,
+    rng: Optional[list] = None,
+) -> Path:
+    """Write a complete training checkpoint of ``trainer`` at ``pos`` to ``path``
+    atomically (our addition).
 
-    With the model, optimizer, schedule and gradient-scaler states, the config, and ``data``'s
-    vocabularies and BPE model (if any). ``pos.batch_in_epoch`` counts global batches, and the
-    checkpoint records for which processes and batch settings; ``rng`` holds each process's
+    With the model, optimizer, schedule and gradient-scaler states, the config, and
+    ``data``'s
+    vocabularies and BPE model (if any). ``pos.batch_in_epoch`` counts global batches,
+    and the
+    checkpoint records for which processes and batch settings; ``rng`` holds each
+    process's
     random-number state, in rank order (default: this process's alone).
     """
     cfg = trainer.cfg
@@ -187,50 +212,96 @@ def save_checkpoint(path: Path, trainer: Trainer, data: Dataset, pos: Position, 
         "step": pos.step,
         "epoch": pos.epoch,
         "batch_in_epoch": pos.batch_in_epoch,
-        "layout": {"world_size": len(rng), "accum_steps": cfg.accum_steps, "batch_tokens": cfg.batch_tokens},
-        "rng": {**rng[0], "ranks": rng},  # the first process's streams at the top, as older checkpoints had them
+        "layout": {
+            "world_size": len(rng),
+            "accum_steps": cfg.accum_steps,
+            "batch_tokens": cfg.batch_tokens,
+        },
+        "rng": {
+            **rng[0],
+            "ranks": rng,
+        },  # the first process's streams at the top, as older checkpoints had them
         "config": dataclasses.asdict(cfg),
         "vocab": {"src": data.src_vocab.itos, "tgt": data.tgt_vocab.itos},
         # the BPE model's bytes, as a tensor so that weights_only loading accepts it
-        "subwords": torch.frombuffer(bytearray(data.subwords.model_proto), dtype=torch.uint8) if data.subwords else None,
+        "subwords": torch.frombuffer(
+            bytearray(data.subwords.model_proto), dtype=torch.uint8
+        )
+        if data.subwords
+        else None,
     }
     with atomic_file(path) as f:
         torch.save(state, f)
     return Path(path)
 
 
-# `load_checkpoint` never runs code from the file, and refuses a checkpoint that does not fit: another model, vocabulary or BPE model.
+# `load_checkpoint` never runs code from the file, and refuses a checkpoint that does
+# not fit: another model, vocabulary or BPE model.
 
-def load_checkpoint(path: Path, cfg: Optional[Config] = None, src_vocab: Optional[Vocab] = None,
-                    tgt_vocab: Optional[Vocab] = None, subwords: Optional[Subwords] = None) -> dict:
-    """Read a checkpoint safely (``weights_only=True``) and check it fits ``cfg``, the vocabularies and BPE model."""
+
+def load_checkpoint(
+    path: Path,
+    cfg: Optional[Config] = None,
+    src_vocab: Optional[Vocab] = None,
+    tgt_vocab: Optional[Vocab] = None,
+    subwords: Optional[Subwords] = None,
+) -> dict:
+    """Read a checkpoint safely (``weights_only=True``) and check it fits ``cfg``, the
+    vocabularies and BPE model."""
     if not Path(path).is_file():
-        where = "is a directory (give a run directory as --run_dir)" if Path(path).is_dir() else "does not exist"
+        where = (
+            "is a directory (give a run directory as --run_dir)"
+            if Path(path).is_dir()
+            else "does not exist"
+        )
         raise UnreadableCheckpoint(f"checkpoint {path} {where}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated or foreign files
-        raise UnreadableCheckpoint(f"cannot read checkpoint {path}: it is truncated or not a checkpoint "
-                                   f"({first_line(e)})") from e
+        raise UnreadableCheckpoint(
+            f"cannot read checkpoint {path}: it is truncated or not a checkpoint "
+            f"({first_line(e)})"
+        ) from e
     if not isinstance(state, dict) or state.get("format") != 1:
-        raise UnreadableCheckpoint(f"{path} is not a checkpoint written by this program")
-    missing = [k for k in ("model", "config", "vocab") if not isinstance(state.get(k), dict)]
+        raise UnreadableCheckpoint(
+            f"{path} is not a checkpoint written by this program"
+        )
+    missing = [
+        k for k in ("model", "config", "vocab") if not isinstance(state.get(k), dict)
+    ]
     if missing:
-        raise UnreadableCheckpoint(f"{path} is damaged or hand-made: it lacks {', '.join(missing)}")
+        raise UnreadableCheckpoint(
+            f"{path} is damaged or hand-made: it lacks {', '.join(missing)}"
+        )
     if cfg is not None:
-        saved = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | state["config"]  # older: defaults
+        saved = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | state[
+            "config"
+        ]  # older: defaults
         now = {k: getattr(cfg, k) for k in weight_fields()}
-        saved["N_dec"], now["N_dec"] = saved["N_dec"] or saved["N"], cfg.decoder_layers  # 0 and N: one depth
-        diff = [f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}" for k in weight_fields() if saved[k] != now[k]]
+        saved["N_dec"], now["N_dec"] = (
+            saved["N_dec"] or saved["N"],
+            cfg.decoder_layers,
+        )  # 0 and N: one depth
+        diff = [
+            f"{k}: checkpoint {saved[k]!r} vs now {now[k]!r}"
+            for k in weight_fields()
+            if saved[k] != now[k]
+        ]
         if diff:
-            raise CheckpointError(f"{path} was written for another model config ({'; '.join(diff)})")
+            raise CheckpointError(
+                f"{path} was written for another model config ({'; '.join(diff)})"
+            )
     for side, vocab in (("src", src_vocab), ("tgt", tgt_vocab)):
         if vocab is not None and state["vocab"][side] != vocab.itos:
-            raise CheckpointError(f"{path} was written with another {side} vocabulary "
-                                  f"({len(state['vocab'][side]):,} tokens vs {len(vocab):,} now)")
+            raise CheckpointError(
+                f"{path} was written with another {side} vocabulary "
+                f"({len(state['vocab'][side]):,} tokens vs {len(vocab):,} now)"
+            )
     if subwords is not None and checkpoint_subwords(state) != subwords:
-        raise CheckpointError(f"{path} was written with another BPE model than the one in use now "
-                              "(the training data or bpe_size differ); use the data and settings it was trained with")
+        raise CheckpointError(
+            f"{path} was written with another BPE model than the one in use now "
+            "(the training data or bpe_size differ); use the data and settings it was trained with"
+        )
     return state
 
 
@@ -240,17 +311,24 @@ def checkpoint_subwords(state: dict) -> Optional[Subwords]:
     return notebook().Subwords(blob.numpy().tobytes()) if blob is not None else None
 
 
-# Listing and averaging checkpoints (§6.1 averages the last 5 for base models, the last 20
-# for big ones), and the small helpers that reach the plain model or the BPE model inside.
+# Listing and averaging checkpoints (§6.1 averages the last 5 for base models, the last
+# 20 for big ones), and the small helpers that reach the plain model or the BPE model
+# inside.
+
 
 def checkpoint_paths(run_dir: Path) -> list[Path]:
-    """The checkpoints this program wrote in ``run_dir`` (``checkpoint-<step>.pt``), oldest first.
+    """The checkpoints this program wrote in ``run_dir`` (``checkpoint-<step>.pt``),
+    oldest first.
 
-    Other files that merely look similar (a hand-made ``checkpoint-best.pt``) are not counted,
+    Other files that merely look similar (a hand-made ``checkpoint-best.pt``) are not
+    counted,
     so they are never resumed from, averaged or deleted by the rotation.
     """
-    found = [(int(m.group(1)), p) for p in Path(run_dir).glob("checkpoint-*.pt")
-             if (m := re.fullmatch(r"checkpoint-(\d{8,})\.pt", p.name))]
+    found = [
+        (int(m.group(1)), p)
+        for p in Path(run_dir).glob("checkpoint-*.pt")
+        if (m := re.fullmatch(r"checkpoint-(\d{8,})\.pt", p.name))
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -263,96 +341,130 @@ def average_checkpoints(paths: Sequence[Path]) -> dict:
         state = load_checkpoint(p)
         model_state = state["model"]
         if avg is None:
-            avg = {k: v.double().clone() if v.is_floating_point() else v.clone() for k, v in model_state.items()}
+            avg = {
+                k: v.double().clone() if v.is_floating_point() else v.clone()
+                for k, v in model_state.items()
+            }
             vocab = state["vocab"]
         else:
-            if (model_state.keys() != avg.keys() or any(v.shape != avg[k].shape for k, v in model_state.items())
-                    or state["vocab"] != vocab):
-                raise CheckpointError(f"{p} holds a different model or vocabulary than {paths[0]}, so the two "
-                                      "cannot be averaged; use one checkpoint (--checkpoint, or --average_last 1)")
+            if (
+                model_state.keys() != avg.keys()
+                or any(v.shape != avg[k].shape for k, v in model_state.items())
+                or state["vocab"] != vocab
+            ):
+                raise CheckpointError(
+                    f"{p} holds a different model or vocabulary than {paths[0]}, so the two "
+                    "cannot be averaged; use one checkpoint (--checkpoint, or --average_last 1)"
+                )
             for k, v in model_state.items():
                 if v.is_floating_point():
                     avg[k] += v.double()
-    return {k: (v / len(paths)).float() if v.is_floating_point() else v for k, v in avg.items()}
+    return {
+        k: (v / len(paths)).float() if v.is_floating_point() else v
+        for k, v in avg.items()
+    }
 
 
 # ## A.4 Running a training job
 #
-# Part 2's `update` is the core. Around it a run needs: epochs of length-batched updates,
-# optional gradient clipping, the precision of A.2, `torch.compile` (an option;
+# Part 2's `update` is the core. Around it a run needs: epochs of length-batched
+# updates, optional gradient clipping, the precision of A.2, `torch.compile` (an option;
 # compiling is slow on a CPU, so the tests leave it out), several processes through
-# `torchrun` with `DistributedDataParallel` (NCCL on GPUs, Gloo on CPUs), `tqdm` progress
-# bars with loss, learning rate and tokens per second, a validation loss every epoch, a
-# JSONL metrics log, a training-curve figure, checkpoints (A.3), resuming, and at the end
-# the test set translated and scored with Part 3's decoding.
+# `torchrun` with `DistributedDataParallel` (NCCL on GPUs, Gloo on CPUs), `tqdm`
+# progress bars with loss, learning rate and tokens per second, a validation loss every
+# epoch, a JSONL metrics log, a training-curve figure, checkpoints (A.3), resuming, and
+# at the end the test set translated and scored with Part 3's decoding.
 
 # ### Checkpoint and metrics bookkeeping; resuming
 #
 # `RunFiles` is the run directory: it writes checkpoints (keeping the last
 # `keep_checkpoints`) and appends records to the metrics log; only the main process
 # writes. `Position` is where training stands — updates taken (the paper's $step\_num$),
-# the epoch, and how many batches of the epoch's *global* order (the order of one process,
-# `length_batches` without `rank`) all processes together have consumed. Counted that way,
-# the position means the same whatever the number of processes or `accum_steps`, so a run
-# stopped on 4 GPUs continues on 1 with exactly the batches not yet seen (and the other way
-# round); the checkpoint also records the layout it was computed with. `epoch_updates`
-# deals out the rest of an epoch: the batches not consumed yet, cut to a multiple of the
-# number of processes, process $r$ of $W$ taking every $W$-th from the $r$-th on, grouped
-# `accum_steps` at a time.
+# the epoch, and how many batches of the epoch's *global* order (the order of one
+# process, `length_batches` without `rank`) all processes together have consumed.
+# Counted that way, the position means the same whatever the number of processes or
+# `accum_steps`, so a run stopped on 4 GPUs continues on 1 with exactly the batches not
+# yet seen (and the other way round); the checkpoint also records the layout it was
+# computed with. `epoch_updates` deals out the rest of an epoch: the batches not
+# consumed yet, cut to a multiple of the number of processes, process $r$ of $W$ taking
+# every $W$-th from the $r$-th on, grouped `accum_steps` at a time.
 #
-# Faults are expected, not exceptional (our addition; the paper says nothing of them). The
-# run directory is locked (an operating-system lock, gone when the process dies) so that a
-# second run there stops at once instead of writing every record twice. Metrics records
-# are flushed to the disk as they are written. On resuming, a torn last record (a full disk,
-# a killed process) is dropped with a warning, and an unreadable newest checkpoint (a power
-# loss) is set aside with a warning in favour of the newest readable one; the metrics log is
-# then cut back to that checkpoint, so no step is logged twice.
+# Faults are expected, not exceptional (our addition; the paper says nothing of them).
+# The run directory is locked (an operating-system lock, gone when the process dies) so
+# that a second run there stops at once instead of writing every record twice. Metrics
+# records are flushed to the disk as they are written. On resuming, a torn last record
+# (a full disk, a killed process) is dropped with a warning, and an unreadable newest
+# checkpoint (a power loss) is set aside with a warning in favour of the newest readable
+# one; the metrics log is then cut back to that checkpoint, so no step is logged twice.
 
-def epoch_updates(batches: Sequence, start: int, rank: int, world: int, accum: int) -> tuple[list, list, int]:
-    """This process's updates for the global ``batches`` from ``start`` on (our addition).
 
-    Returns (updates, consumed after each update, where the epoch ends): update k of every
-    process together takes global batches ``[start + k·accum·world, …)``; the tail that does
+def epoch_updates(
+    batches: Sequence, start: int, rank: int, world: int, accum: int
+) -> tuple[list, list, int]:
+    """This process's updates for the global ``batches`` from ``start`` on (our
+    addition).
+
+    Returns (updates, consumed after each update, where the epoch ends): update k of
+    every
+    process together takes global batches ``[start + k·accum·world, …)``; the tail that
+    does
     not divide among the processes is left out, as a distributed epoch leaves it out.
     """
     rest = batches[start:]
     usable = len(rest) - len(rest) % world
     mine = list(rest[:usable])[rank::world]
-    updates = [mine[i: i + accum] for i in range(0, len(mine), accum)]
-    consumed = [start + min((k + 1) * accum * world, usable) for k in range(len(updates))]
+    updates = [mine[i : i + accum] for i in range(0, len(mine), accum)]
+    consumed = [
+        start + min((k + 1) * accum * world, usable) for k in range(len(updates))
+    ]
     return updates, consumed, start + usable
 
 
 def resume_position(state: dict, cfg: Config, path) -> tuple[Position, dict]:
-    """A checkpoint's position in global batches and the layout it was computed with (our addition).
+    """A checkpoint's position in global batches and the layout it was computed with
+    (our addition).
 
     Refuses, in one line, a position inside an epoch whose batches were cut for another
-    ``batch_tokens`` (the batches not yet seen are not defined then); at an epoch boundary any
+    ``batch_tokens`` (the batches not yet seen are not defined then); at an epoch
+    boundary any
     setting may change.
     """
     pos = Position(state["step"], state["epoch"], state["batch_in_epoch"])
     layout = state.get("layout")
-    if layout is None:  # older checkpoints counted one process's updates and did not record the layout
+    if (
+        layout is None
+    ):  # older checkpoints counted one process's updates and did not record the layout
         saved = state["config"]
-        layout = {"world_size": 1, "accum_steps": saved.get("accum_steps", 1),
-                  "batch_tokens": saved.get("batch_tokens")}
+        layout = {
+            "world_size": 1,
+            "accum_steps": saved.get("accum_steps", 1),
+            "batch_tokens": saved.get("batch_tokens"),
+        }
         pos.batch_in_epoch *= layout["accum_steps"]
     if pos.batch_in_epoch and layout["batch_tokens"] != cfg.batch_tokens:
-        raise CheckpointError(f"{path} stopped inside epoch {pos.epoch + 1}, whose batches were cut for "
-                              f"batch_tokens={layout['batch_tokens']}; resume with --batch_tokens "
-                              f"{layout['batch_tokens']} (it may change once an epoch is complete)")
+        raise CheckpointError(
+            f"{path} stopped inside epoch {pos.epoch + 1}, whose batches were cut for "
+            f"batch_tokens={layout['batch_tokens']}; resume with --batch_tokens "
+            f"{layout['batch_tokens']} (it may change once an epoch is complete)"
+        )
     return pos, layout
 
 
-# The lock `RunFiles` takes on its directory: `flock`, which the operating system releases
-# when the process ends, however it ends — so a killed run never leaves a stale lock behind.
+# The lock `RunFiles` takes on its directory: `flock`, which the operating system
+# releases when the process ends, however it ends — so a killed run never leaves a stale
+# lock behind.
+
 
 def lock_run_dir(run_dir: Path):
-    """Hold an exclusive lock on ``run_dir/run.lock`` — our addition: one run per run directory.
+    """Hold an exclusive lock on ``run_dir/run.lock`` — our addition: one run per run
+    directory.
 
-    Returns the open lock file (the lock lasts while it is open; the operating system drops it
-    when the process ends, however it ends), or None where there is no ``flock`` or when this
-    same process already holds it. Raises :class:`RunDirectoryError` naming the process that holds it.
+    Returns the open lock file (the lock lasts while it is open; the operating system
+    drops it
+    when the process ends, however it ends), or None where there is no ``flock`` or when
+    this
+    same process already holds it. Raises :class:`RunDirectoryError` naming the process
+    that holds it.
     """
     try:
         import fcntl
@@ -367,10 +479,12 @@ def lock_run_dir(run_dir: Path):
         f.close()
         if pid == str(os.getpid()):
             return None  # an earlier run of this process, not yet collected
-        raise RunDirectoryError(f"run directory {run_dir} is in use by process {pid or '(unknown)'}"
-                                + (f" ({command})" if command else "")
-                                + "; two runs in one directory would mix their checkpoints and metrics. "
-                                "Wait for it to end, or give another --run_dir") from None
+        raise RunDirectoryError(
+            f"run directory {run_dir} is in use by process {pid or '(unknown)'}"
+            + (f" ({command})" if command else "")
+            + "; two runs in one directory would mix their checkpoints and metrics. "
+            "Wait for it to end, or give another --run_dir"
+        ) from None
     f.seek(0)
     f.truncate()
     f.write(f"{os.getpid()} {' '.join(sys.argv)[:300]}\n")
@@ -379,31 +493,45 @@ def lock_run_dir(run_dir: Path):
 
 
 def open_run_dir(run_dir: Path):
-    """Create and lock ``run_dir`` (:func:`lock_run_dir`); remove temporary files a killed run left — our addition."""
+    """Create and lock ``run_dir`` (:func:`lock_run_dir`); remove temporary files a
+    killed run left — our addition."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirectoryError(f"run directory {run_dir} is a file, not a directory")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = lock_run_dir(run_dir)
     except OSError as e:
-        raise RunDirectoryError(f"cannot write in run directory {run_dir}: {e.strerror or e}") from None
-    for tmp in [*run_dir.glob(".checkpoint-*.part"), *run_dir.glob(".metrics.jsonl.*.part")]:
-        tmp.unlink(missing_ok=True)  # the lock says that no running process is writing them
+        raise RunDirectoryError(
+            f"cannot write in run directory {run_dir}: {e.strerror or e}"
+        ) from None
+    for tmp in [
+        *run_dir.glob(".checkpoint-*.part"),
+        *run_dir.glob(".metrics.jsonl.*.part"),
+    ]:
+        tmp.unlink(
+            missing_ok=True
+        )  # the lock says that no running process is writing them
     return lock
 
 
-# The run directory. A checkpoint is written by the first process alone, but every process
-# takes part in `save`: each hands over its random-number state, so that a resume on as many
-# processes restores each process's own streams.
+# The run directory. A checkpoint is written by the first process alone, but every
+# process takes part in `save`: each hands over its random-number state, so that a
+# resume on as many processes restores each process's own streams.
+
 
 class RunFiles:
-    """A run directory's checkpoints (the last ``keep`` kept) and JSONL metrics log; writes only if ``write``."""
+    """A run directory's checkpoints (the last ``keep`` kept) and JSONL metrics log;
+    writes only if ``write``."""
 
     def __init__(self, run_dir: Path, keep: int, write: bool):
         self.dir, self.keep, self.write = Path(run_dir), keep, write
         self.metrics = self.dir / "metrics.jsonl"
-        self.saved_at = time.time()  # when a checkpoint was last written (for checkpoint_minutes)
-        self.lock = open_run_dir(self.dir) if write else None  # open while this process holds the directory
+        self.saved_at = (
+            time.time()
+        )  # when a checkpoint was last written (for checkpoint_minutes)
+        self.lock = (
+            open_run_dir(self.dir) if write else None
+        )  # open while this process holds the directory
 
     def log(self, record: dict) -> None:
         """Append one record to the metrics log, on the disk before it returns."""
@@ -413,10 +541,14 @@ class RunFiles:
                 f.flush()
                 os.fsync(f.fileno())
 
-    def save(self, trainer: Trainer, data: Dataset, pos: Position, rank: int = 0) -> Optional[Path]:
-        """Write a checkpoint of ``trainer`` at ``pos``; once it is on the disk, delete the oldest beyond ``keep``.
+    def save(
+        self, trainer: Trainer, data: Dataset, pos: Position, rank: int = 0
+    ) -> Optional[Path]:
+        """Write a checkpoint of ``trainer`` at ``pos``; once it is on the disk, delete
+        the oldest beyond ``keep``.
 
-        Every process calls it: each hands its random-number state to the first, which writes.
+        Every process calls it: each hands its random-number state to the first, which
+        writes.
         """
         self.saved_at = time.time()
         rng = [rng_state(trainer.device)]
@@ -429,23 +561,32 @@ class RunFiles:
         path = self.dir / f"checkpoint-{pos.step:08d}.pt"
         try:
             save_checkpoint(path, trainer, data, pos, rng)
-        except (OSError, RuntimeError) as e:  # torch reports a full disk as a RuntimeError
-            raise CheckpointError(f"cannot write checkpoint {path} ({first_line(e)}; {free_space(self.dir)}); "
-                                  "the checkpoints already in the run directory are intact") from e
+        except (
+            OSError,
+            RuntimeError,
+        ) as e:  # torch reports a full disk as a RuntimeError
+            raise CheckpointError(
+                f"cannot write checkpoint {path} ({first_line(e)}; {free_space(self.dir)}); "
+                "the checkpoints already in the run directory are intact"
+            ) from e
         for old in checkpoint_paths(self.dir)[: -self.keep]:
             old.unlink()
         return path
 
     def repair_metrics(self, step: int) -> None:
-        """Make the metrics log agree with a run resumed at ``step`` — our addition: lines that are not whole
-        records (torn by a crash or a full disk) are dropped with a warning, and records after ``step``."""
+        """Make the metrics log agree with a run resumed at ``step`` — our addition:
+        lines that are not whole
+        records (torn by a crash or a full disk) are dropped with a warning, and records
+        after ``step``."""
         if not (self.write and self.metrics.is_file()):
             return
         raw = self.metrics.read_bytes()
         kept, torn, later = metrics_lines_upto(raw, step)
         if torn:
-            print(f"warning: {self.metrics}: dropped {torn} unreadable line(s), cut short by a crash or a full "
-                  "disk", file=sys.stderr)
+            print(
+                f"warning: {self.metrics}: dropped {torn} unreadable line(s), cut short by a crash or a full "
+                "disk",
+                file=sys.stderr,
+            )
         if torn or later or not raw.endswith(b"\n"):
             write_atomic(self.metrics, kept)
-

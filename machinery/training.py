@@ -92,10 +92,10 @@ class Trainer:
 # update — counted over every micro-batch and, in a distributed run, every process (the
 # `all_reduce`) — and multiplied by the number of processes, because DDP *averages*
 # gradients over processes. So the gradient is the one of the mean loss per target token
-# of the whole update, however it is split (a test checks it). Loss and token counts stay
-# on the device until one transfer at the end of the update, and in a distributed run the
-# loss is summed over the processes first, so a NaN in any of them stops all of them
-# together, before the step.
+# of the whole update, however it is split (a test checks it). Loss and token counts
+# stay on the device until one transfer at the end of the update, and in a distributed
+# run the loss is summed over the processes first, so a NaN in any of them stops all of
+# them together, before the step.
 
 
 def update(trainer: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]:
@@ -118,7 +118,9 @@ def update(trainer: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]
         several = trainer.world > 1 and not last
         no_sync = trainer.train_model.no_sync() if several else nullcontext()
         with no_sync, trainer.autocast():
-            loss = nb.batch_loss(trainer.model, b, trainer.cfg.eps_ls, trainer.train_model)
+            loss = nb.batch_loss(
+                trainer.model, b, trainer.cfg.eps_ls, trainer.train_model
+            )
         trainer.scaler.scale(loss * trainer.world / ntokens).backward()
         total += loss.detach()
     if trainer.world > 1:
@@ -134,7 +136,9 @@ def update(trainer: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]
     trainer.scaler.update()
     # after a skipped fp16 step torch warns of a schedule stepped first; by design
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+        warnings.filterwarnings(
+            "ignore", "Detected call of `lr_scheduler.step", UserWarning
+        )
         trainer.scheduler.step()
     trainer.optimizer.zero_grad(set_to_none=True)
     return total, round(tokens), lr
@@ -145,17 +149,19 @@ def update(trainer: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]
 # `update` is the core. Around it a run needs: epochs of length-batched updates,
 # optional gradient clipping, the precision of A.2, `torch.compile` (an option;
 # compiling is slow on a CPU, so the tests leave it out), several processes through
-# `torchrun` with `DistributedDataParallel` (NCCL on GPUs, Gloo on CPUs), `tqdm` progress
-# bars with loss, learning rate and tokens per second, a validation loss every epoch, a
-# JSONL metrics log, a training-curve figure, checkpoints (A.3), resuming, and at the end
-# the test set translated and scored with Part 3's decoding.
+# `torchrun` with `DistributedDataParallel` (NCCL on GPUs, Gloo on CPUs), `tqdm`
+# progress bars with loss, learning rate and tokens per second, a validation loss every
+# epoch, a JSONL metrics log, a training-curve figure, checkpoints (A.3), resuming, and
+# at the end the test set translated and scored with Part 3's decoding.
 
 # A run is a `Trainer` (what `update` needs, Part 2) together with what the machinery
 # around it needs: the data, this process's rank, the run directory and the log.
 
+
 @dataclass(frozen=True)
 class Run(Trainer):
-    """The objects of one training run, handed explicitly from step to step (our addition)."""
+    """The objects of one training run, handed explicitly from step to step (our
+    addition)."""
 
     data: Dataset
     rank: int  # this process's place among the `world` (0 writes the files)
@@ -165,13 +171,24 @@ class Run(Trainer):
 
 # Resuming: the newest checkpoint that can be read, with everything it recorded.
 
-def newest_readable_checkpoint(run_dir: Path, cfg: Config, src_vocab: Vocab, tgt_vocab: Vocab,
-                               subwords: Optional[Subwords], tidy: bool) -> Optional[tuple[Path, dict]]:
-    """(path, state) of the newest checkpoint of ``run_dir`` that can be read; None if there is none — our addition.
 
-    Newer ones that cannot be read (truncated by a power loss) are skipped with a warning and,
-    if ``tidy`` (the process that writes), renamed to ``*.unreadable`` so that the rotation
-    never keeps them in place of good ones. A checkpoint that reads but does not fit ``cfg``
+def newest_readable_checkpoint(
+    run_dir: Path,
+    cfg: Config,
+    src_vocab: Vocab,
+    tgt_vocab: Vocab,
+    subwords: Optional[Subwords],
+    tidy: bool,
+) -> Optional[tuple[Path, dict]]:
+    """(path, state) of the newest checkpoint of ``run_dir`` that can be read; None if
+    there is none — our addition.
+
+    Newer ones that cannot be read (truncated by a power loss) are skipped with a
+    warning and,
+    if ``tidy`` (the process that writes), renamed to ``*.unreadable`` so that the
+    rotation
+    never keeps them in place of good ones. A checkpoint that reads but does not fit
+    ``cfg``
     or the vocabularies is an error, as is a directory where none can be read.
     """
     paths = checkpoint_paths(run_dir)
@@ -182,15 +199,20 @@ def newest_readable_checkpoint(run_dir: Path, cfg: Config, src_vocab: Vocab, tgt
         except UnreadableCheckpoint as e:
             bad.append(path)
             if tidy:
-                print(f"warning: {e}; falling back to the checkpoint before it", file=sys.stderr)
+                print(
+                    f"warning: {e}; falling back to the checkpoint before it",
+                    file=sys.stderr,
+                )
             continue
         if tidy:
             for b in bad:
                 os.replace(b, b.with_name(b.name + ".unreadable"))
         return path, state
     if bad:
-        raise CheckpointError(f"none of the {len(bad)} checkpoint(s) in {run_dir} can be read; move them "
-                              "away to start the run over")
+        raise CheckpointError(
+            f"none of the {len(bad)} checkpoint(s) in {run_dir} can be read; move them "
+            "away to start the run over"
+        )
     return None
 
 
@@ -198,21 +220,31 @@ def newest_readable_checkpoint(run_dir: Path, cfg: Config, src_vocab: Vocab, tgt
 # broadcast), so that processes on machines without a shared disk start where it does —
 # after DDP's own first broadcast of the weights, which saw only the fresh model. The
 # position is checked against the settings now in force (`resume_position`, above):
-# another number of processes or `accum_steps` continues the same global order of batches;
-# another `batch_tokens` inside an epoch cannot, and is refused in one line.
+# another number of processes or `accum_steps` continues the same global order of
+# batches; another `batch_tokens` inside an epoch cannot, and is refused in one line.
+
 
 def resume(run: Run) -> Position:
-    """Restore the newest checkpoint of the run directory (model, optimizer, schedule, scaler, RNGs), if any.
+    """Restore the newest checkpoint of the run directory (model, optimizer, schedule,
+    scaler, RNGs), if any.
 
-    The first process reads it and hands it to the others, so machines without a shared disk
-    resume in step. Metrics logged after that checkpoint are dropped, so the resumed run logs
+    The first process reads it and hands it to the others, so machines without a shared
+    disk
+    resume in step. Metrics logged after that checkpoint are dropped, so the resumed run
+    logs
     no step twice.
     """
     state, path, error = None, None, None
     if run.rank == 0:
         try:
-            found = newest_readable_checkpoint(run.files.dir, run.cfg, run.data.src_vocab, run.data.tgt_vocab,
-                                               run.data.subwords, tidy=run.files.write)
+            found = newest_readable_checkpoint(
+                run.files.dir,
+                run.cfg,
+                run.data.src_vocab,
+                run.data.tgt_vocab,
+                run.data.subwords,
+                tidy=run.files.write,
+            )
         except CheckpointError as e:
             found, error = None, e
         if found is not None:
@@ -232,18 +264,28 @@ def resume(run: Run) -> Position:
     run.scheduler.load_state_dict(state["scheduler"])
     if state.get("scaler"):
         run.scaler.load_state_dict(state["scaler"])
-    now = {"world_size": run.world, "accum_steps": run.cfg.accum_steps, "batch_tokens": run.cfg.batch_tokens}
+    now = {
+        "world_size": run.world,
+        "accum_steps": run.cfg.accum_steps,
+        "batch_tokens": run.cfg.batch_tokens,
+    }
     ranks = state["rng"].get("ranks")
     if ranks is not None and len(ranks) == run.world:
         restore_rng(ranks[run.rank], run.device)
     elif ranks is None and run.world == 1:
-        restore_rng(state["rng"], run.device)  # an older checkpoint: one process's streams
+        restore_rng(
+            state["rng"], run.device
+        )  # an older checkpoint: one process's streams
     else:
         seed_process(run.cfg.seed, run.rank, pos.step)
-        run.log(f"the checkpoint holds the random streams of {len(ranks or [0])} process(es); "
-                f"{run.world} continue with fresh streams of their own")
-    run.log(f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, {pos.batch_in_epoch} of its batches done)"
-            + ("" if layout == now else f"; written with {layout}, continuing with {now}"))
+        run.log(
+            f"the checkpoint holds the random streams of {len(ranks or [0])} process(es); "
+            f"{run.world} continue with fresh streams of their own"
+        )
+    run.log(
+        f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, {pos.batch_in_epoch} of its batches done)"
+        + ("" if layout == now else f"; written with {layout}, continuing with {now}")
+    )
     run.files.repair_metrics(pos.step)
     return pos
 
@@ -252,6 +294,7 @@ def resume(run: Run) -> Position:
 #
 # After every epoch: the mean cross-entropy per target token on the validation split,
 # without label smoothing, so that $e^{\text{loss}}$ is the perplexity.
+
 
 @torch.no_grad()
 def evaluate_loss(model: nn.Module, pairs: Sequence, cfg: Config, device) -> float:
@@ -270,11 +313,12 @@ def evaluate_loss(model: nn.Module, pairs: Sequence, cfg: Config, device) -> flo
 
 # ### How long, and is the run sized for this data?
 #
-# Before long work a run says what it will do: how many updates, and — after its first few
-# updates, timed on this machine — roughly how many minutes of training that is. A preset is
-# sized for a data set and a device (`iwslt14-small` for the full IWSLT14 set on a GPU), so a
-# run also says, in one line, when its model is far larger than its training data, or when it
-# will take hours on this device, and then goes on: the choice stays the user's.
+# Before long work a run says what it will do: how many updates, and — after its first
+# few updates, timed on this machine — roughly how many minutes of training that is. A
+# preset is sized for a data set and a device (`iwslt14-small` for the full IWSLT14 set
+# on a GPU), so a run also says, in one line, when its model is far larger than its
+# training data, or when it will take hours on this device, and then goes on: the choice
+# stays the user's.
 
 OVERSIZED = 50  # parameters per training target token above which a model is "sized for more data"
 LONG_MINUTES = 120  # an estimate above this on a CPU is said out loud
@@ -282,7 +326,8 @@ LONG_MINUTES = 120  # an estimate above this on a CPU is said out loud
 
 @dataclass
 class UpdateClock:
-    """Times updates ``skip+1 … skip+count`` of this process's run and logs one estimate for the rest."""
+    """Times updates ``skip+1 … skip+count`` of this process's run and logs one estimate
+    for the rest."""
 
     remaining: int  # updates this run will take from where it starts
     device: torch.device
@@ -301,11 +346,15 @@ class UpdateClock:
         elif self.seen == self.skip + self.count:
             per_update = (time.time() - self.t0) / self.count
             self.minutes = per_update * (self.remaining - self.seen) / 60
-            self.log(f"estimate: {per_update:.2f} s per update measured here → about {self.minutes:.0f} min for the "
-                     f"remaining {self.remaining - self.seen:,} updates (validation and test decoding come on top)")
+            self.log(
+                f"estimate: {per_update:.2f} s per update measured here → about {self.minutes:.0f} min for the "
+                f"remaining {self.remaining - self.seen:,} updates (validation and test decoding come on top)"
+            )
             if self.device.type == "cpu" and self.minutes > LONG_MINUTES:
-                self.log(f"note: about {self.minutes / 60:.1f} h on this CPU — this preset is sized for a GPU; "
-                         "--epochs or --max_steps shortens it, or see the CPU presets in the README")
+                self.log(
+                    f"note: about {self.minutes / 60:.1f} h on this CPU — this preset is sized for a GPU; "
+                    "--epochs or --max_steps shortens it, or see the CPU presets in the README"
+                )
 
 
 def planned_updates(cfg: Config, data: Dataset, world: int) -> tuple[int, int, list]:
@@ -313,25 +362,40 @@ def planned_updates(cfg: Config, data: Dataset, world: int) -> tuple[int, int, l
     updates per epoch, (source, target) lengths of the first epoch's pairs)."""
     nb = notebook()
     lengths = [(len(s), len(t)) for s, t in data.splits["train"]]
-    batches = len(nb.length_batches(lengths, cfg.batch_tokens, cfg.seed, 0, rank=0, world_size=world))
+    batches = len(
+        nb.length_batches(
+            lengths, cfg.batch_tokens, cfg.seed, 0, rank=0, world_size=world
+        )
+    )
     per_epoch = math.ceil(batches / cfg.accum_steps)
-    total = per_epoch * cfg.epochs if not cfg.max_steps else min(per_epoch * cfg.epochs, cfg.max_steps)
+    total = (
+        per_epoch * cfg.epochs
+        if not cfg.max_steps
+        else min(per_epoch * cfg.epochs, cfg.max_steps)
+    )
     return total, per_epoch, lengths
 
 
-def plan_run(cfg: Config, data: Dataset, world: int, step: int, model: nn.Module) -> tuple[int, list[str]]:
-    """(updates left to take, lines for the log): the run's length and whether the model suits the data."""
+def plan_run(
+    cfg: Config, data: Dataset, world: int, step: int, model: nn.Module
+) -> tuple[int, list[str]]:
+    """(updates left to take, lines for the log): the run's length and whether the model
+    suits the data."""
     nb = notebook()
     total, per_epoch, lengths = planned_updates(cfg, data, world)
     tokens = sum(t - 1 for _, t in lengths)  # target tokens predicted per epoch
-    lines = [f"plan: {cfg.epochs} epochs × {per_epoch:,} updates"
-             + (f", at most {cfg.max_steps:,} updates" if cfg.max_steps else "")
-             + f" = {total:,} updates ({max(total - step, 0):,} to go) on {len(lengths):,} training pairs "
-             f"({tokens:,} target tokens per epoch)"]
+    lines = [
+        f"plan: {cfg.epochs} epochs × {per_epoch:,} updates"
+        + (f", at most {cfg.max_steps:,} updates" if cfg.max_steps else "")
+        + f" = {total:,} updates ({max(total - step, 0):,} to go) on {len(lengths):,} training pairs "
+        f"({tokens:,} target tokens per epoch)"
+    ]
     ratio = nb.count_parameters(model) / max(tokens, 1)
     if ratio > OVERSIZED:
-        lines.append(f"note: the model has {ratio:.0f} parameters per training target token — it is sized for far "
-                     "more data than this and will overfit it; a smaller preset suits this data (see the README)")
+        lines.append(
+            f"note: the model has {ratio:.0f} parameters per training target token — it is sized for far "
+            "more data than this and will overfit it; a smaller preset suits this data (see the README)"
+        )
     return max(total - step, 0), lines
 
 
@@ -344,54 +408,102 @@ def plan_run(cfg: Config, data: Dataset, world: int, step: int, model: nn.Module
 # update of an epoch, whose own checkpoint follows at once). It returns whether training
 # is finished.
 
-def train_epoch(run: Run, pos: Position, stop: StopRequest, progress: bool, t_start: float,
-                clock: Optional[UpdateClock] = None) -> bool:
-    """The updates of epoch ``pos.epoch`` from ``pos.batch_in_epoch`` on, advancing ``pos``; True once ``max_steps`` is reached."""
+
+def train_epoch(
+    run: Run,
+    pos: Position,
+    stop: StopRequest,
+    progress: bool,
+    t_start: float,
+    clock: Optional[UpdateClock] = None,
+) -> bool:
+    """The updates of epoch ``pos.epoch`` from ``pos.batch_in_epoch`` on, advancing
+    ``pos``; True once ``max_steps`` is reached."""
     nb = notebook()
     cfg, pairs = run.cfg, run.data.splits["train"]
     lengths = [(len(s), len(t)) for s, t in pairs]
-    batches = nb.length_batches(lengths, cfg.batch_tokens, cfg.seed, pos.epoch)  # the epoch's global order
-    updates, consumed, end = epoch_updates(batches, pos.batch_in_epoch, run.rank, run.world, cfg.accum_steps)
+    batches = nb.length_batches(
+        lengths, cfg.batch_tokens, cfg.seed, pos.epoch
+    )  # the epoch's global order
+    updates, consumed, end = epoch_updates(
+        batches, pos.batch_in_epoch, run.rank, run.world, cfg.accum_steps
+    )
     per_epoch = len(epoch_updates(batches, 0, 0, run.world, cfg.accum_steps)[0])
-    bar = tqdm(total=per_epoch, initial=max(per_epoch - len(updates), 0), desc=f"epoch {pos.epoch + 1}/{cfg.epochs}",
-               disable=not (progress and run.rank == 0), dynamic_ncols=True)
+    bar = tqdm(
+        total=per_epoch,
+        initial=max(per_epoch - len(updates), 0),
+        desc=f"epoch {pos.epoch + 1}/{cfg.epochs}",
+        disable=not (progress and run.rank == 0),
+        dynamic_ncols=True,
+    )
     run.train_model.train()
     seen, t0, loss_acc, tok_acc = 0, time.time(), 0.0, 0
     finished = False
     with bar:
         for u, micro in enumerate(updates):
             try:
-                loss, tokens, lr = update(run, [nb.make_batch(pairs, idx).to(run.device) for idx in micro])
+                loss, tokens, lr = update(
+                    run, [nb.make_batch(pairs, idx).to(run.device) for idx in micro]
+                )
             except TrainingDiverged as e:
                 last = checkpoint_paths(run.files.dir)
-                raise TrainingDiverged(f"{e} at step {pos.step + 1}; stopped. Last good checkpoint: "
-                                       f"{last[-1] if last else 'none (no checkpoint written yet)'}") from None
+                raise TrainingDiverged(
+                    f"{e} at step {pos.step + 1}; stopped. Last good checkpoint: "
+                    f"{last[-1] if last else 'none (no checkpoint written yet)'}"
+                ) from None
             pos.step, pos.batch_in_epoch = pos.step + 1, consumed[u]
             if clock is not None:
                 clock.tick()
-            seen, loss_acc, tok_acc = seen + tokens, loss_acc + loss, tok_acc + tokens  # all processes
+            seen, loss_acc, tok_acc = (
+                seen + tokens,
+                loss_acc + loss,
+                tok_acc + tokens,
+            )  # all processes
             tps = seen / max(time.time() - t0, 1e-9)
-            bar.set_postfix(loss=f"{loss / max(tokens, 1):.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
+            bar.set_postfix(
+                loss=f"{loss / max(tokens, 1):.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}"
+            )
             bar.update(1)
             if pos.step % 50 == 0:
-                run.files.log({"step": pos.step, "epoch": pos.epoch + 1, "train_loss": loss_acc / max(tok_acc, 1),
-                               "lr": lr, "tokens_per_s": tps, "elapsed_s": time.time() - t_start})
+                run.files.log(
+                    {
+                        "step": pos.step,
+                        "epoch": pos.epoch + 1,
+                        "train_loss": loss_acc / max(tok_acc, 1),
+                        "lr": lr,
+                        "tokens_per_s": tps,
+                        "elapsed_s": time.time() - t_start,
+                    }
+                )
                 loss_acc, tok_acc = 0.0, 0
             if cfg.max_steps and pos.step >= cfg.max_steps:
                 finished = True
                 break
-            due = bool(cfg.checkpoint_minutes and u < len(updates) - 1
-                       and time.time() - run.files.saved_at >= cfg.checkpoint_minutes * 60)
-            stop_now, save_now = any_process([stop.signum is not None, due], run.world, run.device)
+            due = bool(
+                cfg.checkpoint_minutes
+                and u < len(updates) - 1
+                and time.time() - run.files.saved_at >= cfg.checkpoint_minutes * 60
+            )
+            stop_now, save_now = any_process(
+                [stop.signum is not None, due], run.world, run.device
+            )
             if stop_now:
                 path = run.files.save(run, run.data, pos, run.rank)
-                name = signal.Signals(stop.signum).name if stop.signum else "a signal in another process"
-                raise TrainingInterrupted(f"stopped by {name} after update {pos.step}; checkpoint saved to "
-                                          f"{path or 'the run directory of the first process'}. "
-                                          "Run the same command again to continue from there.")
+                name = (
+                    signal.Signals(stop.signum).name
+                    if stop.signum
+                    else "a signal in another process"
+                )
+                raise TrainingInterrupted(
+                    f"stopped by {name} after update {pos.step}; checkpoint saved to "
+                    f"{path or 'the run directory of the first process'}. "
+                    "Run the same command again to continue from there."
+                )
             if save_now:
                 run.files.save(run, run.data, pos, run.rank)
-    if pos.batch_in_epoch == end:  # the epoch is complete (also when max_steps ended it there)
+    if (
+        pos.batch_in_epoch == end
+    ):  # the epoch is complete (also when max_steps ended it there)
         pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
     return finished
 
@@ -399,47 +511,92 @@ def train_epoch(run: Run, pos: Position, stop: StopRequest, progress: bool, t_st
 # ### Setting up, scoring, and `train`
 #
 # `setup` builds a run's objects: the model (the same initial weights in every process),
-# the optimizer and its schedule, the precision, DDP when several processes train, and the
-# run directory.
+# the optimizer and its schedule, the precision, DDP when several processes train, and
+# the run directory.
 
-def setup(cfg: Config, data: Dataset, device: torch.device, rank: int, world: int, log: Callable) -> Run:
+
+def setup(
+    cfg: Config,
+    data: Dataset,
+    device: torch.device,
+    rank: int,
+    world: int,
+    log: Callable,
+) -> Run:
     """The model, optimizer, schedule, precision and run directory of a training run.
 
-    The model is initialised from ``cfg.seed`` in every process (the same weights); then each
+    The model is initialised from ``cfg.seed`` in every process (the same weights); then
+    each
     process switches to its own random stream, for dropout.
     """
     nb = notebook()
     attention, why_attention = resolve_attention(cfg.attention, device)
-    model = nb.make_model(len(data.src_vocab), len(data.tgt_vocab), cfg, attention=attention).to(device)
+    model = nb.make_model(
+        len(data.src_vocab), len(data.tgt_vocab), cfg, attention=attention
+    ).to(device)
     optimizer, scheduler = nb.make_optimizer(model, cfg)
     train_model = torch.compile(model) if cfg.compile else model
-    if world > 1:  # no buffer changes while training (the positional encodings are constant): none to broadcast
+    if (
+        world > 1
+        # no buffer changes while training (the positional encodings are constant): none to
+        # broadcast
+    ):
         train_model = nn.parallel.DistributedDataParallel(
-            train_model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+            train_model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            broadcast_buffers=False,
+        )
         seed_process(cfg.seed, rank)
     precision, why = resolve_precision(cfg.precision, device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    autocast = (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
+    autocast = (
+        (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
+    )
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     files = RunFiles(run_dir_for(cfg), cfg.keep_checkpoints, write=rank == 0)
-    log(f"device: {device}" + (f" × {world} processes" if world > 1 else "") + f"; run directory: {files.dir}")
+    log(
+        f"device: {device}"
+        + (f" × {world} processes" if world > 1 else "")
+        + f"; run directory: {files.dir}"
+    )
     log(why)
     log(why_attention)
     note = allocator_note(device)
     if note:
         log(note)
-    return Run(cfg=cfg, model=model, train_model=train_model, optimizer=optimizer, scheduler=scheduler,
-               device=device, autocast=autocast, scaler=scaler, world=world, data=data, rank=rank, files=files,
-               log=log)
+    return Run(
+        cfg=cfg,
+        model=model,
+        train_model=train_model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        device=device,
+        autocast=autocast,
+        scaler=scaler,
+        world=world,
+        data=data,
+        rank=rank,
+        files=files,
+        log=log,
+    )
 
 
 # At the end of training the test set is translated twice — greedy, and with beam search
-# (§6.1) — optionally with the last checkpoints averaged, and scored; `plot_curves` draws the
-# training and validation loss from the metrics log (next cell).
+# (§6.1) — optionally with the last checkpoints averaged, and scored; `plot_curves`
+# draws the training and validation loss from the metrics log (next cell).
 
-def evaluate_test(model: nn.Module, data: Dataset, cfg: Config, device, run_dir: Optional[Path] = None,
-                  log: Callable = print, progress: bool = True) -> dict:
-    """Decode the test set greedily and with beam search (§6.1), optionally averaging the last checkpoints; BLEU.
+
+def evaluate_test(
+    model: nn.Module,
+    data: Dataset,
+    cfg: Config,
+    device,
+    run_dir: Optional[Path] = None,
+    log: Callable = print,
+    progress: bool = True,
+) -> dict:
+    """Decode the test set greedily and with beam search (§6.1), optionally averaging
+    the last checkpoints; BLEU.
 
     ``bleu`` is the beam-search score (``cfg.beam_size``, ``cfg.length_penalty_alpha``),
     ``bleu_greedy`` the greedy one.
@@ -447,7 +604,7 @@ def evaluate_test(model: nn.Module, data: Dataset, cfg: Config, device, run_dir:
     nb = notebook()
     model = unwrap(model)
     if cfg.average_last > 1 and run_dir is not None:
-        paths = checkpoint_paths(run_dir)[-cfg.average_last:]
+        paths = checkpoint_paths(run_dir)[-cfg.average_last :]
         model = copy.deepcopy(model)
         model.load_state_dict(average_checkpoints(paths))
         log(f"evaluating the average of {len(paths)} checkpoints")
@@ -459,43 +616,79 @@ def evaluate_test(model: nn.Module, data: Dataset, cfg: Config, device, run_dir:
     kind = CORPORA[data.name].bleu_kind
     sources = [s for s, _ in test]
     t0 = time.time()
-    greedy_hyps = nb.detokenize(nb.translate(model, sources, data.tgt_vocab, cfg, device, progress=progress), data.name,
-                             data.subwords)
+    greedy_hyps = nb.detokenize(
+        nb.translate(model, sources, data.tgt_vocab, cfg, device, progress=progress),
+        data.name,
+        data.subwords,
+    )
     score_greedy = nb.bleu(greedy_hyps, refs, data.name).score
-    log(f"test BLEU ({kind}, sacreBLEU, greedy, {len(test):,} sentences): {score_greedy:.2f}")
+    log(
+        f"test BLEU ({kind}, sacreBLEU, greedy, {len(test):,} sentences): {score_greedy:.2f}"
+    )
     t1 = time.time()
-    tokens = nb.translate(model, sources, data.tgt_vocab, cfg, device, progress=progress, beam_size=cfg.beam_size,
-                       alpha=cfg.length_penalty_alpha)
+    tokens = nb.translate(
+        model,
+        sources,
+        data.tgt_vocab,
+        cfg,
+        device,
+        progress=progress,
+        beam_size=cfg.beam_size,
+        alpha=cfg.length_penalty_alpha,
+    )
     hyps = nb.detokenize(tokens, data.name, data.subwords)
     score = nb.bleu(hyps, refs, data.name).score
-    unk_share = sum(t == nb.SPECIALS[nb.UNK] for toks in tokens for t in toks) / max(sum(map(len, tokens)), 1)
-    log(f"test BLEU ({kind}, sacreBLEU, beam {cfg.beam_size}, alpha {cfg.length_penalty_alpha}, "
-        f"{len(test):,} sentences): {score:.2f}; <unk> in {unk_share:.2%} of output tokens")
+    unk_share = sum(t == nb.SPECIALS[nb.UNK] for toks in tokens for t in toks) / max(
+        sum(map(len, tokens)), 1
+    )
+    log(
+        f"test BLEU ({kind}, sacreBLEU, beam {cfg.beam_size}, alpha {cfg.length_penalty_alpha}, "
+        f"{len(test):,} sentences): {score:.2f}; <unk> in {unk_share:.2%} of output tokens"
+    )
     examples = []
     for i in range(min(cfg.examples_to_show, len(test))):
         pieces = data.src_vocab.lookup_tokens(test[i][0][1:-1])
         src = data.subwords.decode([pieces])[0] if data.subwords else " ".join(pieces)
         examples.append({"source": src, "reference": refs[i], "output": hyps[i]})
         log(f"  source:    {src}\n  reference: {refs[i]}\n  output:    {hyps[i]}")
-    return {"bleu": score, "bleu_greedy": score_greedy, "bleu_kind": kind, "unk_share": unk_share,
-            "beam_size": cfg.beam_size,
-            "length_penalty_alpha": cfg.length_penalty_alpha, "test_sentences": len(test),
-            "decode_minutes": (time.time() - t0) / 60, "decode_minutes_greedy": (t1 - t0) / 60,
-            "examples": examples}
+    return {
+        "bleu": score,
+        "bleu_greedy": score_greedy,
+        "bleu_kind": kind,
+        "unk_share": unk_share,
+        "beam_size": cfg.beam_size,
+        "length_penalty_alpha": cfg.length_penalty_alpha,
+        "test_sentences": len(test),
+        "decode_minutes": (time.time() - t0) / 60,
+        "decode_minutes_greedy": (t1 - t0) / 60,
+        "examples": examples,
+    }
 
 
-# `train` is the function the command line, `make train` and Part 4 all call: set up, resume
-# if the run directory holds a checkpoint, then epochs until `epochs` or `max_steps`, each
-# followed by validation and a checkpoint; last the curve and the test score.
+# `train` is the function the command line, `make train` and Part 4 all call: set up,
+# resume if the run directory holds a checkpoint, then epochs until `epochs` or
+# `max_steps`, each followed by validation and a checkpoint; last the curve and the test
+# score.
 
-def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, progress: bool = True,
-          evaluate: bool = True) -> dict:
-    """Train ``cfg`` (resuming from its run directory when that holds a checkpoint), then score the test set.
 
-    Returns a summary: steps, minutes, BLEU, example translations and where the run's files are.
+def train(
+    cfg: Config,
+    data: Optional[Dataset] = None,
+    log: Callable = print,
+    progress: bool = True,
+    evaluate: bool = True,
+) -> dict:
+    """Train ``cfg`` (resuming from its run directory when that holds a checkpoint),
+    then score the test set.
+
+    Returns a summary: steps, minutes, BLEU, example translations and where the run's
+    files are.
     """
     nb = notebook()
-    device, local_rank = resolve_device(cfg.device), int(os.environ.get("LOCAL_RANK", "0"))
+    device, local_rank = (
+        resolve_device(cfg.device),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )
     if device.type == "cuda" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         device = torch.device("cuda", local_rank)  # one GPU per process
         torch.cuda.set_device(device)
@@ -504,7 +697,10 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
     torch.manual_seed(cfg.seed)
     random.seed(cfg.seed)
     t_start = time.time()
-    if data is None:  # one process per machine downloads and builds the caches; the others then read them
+    if (
+        data is None
+        # one process per machine downloads and builds the caches; the others then read them
+    ):
         if world > 1 and local_rank != 0:
             _barrier(device)
         data = load_dataset(cfg, log=log)
@@ -512,9 +708,11 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
             _barrier(device)
     run = setup(cfg, data, device, rank, world, log)
     pos = resume(run)
-    log(f"model: {nb.count_parameters(run.model) / 1e6:.2f}M parameters "
+    log(
+        f"model: {nb.count_parameters(run.model) / 1e6:.2f}M parameters "
         f"(N={cfg.N}{f', N_dec={cfg.N_dec}' if cfg.decoder_layers != cfg.N else ''}, d_model={cfg.d_model}, d_ff={cfg.d_ff}, "
-        f"h={cfg.h}, P_drop={cfg.P_drop})")
+        f"h={cfg.h}, P_drop={cfg.P_drop})"
+    )
     remaining, plan = plan_run(cfg, data, world, pos.step, run.model)
     for line in plan:
         log(line)
@@ -522,29 +720,62 @@ def train(cfg: Config, data: Optional[Dataset] = None, log: Callable = print, pr
     with StopRequest() as stop:
         finished = bool(cfg.max_steps and pos.step >= cfg.max_steps)
         while pos.epoch < cfg.epochs and not finished:
-            epoch_number = pos.epoch + 1  # the epoch these updates belong to, counting from 1
+            epoch_number = (
+                pos.epoch + 1
+            )  # the epoch these updates belong to, counting from 1
             finished = train_epoch(run, pos, stop, progress, t_start, clock)
             valid = data.splits["valid"][: cfg.max_valid_sentences or None]
-            valid_loss = evaluate_loss(run.model, valid, cfg, device) if rank == 0 else float("nan")
+            valid_loss = (
+                evaluate_loss(run.model, valid, cfg, device)
+                if rank == 0
+                else float("nan")
+            )
             ppl = math.exp(min(valid_loss, 50))
-            run.files.log({"step": pos.step, "epoch": epoch_number, "valid_loss": valid_loss, "valid_ppl": ppl,
-                           "elapsed_s": time.time() - t_start})
-            log(f"step {pos.step}: validation loss {valid_loss:.3f} (perplexity {ppl:.2f})")
+            run.files.log(
+                {
+                    "step": pos.step,
+                    "epoch": epoch_number,
+                    "valid_loss": valid_loss,
+                    "valid_ppl": ppl,
+                    "elapsed_s": time.time() - t_start,
+                }
+            )
+            log(
+                f"step {pos.step}: validation loss {valid_loss:.3f} (perplexity {ppl:.2f})"
+            )
             path = run.files.save(run, run.data, pos, run.rank)
             if world > 1:
                 _barrier(device)
-            if stop.requested(world, device) and pos.epoch < cfg.epochs and not finished:
-                raise TrainingInterrupted(f"stopped after update {pos.step} (end of epoch {pos.epoch}); checkpoint "
-                                          f"saved to {path or 'the run directory of the first process'}. "
-                                          "Run the same command again to continue from there.")
-    summary = {"config": dataclasses.asdict(cfg), "steps": pos.step, "train_minutes": (time.time() - t_start) / 60,
-               "device": str(device), "world_size": world, "precision": resolve_precision(cfg.precision, device)[0],
-               "data": data.origin, "run_dir": str(run.files.dir)}
+            if (
+                stop.requested(world, device)
+                and pos.epoch < cfg.epochs
+                and not finished
+            ):
+                raise TrainingInterrupted(
+                    f"stopped after update {pos.step} (end of epoch {pos.epoch}); checkpoint "
+                    f"saved to {path or 'the run directory of the first process'}. "
+                    "Run the same command again to continue from there."
+                )
+    summary = {
+        "config": dataclasses.asdict(cfg),
+        "steps": pos.step,
+        "train_minutes": (time.time() - t_start) / 60,
+        "device": str(device),
+        "world_size": world,
+        "precision": resolve_precision(cfg.precision, device)[0],
+        "data": data.origin,
+        "run_dir": str(run.files.dir),
+    }
     if rank == 0 and run.files.metrics.is_file():
-        summary["curve"] = str(plot_curves(run.files.metrics, run.files.dir / "curve.png"))
+        summary["curve"] = str(
+            plot_curves(run.files.metrics, run.files.dir / "curve.png")
+        )
     if evaluate and rank == 0:
-        summary.update(evaluate_test(run.model, data, cfg, device, run.files.dir, log=log, progress=progress))
+        summary.update(
+            evaluate_test(
+                run.model, data, cfg, device, run.files.dir, log=log, progress=progress
+            )
+        )
         summary["total_minutes"] = (time.time() - t_start) / 60
         write_atomic(run.files.dir / "results.json", [json.dumps(summary, indent=2)])
     return summary
-
