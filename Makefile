@@ -3,27 +3,23 @@ PYTHON_SYSTEM ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-CONFIG ?= $(shell $(PY) -c "import the_annotated_transformer as m; print(m.default_preset())")
+CONFIG ?= $(shell $(PY) -c "import machinery; print(machinery.default_preset())")
 RUN ?= runs/$(CONFIG)
 ARGS ?=
 NB := annotated_transformer.ipynb
 SRC := the_annotated_transformer.py
-# nn.Dropout's masks drawn by compiled code (csrc/dropout_mask.c; the notebook's aside after §3.5): the same
-# numbers, faster on a CPU. Without a C compiler nothing is built and PyTorch draws them.
-KERNEL := build/dropout_mask.so
 
 # glibc's malloc gives large freed blocks back to the system, so every CPU training step would get
-# fresh pages for its largest tensors; these keep freed memory for reuse (the notebook's A.2 and
-# the_annotated_transformer.GLIBC_MALLOC_SETTINGS, which a test keeps equal to these). Other C
-# libraries ignore them; a value already in the environment wins.
+# fresh pages for its largest tensors; these keep freed memory for reuse (GLIBC_MALLOC_SETTINGS in
+# machinery/devices.py, which a test keeps equal to these). Other C libraries ignore them; a value
+# already in the environment wins.
 export MALLOC_MMAP_MAX_ ?= 0
 export MALLOC_TRIM_THRESHOLD_ ?= 17179869184
 
-.PHONY: install kernel test sync notebook lab html train translate evaluate bench clean help
+.PHONY: install test sync notebook lab html train translate evaluate bench clean help
 
 help:
 	@echo "make install            create .venv and install requirements.txt"
-	@echo "make kernel             compile the dropout-mask kernel, $(KERNEL) (make install does too)"
 	@echo "make test               run the test suite (pytest)"
 	@echo "make sync               bring $(NB) and $(SRC) up to date with each other"
 	@echo "make notebook           execute the notebook top to bottom and store its outputs"
@@ -34,13 +30,7 @@ help:
 	@echo "make evaluate [ARGS='--src F --ref F']  BLEU of the run in RUN (default: the test split)"
 	@echo "make bench              performance side by side (a few minutes); ARGS=--quick for seconds"
 
-install: $(STAMP) kernel
-
-kernel: $(KERNEL)
-
-$(KERNEL): csrc/dropout_mask.c
-	@mkdir -p $(dir $@)
-	$(CC) -O3 -shared -fPIC -o $@ $< || echo "no $(KERNEL) (could not compile): PyTorch draws the dropout masks, the same ones, slower"
+install: $(STAMP)
 
 $(STAMP): requirements.txt
 	$(PYTHON_SYSTEM) -m venv $(VENV)
@@ -48,7 +38,7 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install -r requirements.txt
 	touch $(STAMP)
 
-test: $(STAMP) $(KERNEL)
+test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 sync: $(STAMP)
@@ -56,7 +46,7 @@ sync: $(STAMP)
 
 # Outputs are stored without per-cell execution timestamps (record_timing=False, and any left
 # from earlier runs removed), so a re-run's diff shows only outputs that changed.
-notebook: $(STAMP) $(KERNEL) sync
+notebook: $(STAMP) sync
 	$(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
 		--ExecutePreprocessor.timeout=-1 --ExecutePreprocessor.kernel_name=python3 \
 		--ExecutePreprocessor.record_timing=False $(NB)
@@ -74,7 +64,7 @@ lab: $(STAMP)
 html: $(STAMP)
 	$(PY) web/build.py
 
-train: $(STAMP) $(KERNEL)
+train: $(STAMP)
 	$(PY) $(SRC) train --config $(CONFIG) $(ARGS)
 
 translate: $(STAMP)
@@ -83,7 +73,7 @@ translate: $(STAMP)
 evaluate: $(STAMP)
 	$(PY) $(SRC) evaluate --run_dir $(RUN) $(ARGS)
 
-bench: $(STAMP) $(KERNEL)
+bench: $(STAMP)
 	$(PY) benchmarks/bench.py $(ARGS)
 
 clean:
