@@ -2,20 +2,78 @@
 
 The page is the committed notebook with its stored outputs, converted by nbconvert with our
 template (web/article/). Formulas are typeset here, at build time, by KaTeX (npm, pinned in
-web/package.json, fetched into the git-ignored web/node_modules), so the page needs no script
-for them; KaTeX's fonts, the figures and the styles are embedded. The page loads nothing.
+web/package.json, fetched into the git-ignored web/node_modules), so the page needs no
+script for them; KaTeX's fonts, the figures, the styles, the script (web/page.js) and a
+search index are embedded. The page loads nothing.
+
+What the build reads from the notebook's structure (never from its exact words):
+
+* ``# Part N — …`` headings are the Parts (ids ``part-N``; each Part ends with a link to the
+  next); ``## §x.y …`` headings are the paper's sections (ids ``sx-y``); other headings get
+  the id of the section above them plus a few words (``s5-4-label-smoothing``). A mention of
+  "§x.y", "Part N", "Table N" or "Figure N" in prose links to the heading that carries it
+  (that starts with it, else has it in parentheses) or, for "Figure N", to the image whose
+  alt text starts with it; "Eq. N" links to the quotation whose "— §…" line names it. A
+  mention of something the page does not have stays plain text.
+* A heading that contains "Aside", or starts with "Appendix", opens a section a first
+  reading may skip: it is collapsed (a ``<details>``, opened for printing, by a link into
+  it, and by the browser's find-in-page).
+* A code cell of more than ``FOLD_OVER`` lines shows its first ``FOLD_SHOW`` or so
+  (signature and docstring) and folds the rest the same way, "… N more lines".
+* A block quote is the paper's wording; the ``— §…`` line under it is its source.
+* A code cell that is only ``if __name__ == "__main__": …`` is left out of the page.
+* Headings "Results", "Conclusion", "Citation"/"How to cite" and "Credits", where the
+  notebook has them, end the page; the build adds whichever of a results pointer, the
+  paper's BibTeX and the credits the notebook lacks.
+
+Conventions a notebook cell can use for the page:
+
+* **Alt text** of an image output, the first found of: a line ``<!-- alt: … -->`` in the
+  Markdown cell before the code cell (one line per image, in the order the cell shows
+  them); the output's ``metadata["image/png"]["alt"]`` (``display(..., metadata=...)``);
+  the cell's ``metadata["alt"]``; the figure's titles and axis labels in the cell's code
+  (``set_title("…")``, ``suptitle``, ``set_xlabel``, ``set_ylabel``); the paragraph
+  before. SentencePiece markers (``▁``) in alt text are joined into words.
+* **Resolution**: draw figures at 2× (``dpi=200``, or IPython's ``retina`` format). An image
+  is shown at the width its output metadata gives (``metadata["image/png"]["width"]``,
+  which ``retina`` sets), else at half its pixel width when that is at least
+  ``HIGH_DPI_MIN_WIDTH`` pixels, else at its pixel width. Where an image is larger than
+  shown, it opens at full size from a button (click, Enter or Space; Escape closes).
+* **Attention maps** to explore: a ``display_data`` output whose data has the key
+  ``application/vnd.attention-maps+json`` (IPython:
+  ``display({"application/vnd.attention-maps+json": blob, "text/plain": "…"}, raw=True)``)
+  becomes an interactive figure (attention kind, layer, head; hover or arrow keys read a
+  weight) with a static SVG of one head for print and no-script. The blob::
+
+      {"sentence": {"src": ["▁Ein", "▁Hund", ...], "tgt": ["<s>", "▁A", "▁dog", ...]},
+       "maps": {"encoder": [layer][head][query][key],   # src × src
+                "decoder": [layer][head][query][key],   # tgt × tgt (masked self-attention)
+                "cross":   [layer][head][query][key]},  # tgt × src (encoder-decoder)
+       "title": "optional caption"}
+
+  weights rounded to 3 decimals; rows (queries) are target tokens for "decoder" and
+  "cross", source tokens for "encoder"; "tgt" is what the decoder reads (as many as its
+  rows). A kind may be left out. Token labels are shown without ``▁``.
+* Text outputs are shown detokenized: Moses' escapes (``&apos;``, ``&quot;``, ``&amp;`` …)
+  become the characters they stand for.
 """
 from __future__ import annotations
 
 import argparse
 import base64
 import copy
+import html as htmllib
+import io
 import json
+import math
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import time
+import tokenize
+import unicodedata
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -25,9 +83,44 @@ KATEX = WEB / "node_modules" / "katex"
 SLOT = re.compile(r'<span data-math-slot="(\d+)"></span>')
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
+# Where the project lives: the title block's links (repository, Colab) come from this one
+# constant. The README names no public URL yet; change it here when the project has one.
+REPOSITORY = "https://github.com/annotated-transformer/reproduced"
+NOTEBOOK_FILE = "annotated_transformer.ipynb"
+PAPER = "https://arxiv.org/abs/1706.03762"
+ATTENTION_MIME = "application/vnd.attention-maps+json"
+FOLD_OVER = 45  # lines: a longer code cell shows its first FOLD_SHOW, the rest folded
+FOLD_SHOW = 24
+HIGH_DPI_MIN_WIDTH = 1000  # pixels: a wider image without a display width is a 2× drawing
+BIBTEX = r"""@inproceedings{vaswani2017attention,
+  title     = {Attention Is All You Need},
+  author    = {Vaswani, Ashish and Shazeer, Noam and Parmar, Niki and
+               Uszkoreit, Jakob and Jones, Llion and Gomez, Aidan N. and
+               Kaiser, {\L}ukasz and Polosukhin, Illia},
+  booktitle = {Advances in Neural Information Processing Systems 30},
+  pages     = {5998--6008},
+  year      = {2017},
+  url       = {https://arxiv.org/abs/1706.03762}
+}"""
+MOSES = {"&amp;": "&", "&apos;": "'", "&quot;": '"', "&lt;": "<", "&gt;": ">",
+         "&#91;": "[", "&#93;": "]", "&#124;": "|"}
+ALT_LINE = re.compile(r"<!--\s*alt:\s*(.*?)\s*-->", re.S)
+MAIN_GUARD = re.compile(r"""\s*if\s+__name__\s*==\s*["']__main__["']""")
+SKIPPABLE = re.compile(r"\bAside\b|^Appendix\b", re.I)
+MENTION = re.compile(r"§\s?\d+(?:\.\d+)*|\bEq\.\s?\d+|\b(?:Figure|Table|Part)\s\d+")
+ENDINGS = {"results": re.compile(r"^(Results|Conclusions?)\b", re.I),
+           "cite": re.compile(r"^(Citation|How to cite|Citing)\b", re.I),
+           "credits": re.compile(r"^(Credits|Acknowledg)", re.I)}
+
 
 class MissingTool(Exception):
-    """A program the build needs is not installed or could not be fetched; the message says which, in one line."""
+    """A program the build needs is not installed or could not be fetched; the message says which."""
+
+
+def colab_url(repository: str = REPOSITORY) -> str:
+    """The notebook opened in Colab straight from the repository's main branch."""
+    path = repository.removeprefix("https://github.com/").strip("/")
+    return f"https://colab.research.google.com/github/{path}/blob/main/{NOTEBOOK_FILE}"
 
 
 def pinned_katex_version() -> str:
@@ -36,20 +129,22 @@ def pinned_katex_version() -> str:
 
 
 def ensure_katex() -> None:
-    """Install the pinned KaTeX into web/node_modules with ``npm ci`` unless it is already there."""
+    """Install the pinned KaTeX into web/node_modules with ``npm ci`` unless it is there."""
     if shutil.which("node") is None:
-        raise MissingTool("make html needs Node.js (node and npm) to typeset the formulas with KaTeX; "
-                          "install it (e.g. apt-get install nodejs npm) and run make html again")
+        raise MissingTool("make html needs Node.js (node and npm) to typeset the formulas "
+                          "with KaTeX; install it (e.g. apt-get install nodejs npm) and run "
+                          "make html again")
     package = KATEX / "package.json"
     if package.is_file() and json.loads(package.read_text())["version"] == pinned_katex_version():
         return
     if shutil.which("npm") is None:
         raise MissingTool("make html needs npm to fetch the KaTeX math renderer once; "
                           "install it (e.g. apt-get install npm) and run make html again")
-    fetched = subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=WEB)
+    fetched = subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+                             cwd=WEB)
     if fetched.returncode != 0:
-        raise MissingTool(f"make html could not fetch KaTeX {pinned_katex_version()} with npm ci in web/ "
-                          "(is the npm registry reachable?)")
+        raise MissingTool(f"make html could not fetch KaTeX {pinned_katex_version()} with "
+                          "npm ci in web/ (is the npm registry reachable?)")
 
 
 def typeset(formulas: list[dict]) -> list[str]:
@@ -62,12 +157,12 @@ def typeset(formulas: list[dict]) -> list[str]:
 
 
 def katex_css() -> str:
-    """KaTeX's style sheet with its WOFF2 fonts embedded as data URIs (the other formats dropped)."""
+    """KaTeX's style sheet with its WOFF2 fonts embedded as data URIs (other formats dropped)."""
     css = (KATEX / "dist" / "katex.min.css").read_text()
 
     def embed(match: re.Match) -> str:
-        font = base64.b64encode((KATEX / "dist" / "fonts" / f"{match.group(1)}.woff2").read_bytes()).decode()
-        return f'src:url(data:font/woff2;base64,{font}) format("woff2")'
+        font = (KATEX / "dist" / "fonts" / f"{match.group(1)}.woff2").read_bytes()
+        return f'src:url(data:font/woff2;base64,{base64.b64encode(font).decode()}) format("woff2")'
 
     css = re.sub(r"src:url\(fonts/([\w-]+)\.woff2\)[^;}]*", embed, css)
     if "url(fonts/" in css:
@@ -76,7 +171,7 @@ def katex_css() -> str:
 
 
 def tidy_stream(text: str) -> str:
-    r"""Printed text as a terminal would leave it: colour codes removed, each line after its last ``\r``."""
+    r"""Printed text as a terminal leaves it: colours removed, each line after its last ``\r``."""
     lines = []
     for line in ANSI.sub("", text).split("\n"):
         parts = [p for p in line.split("\r") if p.strip()]
@@ -84,50 +179,270 @@ def tidy_stream(text: str) -> str:
     return "\n".join(lines)
 
 
+def unescape_moses(text: str) -> str:
+    """Moses' escaped characters (``&apos;`` …) as the characters, in one left-to-right pass."""
+    return re.sub("|".join(map(re.escape, MOSES)), lambda m: MOSES[m.group()], text)
+
+
 def plain(markdown: str) -> str:
-    """Markdown reduced to plain words for alt text: no code ticks, math dollars or emphasis marks."""
+    """Markdown reduced to plain words for alt text: no code ticks, dollars or emphasis marks."""
     text = re.sub(r"!\[[^\]]*\]\([^)]*\)", "", markdown)
+    text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
     text = re.sub(r"[`$*_>#]|\\(?=[a-zA-Z])", "", text)
     return re.sub(r"\s+", " ", text).strip()
 
 
+def join_pieces(text: str) -> str:
+    """SentencePiece pieces in running text as words: "▁A ▁body ▁t err ier ." → "A body terrier."
+
+    A run starts at a piece with "▁" and ends at a word ending in ";"; inside it a piece
+    without "▁" continues the word before. <s> and </s> are dropped.
+    """
+    if "▁" not in text:
+        return text
+    text = re.sub(r"\s*</?s>", "", text)
+    words: list[str] = []
+    in_run = False
+    for token in text.split(" "):
+        if token.startswith("▁"):
+            in_run = True
+            words.append(token[1:])
+        elif in_run and words and token:
+            words[-1] += token
+        else:
+            words.append(token)
+        if token.endswith(";"):
+            in_run = False
+    text = re.sub(r"\s+", " ", " ".join(words)).strip()
+    text = re.sub(r"\.(?=;)", "", text)  # "… Zaun.; columns" → "… Zaun; columns"
+    # the same tokens twice: "rows are the tokens X; columns are the tokens X"
+    return re.sub(r"rows are (.+); columns are \1$", r"rows and columns are \1", text)
+
+
 def figure_alt(code: str, prose: str) -> str:
-    """Alt text for a figure a code cell drew: its titles and axis labels, else the prose before it."""
+    """Alt text for a figure a code cell drew: its titles and axis labels, else the prose before."""
     found = []
     for call, what in (("suptitle", "Plot"), ("set_title", "Plot"), ("set_xlabel", "x axis"),
                        ("set_ylabel", "y axis")):
         for text in re.findall(call + r'\(\s*"([^"{}]+)"', code):
-            found.append(f"{what}: " + text.replace("\\n", " "))  # a line break written in the string
+            found.append(f"{what}: " + text.replace("\\n", " "))  # a line break in the string
     if found:
         return "; ".join(found)
-    paragraphs = [p for p in prose.split("\n\n") if p.strip()]
+    paragraphs = [p for p in prose.split("\n\n") if plain(p)]
     return "Figure: " + plain(paragraphs[-1] if paragraphs else "output of the code above")
 
 
-def with_alt_text(nb):
-    """A copy of ``nb`` in which every image output carries alt text (its own, the cell's, or derived)."""
+def png_size(data: str) -> tuple[int, int] | None:
+    """(width, height) from a base64 PNG's header, or None if it is not one."""
+    head = base64.b64decode(data[:44] + "=" * (-len(data[:44]) % 4))
+    if head[:8] != b"\x89PNG\r\n\x1a\n":
+        return None
+    return struct.unpack(">II", head[16:24])
+
+
+def display_size(output, mime: str) -> tuple[int, int] | None:
+    """The CSS size an image output is shown at (see the module's notes on resolution)."""
+    meta = output.get("metadata", {}).get(mime, {})
+    size = png_size(output["data"][mime]) if mime == "image/png" else None
+    if meta.get("width"):
+        width = int(meta["width"])
+        height = int(meta.get("height") or (size and round(size[1] * width / size[0])) or 0)
+        return (width, height) if height else None
+    if size and size[0] >= HIGH_DPI_MIN_WIDTH:
+        return round(size[0] / 2), round(size[1] / 2)
+    return size
+
+
+def is_main_guard(cell) -> bool:
+    """A code cell that only runs the command line (``if __name__ == "__main__": …``)."""
+    return cell.cell_type == "code" and MAIN_GUARD.match(cell.source) is not None
+
+
+def prepare(nb):
+    """A copy of ``nb`` as the page shows it: images with alt text and display sizes, text
+    outputs detokenized, attention maps as an interactive figure, the command line's cell
+    left out."""
     nb = copy.deepcopy(nb)
-    prose = ""
+    nb.cells = [c for c in nb.cells if not is_main_guard(c)]
+    prose, alts = "", []
     for cell in nb.cells:
         if cell.cell_type == "markdown":
-            prose = cell.source
+            prose, alts = cell.source, ALT_LINE.findall(cell.source)
+            continue
+        if cell.cell_type != "code":
             continue
         for output in cell.get("outputs", []):
+            if output.get("output_type") == "stream":
+                output["text"] = unescape_moses(output.get("text", ""))
+            data = output.get("data", {})
+            if "text/plain" in data:
+                data["text/plain"] = unescape_moses(data["text/plain"])
+            if ATTENTION_MIME in data:
+                blob = data[ATTENTION_MIME]
+                blob = json.loads(blob) if isinstance(blob, str) else blob
+                output["data"] = {"text/html": attention_explorer(blob)}
+                continue
             for mime in ("image/png", "image/jpeg", "image/svg+xml"):
-                if mime in output.get("data", {}):
-                    meta = output.setdefault("metadata", {}).setdefault(mime, {})
-                    meta.setdefault("alt", cell.metadata.get("alt") or figure_alt(cell.source, prose))
+                if mime not in data:
+                    continue
+                meta = output.setdefault("metadata", {}).setdefault(mime, {})
+                alt = (alts.pop(0) if alts else None) or meta.get("alt") or \
+                    cell.metadata.get("alt") or figure_alt(cell.source, prose)
+                meta["alt"] = join_pieces(alt)
+                size = display_size(output, mime)
+                if size:
+                    meta["width"], meta["height"] = size
     return nb
 
 
+def with_alt_text(nb):
+    """A copy of ``nb`` in which every image output carries alt text (see :func:`prepare`)."""
+    return prepare(nb)
+
+
+# --- The interactive attention figure -------------------------------------------------------
+
+KIND_NAMES = {"encoder": "Encoder self-attention", "decoder": "Decoder self-attention (masked)",
+              "cross": "Decoder–encoder attention"}
+BLUES = ((0.0, (247, 251, 255)), (0.25, (198, 219, 239)), (0.5, (107, 174, 214)),
+         (0.75, (33, 113, 181)), (1.0, (8, 48, 107)))  # as web/page.js's BLUES
+
+
+def blue(w: float) -> str:
+    """The colour of weight ``w`` in [0, 1] on a white-to-dark-blue scale."""
+    w = min(1.0, max(0.0, w))
+    for (a, ca), (b, cb) in zip(BLUES, BLUES[1:]):
+        if w <= b:
+            t = (w - a) / (b - a)
+            return "#" + "".join(f"{round(x + (y - x) * t):02x}" for x, y in zip(ca, cb))
+    return "#08306b"
+
+
+def token_label(token: str) -> str:
+    """A token as a label: without SentencePiece's "▁"; a lone "▁" as "␣"."""
+    return token.replace("▁", "") or "␣"
+
+
+def axes_of(kind: str, sentence: dict) -> tuple[list[str], list[str]]:
+    """(row labels, column labels) of a kind of attention map."""
+    src, tgt = sentence.get("src", []), sentence.get("tgt", [])
+    return {"encoder": (src, src), "decoder": (tgt, tgt), "cross": (tgt, src)}[kind]
+
+
+def attention_svg(weights: list, rows: list[str], cols: list[str]) -> str:
+    """One head as an SVG heat map with its token labels (the same drawing as page.js's)."""
+    nq, nk = len(weights), len(weights[0]) if weights else 0
+    rows = [token_label(t) for t in rows[:nq]] + [""] * max(0, nq - len(rows))
+    cols = [token_label(t) for t in cols[:nk]] + [""] * max(0, nk - len(cols))
+    cell = max(10, min(26, 560 // max(nk, 1)))
+    left = 12 + 7 * max((len(t) for t in rows), default=1)
+    top = 12 + 7 * max((len(t) for t in cols), default=1)
+    width, height = left + cell * nk + 4, top + cell * nq + 4
+    esc = htmllib.escape
+    parts = [f'<svg class="ae-svg" viewBox="0 0 {width} {height}" width="{width}" '
+             f'height="{height}" role="img" aria-label="attention weights heat map">']
+    for i, t in enumerate(rows):
+        parts.append(f'<text x="{left - 6}" y="{top + cell * i + cell / 2 + 4}" '
+                     f'text-anchor="end">{esc(t)}</text>')
+    for j, t in enumerate(cols):
+        x, y = left + cell * j + cell / 2 + 4, top - 6
+        parts.append(f'<text x="{x}" y="{y}" transform="rotate(-90 {x} {y})">{esc(t)}</text>')
+    for i, row in enumerate(weights):
+        for j, w in enumerate(row):
+            parts.append(f'<rect x="{left + cell * j}" y="{top + cell * i}" width="{cell}" '
+                         f'height="{cell}" fill="{blue(w)}" data-q="{i}" data-k="{j}"/>')
+    parts.append("</svg>")
+    return "".join(parts)
+
+
+def sharpest(heads: list) -> int:
+    """The head (index) of one layer whose rows are most concentrated (lowest mean entropy)."""
+    def entropy(head):
+        return sum(-sum(w * math.log(w) for w in row if w > 0) for row in head) / max(len(head), 1)
+    return min(range(len(heads)), key=lambda h: entropy(heads[h]))
+
+
+def attention_explorer(blob: dict) -> str:
+    """The HTML of the interactive attention figure for one attention-maps blob."""
+    maps = {k: v for k, v in blob.get("maps", {}).items() if k in KIND_NAMES and v}
+    if not maps:
+        return ""
+    kind = "cross" if "cross" in maps else next(iter(maps))
+    layer = len(maps[kind]) - 1
+    head = sharpest(maps[kind][layer])
+    rows, cols = axes_of(kind, blob.get("sentence", {}))
+    data = {"sentence": blob.get("sentence", {}), "maps": maps,
+            "start": {"kind": kind, "layer": layer, "head": head}}
+    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False).replace("</", "<\\/")
+    caption = blob.get("title") or ("What the trained model attends to, for one test sentence: "
+                                    "every kind of attention, layer and head.")
+    shown = f"{KIND_NAMES[kind]}, layer {layer + 1}, head {head + 1}"
+    return (
+        '<figure class="attention-explorer">'
+        '<div class="ae-controls" hidden>'
+        '<label>Attention <select data-role="kind"></select></label> '
+        '<label>Layer <select data-role="layer"></select></label> '
+        '<label>Head <select data-role="head"></select></label></div>'
+        f'<p class="ae-shown">{htmllib.escape(shown)}</p>'
+        f'<div class="ae-map" tabindex="0">{attention_svg(maps[kind][layer][head], rows, cols)}</div>'
+        '<p class="ae-readout" aria-live="polite">Rows: the token attending (query); columns: '
+        'the token attended to (key); darker is more weight.</p>'
+        f'<figcaption>{htmllib.escape(caption)}</figcaption>'
+        f'<script type="application/json" class="ae-data">{payload}</script></figure>')
+
+
+# --- Code ---------------------------------------------------------------------------------
+
+def fold_line(source: str) -> int | None:
+    """Where a long cell's folded part starts (a line index), or None to show it whole.
+
+    At or soon after ``FOLD_SHOW`` lines, after a blank line if one is near, and never
+    inside a string that spans lines (so both parts highlight as they would together).
+    """
+    lines = source.split("\n")
+    if len(lines) <= FOLD_OVER:
+        return None
+    inside = set()  # 0-based lines that begin inside a token spanning lines
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.STRING and tok.end[0] > tok.start[0]:
+                inside.update(range(tok.start[0], tok.end[0]))
+    except (tokenize.TokenError, SyntaxError):
+        return None
+    safe = [n for n in range(FOLD_SHOW, len(lines) - 12) if n not in inside]
+    near = [n for n in safe if n < FOLD_SHOW + 8 and not lines[n - 1].strip()]
+    return (near or safe or [None])[0]
+
+
+def code_html(source: str) -> str:
+    """A code cell's highlighted source; a long one with its tail in a ``<details>``."""
+    from pygments import highlight
+    from pygments.formatters import HtmlFormatter
+    from pygments.lexers import PythonLexer
+
+    def lit(text: str) -> str:
+        return highlight(text or " ", PythonLexer(), HtmlFormatter(cssclass="highlight"))
+
+    n = fold_line(source)
+    if n is None:
+        return lit(source)
+    lines = source.split("\n")
+    head, tail = "\n".join(lines[:n]), "\n".join(lines[n:])
+    more = len(lines) - n
+    return (f'{lit(head)}<details class="code-rest"><summary><span>{more} more lines '
+            f"(lines {n + 1}–{len(lines)})</span></summary>{lit(tail)}</details>")
+
+
+# --- nbconvert ------------------------------------------------------------------------------
+
 def make_exporter(formulas: list[dict]):
-    """nbconvert's HTML exporter with our template, whose Markdown leaves a numbered slot per formula."""
+    """nbconvert's HTML exporter with our template; its Markdown leaves a slot per formula."""
     from jinja2 import pass_context
     from nbconvert import HTMLExporter
     from nbconvert.filters.markdown_mistune import IPythonRenderer, MarkdownWithMath
 
     class MathSlots(IPythonRenderer):
-        """Markdown renderer that records each formula's TeX and leaves a slot for its typeset form."""
+        """Markdown renderer that records each formula's TeX and leaves a slot for it."""
 
         def _slot(self, tex: str, display: bool) -> str:
             formulas.append({"tex": tex, "display": display})
@@ -149,33 +464,71 @@ def make_exporter(formulas: list[dict]):
         def markdown2html(self, context, source):
             cell = context.get("cell", {})
             path = context.get("resources", {}).get("metadata", {}).get("path", "")
-            renderer = MathSlots(escape=False, attachments=cell.get("attachments", {}), embed_images=True,
-                                 path=path, anchor_link_text="¶")
+            renderer = MathSlots(escape=False, attachments=cell.get("attachments", {}),
+                                 embed_images=True, path=path, anchor_link_text="¶")
             return MarkdownWithMath(renderer=renderer).render(source)
 
         def default_filters(self):
             yield from super().default_filters()
             yield ("markdown2html", self.markdown2html)
             yield ("tidy_stream", tidy_stream)
-            yield ("svg_data_uri",
-                   lambda svg: "data:image/svg+xml;base64," + base64.b64encode(svg.encode()).decode())
+            yield ("code_html", code_html)
+            yield ("svg_data_uri", lambda svg: "data:image/svg+xml;base64,"
+                   + base64.b64encode(svg.encode()).decode())
 
     return ArticleExporter(extra_template_basedirs=[str(WEB)], template_name="article")
 
 
+# --- The article's structure ----------------------------------------------------------------
+
 def heading_text(tag) -> str:
     """A heading's words without its ¶ anchor link."""
-    return "".join(t for t in tag.find_all(string=True) if not t.find_parent(class_="anchor-link")).strip()
+    return "".join(t for t in tag.find_all(string=True)
+                   if not t.find_parent(class_="anchor-link")).strip()
 
 
-def arrange(html: str) -> str:
-    """The article's structure: title block, contents, paper quotations set apart, unique heading ids."""
-    from bs4 import BeautifulSoup
+def slug(text: str, words: int = 4) -> str:
+    """A few ASCII words of ``text`` joined by hyphens: "Label smoothing (ours)" → "label-smoothing-ours"."""
+    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode().lower()
+    return "-".join(re.findall(r"[a-z0-9]+", text)[:words]) or "section"
 
-    soup = BeautifulSoup(html, "html.parser")
-    main = soup.find("main")
-    # The paper's words: one or more block quotes and the "— §…" line after them become one figure.
-    # (A block quote always quotes the paper here; the line names where, "— Abstract" included.)
+
+def section_number(text: str) -> str | None:
+    """"3.2.1" for a heading that starts with "§3.2.1"."""
+    match = re.match(r"§\s?(\d+(?:\.\d+)*)", text)
+    return match.group(1) if match else None
+
+
+def heading_ids(headings) -> dict:
+    """Short ASCII ids: ``part-3``, ``s3-2-1``, else the id of the heading above plus words."""
+    ids, seen, above = {}, set(), {}  # above: level → id of the last heading at that level
+    for n, h in enumerate(headings):
+        text, level = heading_text(h), int(h.name[1])
+        part = re.match(r"Part\s+(\d+)\b", text)
+        number = section_number(text)
+        if n == 0:
+            base = "title"
+        elif part and level == 1:
+            base = f"part-{part.group(1)}"
+        elif number:
+            base = "s" + number.replace(".", "-")
+        else:
+            parents = [above[k] for k in sorted(above) if k < level and above[k] != "title"]
+            words = slug(re.split(r"\s[—–-]\s", text)[0] if level == 1 else text)
+            base = f"{parents[-1]}-{words}" if parents else words
+        new, k = base, 1
+        while new in seen:
+            k += 1
+            new = f"{base}-{k}"
+        seen.add(new)
+        ids[id(h)] = new
+        above = {k: v for k, v in above.items() if k < level}
+        above[level] = new
+    return ids
+
+
+def group_quotes(soup, main) -> None:
+    """The paper's words: block quotes and the "— §…" line after them become one figure."""
     for quote in main.find_all("blockquote"):
         if quote.find_parent("figure") is not None:
             continue
@@ -194,36 +547,213 @@ def arrange(html: str) -> str:
                 caption.append(child.extract())
             nxt.decompose()
             figure.append(caption)
-    # Unique ids for headings; the first heading and the paragraph under it become the title block.
-    seen: set = set()
-    headings = main.find_all(["h1", "h2", "h3"])
-    for h in headings:
-        base, n = unquote(h.get("id") or "section"), 1
-        h["id"] = base
-        while h.get("id") in seen or not h.get("id"):
-            n += 1
-            h["id"] = f"{base}-{n}"
-        seen.add(h["id"])
-        for a in h.find_all("a", class_="anchor-link"):
-            a["href"] = "#" + h["id"]
-    title = headings[0]
+
+
+def into_sections(soup, main, headings) -> None:
+    """Nest the article's flat run of blocks into one ``<section>`` per heading."""
+    blocks = list(main.children)
+    for b in blocks:
+        b.extract()
+    stack = [(0, main)]
+    for block in blocks:
+        level = int(block.name[1]) if getattr(block, "name", None) in ("h1", "h2", "h3") else 0
+        if level:
+            while stack[-1][0] >= level:
+                stack.pop()
+            section = soup.new_tag("section", attrs={"class": f"level-{level}"})
+            section["aria-labelledby"] = block["id"]
+            stack[-1][1].append(section)
+            stack.append((level, section))
+        stack[-1][1].append(block)
+
+
+def collapse_skippable(soup, main) -> None:
+    """Sections a first reading may skip (see the module's notes) become closed ``<details>``."""
+    for section in main.find_all("section"):
+        h = section.find(["h1", "h2", "h3"], recursive=False)
+        if h is None or not SKIPPABLE.search(heading_text(h)):
+            continue
+        details = soup.new_tag("details", attrs={"class": "skippable"})
+        summary = soup.new_tag("summary")
+        note = soup.new_tag("span", attrs={"class": "skip-note"})
+        note.string = "may be skipped on a first reading · open"
+        for child in list(section.contents):
+            details.append(child.extract())
+        summary.append(h.extract())
+        summary.append(note)
+        details.insert(0, summary)
+        section.append(details)
+        section["class"] = section.get("class", []) + ["aside"]
+
+
+def mention_targets(main, headings) -> dict:
+    """What each mention ("§3.2", "Part 4", "Table 3", "Figure 1", "Eq. 1") links to: an id."""
+    best: dict = {}  # mention → (rank, id); the lowest rank wins, then the first
+
+    def offer(key: str, rank: int, target: str) -> None:
+        if key not in best or rank < best[key][0]:
+            best[key] = (rank, target)
+
+    for h in headings[1:]:
+        text = heading_text(h)
+        part = re.match(r"Part\s+(\d+)\b", text)
+        if part and h.name == "h1":
+            offer(f"Part {part.group(1)}", 0, h["id"])
+        for m in MENTION.finditer(text):
+            key = normal_mention(m.group())
+            if key.startswith("Part"):
+                continue
+            offer(key, 0 if m.start() == 0 else 1, h["id"])
+    for fig in main.find_all("figure", class_="paper-quote"):
+        caption = fig.find("figcaption")
+        for n in re.findall(r"Eqs?\.\s?(\d+)", caption.get_text() if caption else ""):
+            fig["id"] = fig.get("id") or f"eq-{n}"
+            offer(f"Eq. {n}", 0, fig["id"])
+    for img in main.find_all("img"):
+        m = re.match(r"Figure\s(\d+)\b", img.get("alt", ""))
+        if m:
+            img["id"] = img.get("id") or f"figure-{m.group(1)}"
+            offer(f"Figure {m.group(1)}", 0, img["id"])
+    return {k: v[1] for k, v in best.items()}
+
+
+def normal_mention(text: str) -> str:
+    """A mention in one spelling: "§ 3.2" → "§3.2", "Eq.1" → "Eq. 1"."""
+    return re.sub(r"^Eq\.\s?", "Eq. ", re.sub(r"^§\s", "§", text))
+
+
+NO_LINKS = {"a", "code", "pre", "h1", "h2", "h3", "h4", "h5", "h6", "figcaption", "script",
+            "style", "summary", "svg", "button", "select", "label", "title"}
+
+
+def link_mentions(soup, main, targets: dict) -> int:
+    """Turn every mention in prose into a link to its target; returns how many."""
+    count = 0
+    for text in list(main.find_all(string=MENTION)):
+        if any(p.name in NO_LINKS or "katex" in (p.get("class") or []) or
+               "output" in (p.get("class") or []) or "highlight" in (p.get("class") or [])
+               for p in text.parents if p is not main and p.name):
+            continue
+        pieces, last, s = [], 0, str(text)
+        for m in MENTION.finditer(s):
+            target = targets.get(normal_mention(m.group()))
+            if target is None:
+                continue
+            pieces.append(s[last:m.start()])
+            link = soup.new_tag("a", href="#" + target, attrs={"class": "xref"})
+            link.string = m.group()
+            pieces.append(link)
+            last = m.end()
+            count += 1
+        if not pieces:
+            continue
+        pieces.append(s[last:])
+        for piece in pieces:
+            text.insert_before(piece)
+        text.extract()
+    return count
+
+
+def add_next_links(soup, main) -> None:
+    """Each Part ends with a link to the next Part (a skippable one passed over)."""
+    parts = [s for s in main.find_all("section", class_="level-1")]
+    readable = [s for s in parts if "aside" not in s.get("class", [])]
+    for section in parts:
+        following = [s for s in readable if parts.index(s) > parts.index(section)]
+        if not following:
+            continue
+        h = following[0].find("h1")
+        nav = soup.new_tag("p", attrs={"class": "next-part"})
+        link = soup.new_tag("a", href="#" + h["id"])
+        link.string = f"Next: {heading_text(h)} →"
+        nav.append(link)
+        (section.find("details", recursive=False) or section).append(nav)
+
+
+def add_title_block(soup, main, title) -> None:
+    """The title, the paragraph under it, and the links: paper, repository, Colab, citation."""
     header = soup.new_tag("header", attrs={"class": "title-block"})
     subtitle = title.find_next_sibling("p")
-    soup.find("div", class_="layout").insert_before(header)
+    main.insert(0, header)
     header.append(title.extract())
     if subtitle is not None:
         header.append(subtitle.extract())
-    # Contents: the Parts (h1) and the sections under them; subsections only when they are the paper's.
-    details = soup.new_tag("details")
-    summary = soup.new_tag("summary")
-    summary.string = "Contents"
-    details.append(summary)
-    top = soup.new_tag("ol")
-    details.append(top)
+    links = soup.new_tag("p", attrs={"class": "title-links"})
+    for text, href in (("The paper (arXiv:1706.03762)", PAPER), ("Repository", REPOSITORY),
+                       ("Open in Colab", colab_url()), ("How to cite", "#how-to-cite")):
+        a = soup.new_tag("a", href=href)
+        a.string = text
+        if href.startswith("http"):
+            a["rel"] = "noopener"
+        links.append(a)
+    header.append(links)
+
+
+def add_ending(soup, main, headings) -> None:
+    """Results pointer, citation and credits, for whichever of them the notebook lacks."""
+    has = {k: any(p.match(heading_text(h)) for h in headings) for k, p in ENDINGS.items()}
+    footer = soup.new_tag("footer", attrs={"class": "page-end"})
+    if not has["results"]:
+        part4 = [h for h in main.find_all("h1") if h.get("id") == "part-4"]
+        section = soup.new_tag("section", attrs={"class": "ending"})
+        section.append(fragment(soup, '<h2 id="results">Results</h2>'))
+        if part4:
+            runs = part4[0].find_parent("section").find_all(["h2", "h3"])
+            p = soup.new_tag("p")
+            p.append("The runs and what they measured are in ")
+            a = soup.new_tag("a", href="#part-4")
+            a.string = heading_text(part4[0])
+            p.append(a)
+            p.append(":")
+            section.append(p)
+            ul = soup.new_tag("ul")
+            for h in runs:
+                li = soup.new_tag("li")
+                a = soup.new_tag("a", href="#" + h["id"])
+                a.string = heading_text(h)
+                li.append(a)
+                ul.append(li)
+            section.append(ul)
+        footer.append(section)
+    if has["cite"]:  # the title block's "How to cite" leads to the notebook's own
+        heading = next(h for h in headings if ENDINGS["cite"].match(heading_text(h)))
+        for a in main.find_all("a", href="#how-to-cite"):
+            a["href"] = "#" + heading["id"]
+    else:
+        footer.append(fragment(soup, f"""<section class="ending">
+<h2 id="how-to-cite">How to cite</h2>
+<p>Cite the paper (BibTeX below), and this reproduction by its repository,
+<a href="{REPOSITORY}">{REPOSITORY.removeprefix("https://")}</a>.</p>
+<pre class="bibtex">{htmllib.escape(BIBTEX)}</pre>
+</section>"""))
+    if not has["credits"]:
+        footer.append(fragment(soup, f"""<section class="ending">
+<h2 id="credits">Credits</h2>
+<p>The paper and its words quoted here: Ashish Vaswani, Noam Shazeer, Niki Parmar, Jakob
+Uszkoreit, Llion Jones, Aidan N. Gomez, Łukasz Kaiser and Illia Polosukhin,
+<a href="{PAPER}"><cite>Attention Is All You Need</cite></a> (NeurIPS 2017). The idea of
+annotating it line by line with running code: <cite>The Annotated Transformer</cite> by
+Alexander Rush (Harvard NLP, 2018). Formulas typeset by KaTeX; the page was built from the
+notebook and its stored outputs by <code>make html</code>.</p>
+</section>"""))
+    main.append(footer)
+
+
+def fragment(soup, markup: str):
+    """Parsed HTML to insert into ``soup``."""
+    from bs4 import BeautifulSoup
+
+    return BeautifulSoup(markup, "html.parser")
+
+
+def contents_nav(soup, headings) -> None:
+    """The contents: Parts (h1), their sections (h2), the paper's subsections (h3 with §)."""
+    nav = soup.find("nav", class_="toc")
+    top = soup.new_tag("ol", attrs={"class": "toc-list"})
     lists = {0: top}  # heading level → the list that holds the entries below it
     for h in headings[1:]:
         level = int(h.name[1])
-        if level == 3 and not heading_text(h).startswith("§"):
+        if level == 3 and section_number(heading_text(h)) is None:
             continue
         parent = lists[max(k for k in lists if k < level)]
         li = soup.new_tag("li", attrs={"class": "toc-part" if level == 1 else f"toc-{level}"})
@@ -235,27 +765,108 @@ def arrange(html: str) -> str:
         li.append(sub)
         lists = {k: v for k, v in lists.items() if k < level}
         lists[level] = sub
-    for empty in details.find_all("ol"):
+    for end in soup.find("footer", class_="page-end").find_all("h2"):
+        li = soup.new_tag("li", attrs={"class": "toc-2"})
+        link = soup.new_tag("a", href="#" + end["id"])
+        link.string = end.get_text()
+        li.append(link)
+        top.append(li)
+    for empty in top.find_all("ol"):
         if not empty.contents:
             empty.decompose()
-    soup.find("nav", class_="toc").append(details)
+    nav.append(top)
+
+
+def search_index(main) -> list:
+    """Each section's heading and prose (no code, outputs or formulas): [id, title, text]."""
+    entries = []
+    for h in main.find_all(["h1", "h2", "h3"]):
+        if not h.get("id"):
+            continue
+        words = []
+        holder = h.find_parent("section")
+        for el in (holder.descendants if holder else []):
+            if getattr(el, "name", None) in ("section",) and el is not holder:
+                break
+            if isinstance(el, str) and el.strip() and not any(
+                    p.name in ("pre", "script", "style", "svg", "h1", "h2", "h3", "summary")
+                    or {"katex", "highlight", "output", "anchor-link"} & set(p.get("class") or [])
+                    for p in el.parents if p is not holder):
+                words.append(el.strip())
+        text = re.sub(r"\s+", " ", " ".join(words))
+        entries.append([h["id"], heading_text(h), text])
+    return entries
+
+
+def arrange(html: str) -> str:
+    """The article's structure: title block, sections, ids, links, contents, ending, index."""
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(html, "html.parser")
+    main = soup.find("main")
+    for cell in main.find_all("div", class_="prose", recursive=False):
+        cell.unwrap()  # one flat run of blocks: headings, paragraphs, quotations, code cells
+    group_quotes(soup, main)
+    headings = main.find_all(["h1", "h2", "h3"])
+    ids = heading_ids(headings)
+    renamed = {}
+    for h in headings:
+        renamed[unquote(h.get("id") or "")] = ids[id(h)]
+        h["id"] = ids[id(h)]
+        for a in h.find_all("a", class_="anchor-link"):
+            a["href"] = "#" + h["id"]
+            a["aria-label"] = f"Link to this section: {heading_text(h)}"
+    for a in main.find_all("a", href=re.compile("^#")):
+        old = unquote(a["href"][1:])
+        if old in renamed:
+            a["href"] = "#" + renamed[old]
+    add_title_block(soup, main, headings[0])
+    into_sections(soup, main, headings)
+    collapse_skippable(soup, main)
+    link_mentions(soup, main, mention_targets(main, headings))
+    add_next_links(soup, main)
+    add_ending(soup, main, headings)
+    contents_nav(soup, headings)
+    index = json.dumps(search_index(main), separators=(",", ":"), ensure_ascii=False)
+    script = soup.new_tag("script", attrs={"type": "application/json", "id": "search-index"})
+    script.string = index.replace("</", "<\\/")
+    soup.body.find("script", recursive=False).insert_before(script)
     return str(soup)
 
 
+def code_css() -> str:
+    """Code colours: each Pygments token class to one of a few colours (page.css sets them,
+    light and dark, each at least 4.5:1 on the code background)."""
+    from pygments.token import STANDARD_TYPES, Comment, Keyword, Name, Number, Operator, String
+
+    roles = [(Comment, "comment"), (String, "string"), (Number, "number"),
+             (Keyword, "keyword"), (Operator.Word, "keyword"),
+             (Name.Function, "function"), (Name.Class, "function"), (Name.Decorator, "decorator"),
+             (Name.Builtin, "builtin"), (Name.Exception, "builtin")]
+    rules = {}
+    for token, short in STANDARD_TYPES.items():
+        for kind, role in roles:
+            if short and token in kind:
+                rules.setdefault(role, []).append(f".highlight .{short}")
+                break
+    css = [f"{', '.join(sel)} {{ color: var(--code-{role}); }}" for role, sel in rules.items()]
+    css.append(".highlight .c, .highlight .c1, .highlight .cm, .highlight .ch, .highlight .cs, "
+               ".highlight .sd { font-style: italic; }")
+    return "\n".join(css)
+
+
 def build(notebook: Path, out: Path) -> dict:
-    """Write the page for ``notebook`` to ``out``; returns its size, formula count and build time."""
+    """Write the page for ``notebook`` to ``out``; returns its size, formulas and build time."""
     import nbformat
-    from pygments.formatters import HtmlFormatter
 
     start = time.perf_counter()
     ensure_katex()
-    nb = with_alt_text(nbformat.read(notebook, as_version=4))
+    nb = prepare(nbformat.read(notebook, as_version=4))
     formulas: list[dict] = []
     exporter = make_exporter(formulas)
     title = next((line[2:].strip() for c in nb.cells if c.cell_type == "markdown"
                   for line in c.source.splitlines() if line.startswith("# ")), notebook.stem)
-    css = "\n".join([(WEB / "page.css").read_text(), HtmlFormatter(style="friendly").get_style_defs(".highlight"),
-                     katex_css()])
+    css = "\n".join([(WEB / "page.css").read_text(), code_css(), katex_css()])
     resources = {"metadata": {"path": str(notebook.parent), "name": notebook.stem},
                  "page_title": title, "page_css": css, "page_js": (WEB / "page.js").read_text()}
     html, _ = exporter.from_notebook_node(nb, resources=resources)
@@ -264,13 +875,14 @@ def build(notebook: Path, out: Path) -> dict:
     html = arrange(html)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(html, encoding="utf-8")
-    return {"bytes": out.stat().st_size, "formulas": len(formulas), "seconds": time.perf_counter() - start}
+    return {"bytes": out.stat().st_size, "formulas": len(formulas),
+            "seconds": time.perf_counter() - start}
 
 
 def main(argv=None) -> int:
     """Command line of ``make html``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--notebook", type=Path, default=ROOT / "annotated_transformer.ipynb")
+    parser.add_argument("--notebook", type=Path, default=ROOT / NOTEBOOK_FILE)
     parser.add_argument("--out", type=Path, default=ROOT / "site" / "index.html")
     args = parser.parse_args(argv)
     try:
@@ -278,8 +890,9 @@ def main(argv=None) -> int:
     except MissingTool as err:
         print(err, file=sys.stderr)
         return 2
-    print(f"wrote {args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out}: "
-          f"{stats['bytes'] / 1e6:.1f} MB, {stats['formulas']} formulas, {stats['seconds']:.1f} s")
+    where = args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out
+    print(f"wrote {where}: {stats['bytes'] / 1e6:.1f} MB ({stats['bytes']:,} bytes), "
+          f"{stats['formulas']} formulas, {stats['seconds']:.1f} s")
     return 0
 
 
