@@ -37,32 +37,32 @@ def tiny_cfg(run_dir, **overrides):
 
     float32 whatever the CPU (exact comparisons); the precision tests (test_devices.py) ask for theirs.
     """
-    import the_annotated_transformer as tat
+    import machinery
 
     settings = dict(N=1, d_model=32, d_ff=64, h=4, epochs=1, batch_tokens=240, warmup=50, device="cpu",
                     precision="fp32", run_dir=str(run_dir))
     settings.update(overrides)
-    return tat.get_config("copy", **settings)
+    return machinery.get_config("copy", **settings)
 
 
 def tiny_data(cfg):
     """200 / 40 / 20 copy pairs of 10 symbols (12 ids with <s> and </s>)."""
-    import the_annotated_transformer as tat
+    import machinery
 
-    return tat.make_copy_data(cfg, sizes=(200, 40, 20))
+    return machinery.make_copy_data(cfg, sizes=(200, 40, 20))
 
 
 def run(cfg, data, **kwargs) -> dict:
     """Train ``cfg`` on ``data`` quietly, without the test-set evaluation unless asked."""
-    import the_annotated_transformer as tat
+    import machinery
 
-    return tat.train(cfg, data=data, log=quiet, progress=False, **{"evaluate": False, **kwargs})
+    return machinery.train(cfg, data=data, log=quiet, progress=False, **{"evaluate": False, **kwargs})
 
 
 def last_state(run_dir) -> dict:
     """The newest checkpoint of ``run_dir``, loaded."""
-    import the_annotated_transformer as tat
+    import machinery
 
-    paths = tat.checkpoint_paths(run_dir)
+    paths = machinery.checkpoint_paths(run_dir)
     assert paths, f"no checkpoint in {run_dir}"
-    return tat.load_checkpoint(paths[-1])
+    return machinery.load_checkpoint(paths[-1])

@@ -1,10 +1,13 @@
-"""Part 2 (training) as invariants: the Eq. 3 schedule and Adam, label smoothing and the loss, the update
-and gradient accumulation, the copy preset learning to copy, the run plan and its clock, the default preset.
+"""Part 2 (training) as invariants: the Eq. 3 schedule and Adam, label smoothing and the loss, the
+production update (`machinery.update`) as the notebook's `train_step`, Part 4's runs using the notebook's
+definitions as a reader has edited them, gradient accumulation, the copy preset learning to copy, the run
+plan and its clock, the default preset.
 
 Everything runs on the CPU with tiny models and shrunken copy data; every run writes into
 pytest's tmp_path, never into the repository. Resuming and checkpoints: test_checkpoints.py;
 decoding: test_decoding.py; the command line: test_cli.py.
 """
+import contextlib
 import copy
 import dataclasses
 import json
@@ -12,6 +15,7 @@ import math
 import random
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # normally done by conftest.py
     sys.path.insert(0, str(ROOT))
 
+import machinery  # noqa: E402
+import machinery.parts  # noqa: E402
+import machinery.training  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
 from the_annotated_transformer import BOS, EOS, PAD  # noqa: E402
 from conftest import last_state, quiet, run, tiny_cfg, tiny_data  # noqa: E402
@@ -30,7 +37,7 @@ from conftest import last_state, quiet, run, tiny_cfg, tiny_data  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def varlen_data(cfg, n: int = 120, seed: int = 0) -> tat.Dataset:
+def varlen_data(cfg, n: int = 120, seed: int = 0) -> machinery.Dataset:
     """Copy pairs of 1–10 symbols, so that batches hold different token counts and padding."""
     base = tiny_data(cfg)
     rng = random.Random(seed)
@@ -89,7 +96,7 @@ def test_rate_rises_linearly_then_decays_peaking_at_warmup(warmup):
 
 
 def test_adam_uses_the_papers_betas_and_eps():
-    optimizer, _ = tat.make_optimizer(nn.Linear(3, 3), tat.get_config("base"))
+    optimizer, _ = tat.make_optimizer(nn.Linear(3, 3), machinery.get_config("base"))
     assert isinstance(optimizer, torch.optim.Adam)
     group = optimizer.param_groups[0]
     assert tuple(group["betas"]) == (0.9, 0.98)
@@ -98,9 +105,9 @@ def test_adam_uses_the_papers_betas_and_eps():
 
 def test_fused_adam_takes_the_same_steps_as_the_per_tensor_loop():
     torch.manual_seed(0)
-    model = tat.make_model(11, 11, tat.PRESETS["tiny"]).double().eval()  # no dropout; float64: no rounding noise for Adam to amplify
+    model = tat.make_model(11, 11, machinery.PRESETS["tiny"]).double().eval()  # no dropout; float64: no rounding noise for Adam to amplify
     twin = copy.deepcopy(model)
-    fused, _ = tat.make_optimizer(model, tat.get_config("tiny"))
+    fused, _ = tat.make_optimizer(model, machinery.get_config("tiny"))
     assert fused.defaults["fused"]  # the CPU has Adam's fused kernel
     loop = torch.optim.Adam(twin.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9, foreach=False)
     for group in (fused.param_groups[0], loop.param_groups[0]):
@@ -117,7 +124,7 @@ def test_fused_adam_takes_the_same_steps_as_the_per_tensor_loop():
 
 
 def test_update_k_applies_equation_3_at_step_k():
-    cfg = tat.get_config("tiny", warmup=10, lr_factor=2.0)
+    cfg = machinery.get_config("tiny", warmup=10, lr_factor=2.0)
     model = nn.Linear(4, 2)
     optimizer, scheduler = tat.make_optimizer(model, cfg)
     applied = []
@@ -133,30 +140,6 @@ def test_update_k_applies_equation_3_at_step_k():
         assert lr == pytest.approx(eq3(k, cfg.d_model, 2.0, 10), rel=1e-12), k
     assert applied[0] < applied[1], "updates 1 and 2 must not share a rate"
     assert max(range(30), key=applied.__getitem__) + 1 == cfg.warmup
-
-
-def test_cooldown_follows_equation_3_then_falls_linearly_to_zero_at_the_last_update():
-    total, fraction = 100, 0.3  # the last 30 updates fall
-    cfg = tat.get_config("tiny", warmup=10, cooldown=fraction)
-    model = nn.Linear(4, 2)
-    optimizer, scheduler = tat.make_optimizer(model, cfg, total_updates=total)
-    applied = []
-    for _ in range(total):
-        applied.append(optimizer.param_groups[0]["lr"])
-        optimizer.step()
-        scheduler.step()
-    for k, lr in enumerate(applied[:70], start=1):  # Eq. 3 untouched before the last 30 updates
-        assert lr == pytest.approx(eq3(k, cfg.d_model, 1.0, 10), rel=1e-12), k
-    shares = [lr / eq3(k, cfg.d_model, 1.0, 10) for k, lr in enumerate(applied, start=1)][70:]
-    assert shares == pytest.approx([(30 - i) / 30 for i in range(30)], rel=1e-12)  # 1, 29/30, …, 1/30
-    assert optimizer.param_groups[0]["lr"] == 0.0  # where an update after the last would run
-    with pytest.raises(ValueError, match="total_updates"):
-        tat.make_optimizer(model, cfg)
-    for bad in (-0.1, 1.5, float("nan")):
-        with pytest.raises(ValueError, match="cooldown"):
-            tat.get_config("tiny", cooldown=bad)
-    with pytest.raises(ValueError, match="cooldown .*bpe_dropout"):  # its number of updates changes every epoch
-        tat.get_config("multi30k-small", cooldown=0.3, bpe_dropout=0.1)
 
 
 def test_logged_lr_is_the_one_each_update_applied(tmp_path):
@@ -267,48 +250,119 @@ def test_loss_sum_is_the_cross_entropy_it_wraps(eps):
     torch.testing.assert_close(a.grad, b.grad)
 
 
+# --------------------------------------------------------------------------------------------
+# 2a. The production update is the notebook's train_step
+# --------------------------------------------------------------------------------------------
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """The bit patterns of a float tensor: equal bits, not merely equal values (+0 and -0 differ)."""
     return t.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("eps", [0.0, 0.1, 0.2])
-@pytest.mark.parametrize("upstream", [1.0, 1 / 37, -3.0])
-def test_loss_sum_one_pass_is_loss_sum_bit_for_bit(dtype, eps, upstream):
-    K = 50
-    logits, target = random_scores(3 * 40, K, seed=7, dtype=torch.float32)
-    log_probs = F.log_softmax(logits, -1).to(dtype).reshape(3, 40, K)
-    a, b = log_probs.clone().requires_grad_(), log_probs.clone().requires_grad_()
-    one_pass = tat.loss_sum_one_pass(a, target.reshape(3, 40), eps)
-    readable = tat.loss_sum(b, target.reshape(3, 40), eps)
-    assert one_pass.dtype == readable.dtype == torch.float32
-    assert torch.equal(bits(one_pass), bits(readable))
-    (upstream * one_pass).backward()
-    (upstream * readable).backward()
-    assert a.grad.dtype == dtype and a.grad.shape == a.shape
-    assert torch.equal(bits(a.grad), bits(b.grad))  # every gradient, to the bit and the sign of its zeros
-    # the gradient has two values a row: the smoothing share, and the share plus the target's at the target
-    rows = a.grad.reshape(-1, K)[target != PAD]
-    assert all(len(torch.unique(row)) <= 2 for row in rows)
+def one_update_trainer(cfg, model) -> machinery.Trainer:
+    """What ``machinery.update`` needs for ``model``: one process, float32, no wrapper."""
+    optimizer, scheduler = tat.make_optimizer(model, cfg)
+    return machinery.Trainer(
+        cfg=cfg, model=model, train_model=model, optimizer=optimizer, scheduler=scheduler,
+        device=torch.device("cpu"), autocast=contextlib.nullcontext,
+        scaler=torch.amp.GradScaler("cpu", enabled=False), world=1)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_training_with_the_one_pass_loss_ends_at_the_readable_losss_weights(tmp_path, monkeypatch, precision):
+def test_the_production_update_is_the_notebooks_train_step_bit_for_bit(tmp_path):
+    # one batch an update, one process, float32, dropout on: the same weights to the bit
+    cfg = tiny_cfg(tmp_path / "unused", P_drop=0.1, eps_ls=0.1, batch_tokens=60)
+    data = varlen_data(cfg)
+    pairs = data.splits["train"]
+    lengths = [(len(s), len(t)) for s, t in pairs]
+    batches = tat.length_batches(lengths, cfg.batch_tokens, cfg.seed, 0)[:4]
+    torch.manual_seed(0)
+    notebook_model = tat.make_model(len(data.src_vocab), len(data.tgt_vocab), cfg)
+    production_model = copy.deepcopy(notebook_model)
+    initial = copy.deepcopy(notebook_model.state_dict())
+    optimizer, scheduler = tat.make_optimizer(notebook_model, cfg)
+    trainer = one_update_trainer(cfg, production_model)
+    notebook_model.train(), production_model.train()
+    for k, idx in enumerate(batches):
+        torch.manual_seed(100 + k)  # the same dropout masks on both sides
+        loss, lr = tat.train_step(notebook_model, tat.make_batch(pairs, idx), optimizer, scheduler, cfg.eps_ls)
+        torch.manual_seed(100 + k)
+        total, tokens, lr_production = machinery.update(trainer, [tat.make_batch(pairs, idx)])
+        assert tokens == tat.make_batch(pairs, idx).ntokens
+        assert (total / tokens, lr_production) == (loss, lr)
+    a, b = notebook_model.state_dict(), production_model.state_dict()
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(bits(a[name]), bits(b[name])), name
+    assert any(not torch.equal(initial[k], b[k]) for k in b), "nothing trained: the comparison proves nothing"
+
+
+def test_a_production_run_ends_at_the_weights_of_the_notebooks_train_loop(tmp_path):
+    # one epoch of `train` (set-up, batches, updates, validation, checkpoint) against Part 2's loop
+    cfg = tiny_cfg(tmp_path / "run", P_drop=0.1, eps_ls=0.1)
+    data = tiny_data(cfg)
+    summary = run(cfg, data)
+    assert summary["steps"] == 10
+    torch.manual_seed(cfg.seed)  # as `train` seeds before it builds the model
+    model = tat.make_model(len(data.src_vocab), len(data.tgt_vocab), cfg, attention="readable")
+    tat.train_loop(model, data.splits["train"], cfg)
+    produced = last_state(tmp_path / "run")["model"]
+    assert produced.keys() == model.state_dict().keys()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(bits(tensor), bits(produced[name])), name
+
+
+# --------------------------------------------------------------------------------------------
+# 2b. Part 4's runs use the notebook's own definitions, as a reader has (re)defined them
+# --------------------------------------------------------------------------------------------
+
+def test_a_change_to_a_notebook_cell_takes_effect_in_part_4s_runs(tmp_path, monkeypatch):
+    # a reader who redefines `batch_loss` in its cell replaces the name in the notebook's namespace
     calls = []
-    real = tat.loss_sum_one_pass
-    monkeypatch.setattr(tat, "loss_sum_one_pass", lambda *a, **k: calls.append(1) or real(*a, **k))
-    settings = dict(P_drop=0.1, eps_ls=0.1, batch_tokens=60, accum_steps=2, max_steps=3, precision=precision)
-    cfg = tiny_cfg(tmp_path / "one-pass", **settings)
-    run(cfg, varlen_data(cfg))
-    assert len(calls) == 6  # the training loss of every micro-batch
-    monkeypatch.setattr(tat, "loss_sum_one_pass", tat.loss_sum)  # training with autograd's backward instead
-    cfg = tiny_cfg(tmp_path / "readable", **settings)
-    run(cfg, varlen_data(cfg))
-    one_pass, readable = last_state(tmp_path / "one-pass")["model"], last_state(tmp_path / "readable")["model"]
-    assert one_pass.keys() == readable.keys()
-    for name in one_pass:
-        assert torch.equal(bits(one_pass[name]), bits(readable[name])), name
+    original = tat.batch_loss
+
+    def edited(model, batch, eps_ls, forward=None):
+        calls.append(batch.ntokens)
+        return original(model, batch, eps_ls, forward)
+
+    monkeypatch.setattr(tat, "batch_loss", edited)
+    cfg = tiny_cfg(tmp_path / "counted", batch_tokens=60, accum_steps=2, max_steps=3)
+    data = varlen_data(cfg)
+    lengths = [(len(s), len(t)) for s, t in data.splits["train"]]
+    first = tat.length_batches(lengths, cfg.batch_tokens, cfg.seed, 0)[:6]
+    assert machinery.train(cfg, data=data, log=quiet, progress=False, evaluate=False)["steps"] == 3
+    assert calls == [tat.make_batch(data.splits["train"], idx).ntokens for idx in first]  # every micro-batch
+
+    # and a change to what the cell computes changes the run: without label smoothing, the
+    # run is exactly the one with eps_ls = 0
+    monkeypatch.setattr(tat, "batch_loss", lambda model, batch, eps_ls, forward=None: original(
+        model, batch, 0.0, forward))
+    cfg = tiny_cfg(tmp_path / "edited", eps_ls=0.1, max_steps=2)
+    run(cfg, tiny_data(cfg))
+    monkeypatch.setattr(tat, "batch_loss", original)
+    for eps_ls in (0.0, 0.1):
+        run(dataclasses.replace(cfg, eps_ls=eps_ls, run_dir=str(tmp_path / f"eps-{eps_ls}")), tiny_data(cfg))
+    edited, unsmoothed, smoothed = (last_state(tmp_path / name)["model"] for name in ("edited", "eps-0.0", "eps-0.1"))
+    for k in edited:
+        assert torch.equal(edited[k], unsmoothed[k]), k
+    assert any(not torch.equal(edited[k], smoothed[k]) for k in edited), "the edit made no difference"
+
+
+def test_the_package_finds_the_running_notebook_else_imports_the_module(monkeypatch):
+    # run as a script or a notebook kernel, the notebook is __main__ and defines the marker
+    notebook_main = types.ModuleType("__main__")
+    notebook_main.ANNOTATED_TRANSFORMER_NOTEBOOK = True
+    monkeypatch.setitem(sys.modules, "__main__", notebook_main)
+    assert machinery.notebook() is notebook_main
+    assert machinery.parts.notebook() is notebook_main
+    # any other __main__ (pytest, the command line, a script importing the package): the module
+    monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
+    assert machinery.notebook() is tat
+    unmarked = types.ModuleType("__main__")
+    unmarked.ANNOTATED_TRANSFORMER_NOTEBOOK = False
+    monkeypatch.setitem(sys.modules, "__main__", unmarked)
+    assert machinery.notebook() is tat
+    monkeypatch.delitem(sys.modules, "__main__")
+    assert machinery.notebook() is tat
 
 
 # --------------------------------------------------------------------------------------------
@@ -321,8 +375,8 @@ def recorded_grads(monkeypatch):
     grads = []
     original = tat.make_optimizer
 
-    def recording(model, cfg, total_updates=0):
-        optimizer, scheduler = original(model, cfg, total_updates)
+    def recording(model, cfg):
+        optimizer, scheduler = original(model, cfg)
         names = {id(p): n for n, p in model.named_parameters()}
 
         def hook(opt, args, kwargs):
@@ -373,80 +427,13 @@ def test_accumulated_update_has_the_gradient_of_the_whole_batch(tmp_path, record
 # 4. The copy preset learns the copy task
 # --------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("eps", [0.0, 0.1])
-def test_fused_loss_gives_the_readable_loss_and_gradient(dtype, eps):
-    K = 50
-    logits, target = random_scores(3 * 40, K, seed=5, dtype=dtype)
-    logits, target = logits.reshape(3, 40, K), target.reshape(3, 40)
-    a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    fused = tat.fused_loss_sum(a, target, eps)
-    readable = tat.loss_sum(F.log_softmax(b.float(), -1), target, eps)
-    assert fused.dtype == readable.dtype == torch.float32
-    torch.testing.assert_close(fused, readable)
-    (2.5 * fused).backward()
-    (2.5 * readable).backward()
-    assert a.grad.dtype == dtype
-    # both compute the gradient in float32 and round it once to the logits' dtype
-    tol = {torch.bfloat16: dict(rtol=2 ** -7, atol=1e-6)}.get(dtype, {})
-    torch.testing.assert_close(a.grad, b.grad, **tol)
-    # rows of padding get no gradient; every other row's gradient, softmax − q, sums to zero
-    pad = target.reshape(-1) == PAD
-    assert torch.equal(a.grad.reshape(-1, K)[pad], torch.zeros(int(pad.sum()), K, dtype=dtype))
-    if dtype == torch.float32:  # (in bf16 the 50 rounded terms of a row need not cancel exactly)
-        row_sums = a.grad.reshape(-1, K)[~pad].double().sum(-1)
-        torch.testing.assert_close(row_sums, torch.zeros_like(row_sums), atol=1e-5, rtol=0)
-
-
-def test_fused_loss_setting_trains_with_the_fused_loss_and_the_same_gradient(tmp_path, recorded_grads, monkeypatch):
-    calls = []
-    real = tat.fused_loss_sum
-    monkeypatch.setattr(tat, "fused_loss_sum", lambda *a, **k: calls.append(1) or real(*a, **k))
-    for fused in (False, True):
-        cfg = tiny_cfg(tmp_path / f"fused-{fused}", P_drop=0.0, eps_ls=0.1, batch_tokens=60, accum_steps=2,
-                       max_steps=1, fused_loss=fused)
-        run(cfg, varlen_data(cfg))
-        assert len(calls) == (2 if fused else 0)  # one call per micro-batch, and only when asked
-    readable, fused = recorded_grads
-    assert_same_grads(fused, readable)
-
-
-def test_cpu_autocast_leaves_log_softmax_of_bf16_in_bf16_where_the_fused_loss_uses_float32():
-    logits = torch.randn(6, 9).bfloat16().requires_grad_()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert F.log_softmax(logits, -1).dtype == torch.bfloat16  # the readable pair's log-probabilities
-        target = torch.tensor([1, 2, 3, PAD, 4, 5])
-        assert tat.fused_loss_sum(logits, target, 0.1).dtype == torch.float32
-
-
-def test_training_under_bf16_autocast_gets_the_readable_gradients(tmp_path):
-    cfg = tiny_cfg(tmp_path / "unused")
-    torch.manual_seed(0)
-    model = tat.make_model(11, 11, cfg).eval()  # eval: no dropout, so both passes see the same network
-    pairs = [([1, 5, 6, 7, 2], [1, 7, 8, 2]), ([1, 5, 2], [1, 9, 8, 6, 5, 2])]
-    batch = tat.make_batch(pairs, [0, 1])
-    grads = []
-    for fused in (True, False):
-        model.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
-            loss = (tat.fused_loss_sum(model.generator.proj(out), batch.tgt_y, 0.1) if fused
-                    else tat.loss_sum(model.generator(out), batch.tgt_y, 0.1))
-        loss.backward()
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    # the logits' gradient is bf16 either way, rounded from slightly different float32 sums, and
-    # its roundings (2^-9 relative) spread through the layers: equal to within a few roundings
-    fused, readable = grads
-    assert float((fused - readable).norm() / readable.norm()) < 0.02
-
-
 @pytest.mark.parametrize("seed", [1, 2])
 def test_copy_preset_learns_to_copy(tmp_path, seed):
     """Not one tuned seed: measured at BLEU 99.1–100 over seeds 1–8, so 90 leaves a wide margin."""
-    cfg = tat.get_config("copy", device="cpu", seed=seed, run_dir=str(tmp_path / "copy"))
-    data = tat.make_copy_data(cfg)
+    cfg = machinery.get_config("copy", device="cpu", seed=seed, run_dir=str(tmp_path / "copy"))
+    data = machinery.make_copy_data(cfg)
     t0, c0 = time.perf_counter(), time.process_time()
-    summary = tat.train(cfg, data=data, log=quiet, progress=False)
+    summary = machinery.train(cfg, data=data, log=quiet, progress=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     print(f"\ncopy preset, seed {seed}: test BLEU {summary['bleu']:.2f} after {summary['steps']} updates in {wall:.1f} s "
           f"wall, {cpu:.1f} s CPU ({torch.get_num_threads()} thread)")
@@ -458,26 +445,26 @@ def test_copy_preset_learns_to_copy(tmp_path, seed):
 # --------------------------------------------------------------------------------------------
 
 def test_run_plan_counts_updates_and_flags_a_model_too_big_for_its_data():
-    cfg = tat.get_config("copy", epochs=3, accum_steps=2)
-    data = tat.make_copy_data(cfg)
+    cfg = machinery.get_config("copy", epochs=3, accum_steps=2)
+    data = machinery.make_copy_data(cfg)
     lengths = [(len(s), len(t)) for s, t in data.splits["train"]]
     per_epoch = -(-len(tat.length_batches(lengths, cfg.batch_tokens, cfg.seed, 0)) // 2)
     small = tat.make_model(len(data.src_vocab), len(data.tgt_vocab), cfg)
-    remaining, lines = tat.plan_run(cfg, data, 1, 5, small)
+    remaining, lines = machinery.plan_run(cfg, data, 1, 5, small)
     assert remaining == 3 * per_epoch - 5
     assert lines[0].startswith(f"plan: 3 epochs × {per_epoch} updates = {3 * per_epoch} updates")
     assert not any("sized for" in line for line in lines)
-    big = tat.make_model(len(data.src_vocab), len(data.tgt_vocab), tat.MODEL_PRESETS["base"])
-    _, lines = tat.plan_run(cfg, data, 1, 0, big)
+    big = tat.make_model(len(data.src_vocab), len(data.tgt_vocab), machinery.MODEL_PRESETS["base"])
+    _, lines = machinery.plan_run(cfg, data, 1, 0, big)
     assert any("sized for far more data" in line for line in lines)
-    assert tat.plan_run(dataclasses.replace(cfg, max_steps=4), data, 1, 1, small)[0] == 3
+    assert machinery.plan_run(dataclasses.replace(cfg, max_steps=4), data, 1, 1, small)[0] == 3
 
 
 def test_the_clock_estimates_once_from_timed_updates_and_warns_on_long_cpu_runs(monkeypatch):
     now = [100.0]
-    monkeypatch.setattr(tat.time, "time", lambda: now[0])
+    monkeypatch.setattr(machinery.training.time, "time", lambda: now[0])
     lines = []
-    clock = tat.UpdateClock(remaining=10_013, device=torch.device("cpu"), log=lines.append)
+    clock = machinery.UpdateClock(remaining=10_013, device=torch.device("cpu"), log=lines.append)
     for _ in range(20):
         clock.tick()
         now[0] += 1.5  # every update takes 1.5 s
@@ -489,8 +476,8 @@ def test_the_clock_estimates_once_from_timed_updates_and_warns_on_long_cpu_runs(
 
 def test_training_log_says_the_plan_and_the_estimate(tmp_path):
     lines = []
-    tat.train(tat.get_config("copy", run_dir=str(tmp_path), max_steps=16), log=lines.append, progress=False,
-              evaluate=False)
+    machinery.train(machinery.get_config("copy", run_dir=str(tmp_path), max_steps=16), log=lines.append,
+                    progress=False, evaluate=False)
     assert any(line.startswith("plan: ") for line in lines)
     assert any(line.startswith("estimate: ") for line in lines)
 
@@ -498,22 +485,23 @@ def test_training_log_says_the_plan_and_the_estimate(tmp_path):
 @pytest.mark.parametrize("cuda, preset", [(True, "iwslt14-small"), (False, "iwslt14-sample")])
 def test_default_preset_follows_the_machine(monkeypatch, cuda, preset):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    assert tat.default_preset() == preset
-    assert tat.config_from_args(["train"])[1] == dataclasses.replace(tat.get_config(preset), run_dir=f"runs/{preset}")
+    assert machinery.default_preset() == preset
+    assert machinery.config_from_args(["train"])[1] == dataclasses.replace(
+        machinery.get_config(preset), run_dir=f"runs/{preset}")
 
 
 @pytest.mark.parametrize("limit, expected", [(0, 160), (7, 7)])
 def test_validation_takes_the_first_max_valid_sentences_pairs(tmp_path, monkeypatch, limit, expected):
     seen = []
-    real = tat.evaluate_loss
+    real = machinery.evaluate_loss
 
     def evaluate_loss(model, pairs, cfg, device):
         seen.append(list(pairs))
         return real(model, pairs, cfg, device)
 
-    monkeypatch.setattr(tat, "evaluate_loss", evaluate_loss)
+    monkeypatch.setattr(machinery.training, "evaluate_loss", evaluate_loss)  # what `train` calls
     cfg = tiny_cfg(tmp_path, max_valid_sentences=limit)
-    data = tat.make_copy_data(cfg)
+    data = machinery.make_copy_data(cfg)
     run(cfg, data)
     assert seen and all(pairs == data.splits["valid"][:expected] for pairs in seen)
     with pytest.raises(ValueError, match="max_valid_sentences must be 0"):
