@@ -18,6 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # normally done by conftest.py
     sys.path.insert(0, str(ROOT))
 
+import machinery  # noqa: E402
+import machinery.training  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
 from the_annotated_transformer import PAD  # noqa: E402
 from conftest import last_state, run, tiny_cfg, tiny_data  # noqa: E402
@@ -39,7 +41,8 @@ def test_resume_gives_exactly_the_uninterrupted_run(tmp_path):
     stopped = last_state(tmp_path / "a")
     assert (stopped["step"], stopped["epoch"], stopped["batch_in_epoch"]) == (7, 0, 7)
     logs = []
-    tat.train(dataclasses.replace(cfg, max_steps=14), data=data, log=logs.append, progress=False, evaluate=False)
+    machinery.train(dataclasses.replace(cfg, max_steps=14), data=data, log=logs.append, progress=False,
+                    evaluate=False)
     assert any("resumed from" in str(line) and "checkpoint-00000007.pt" in str(line) for line in logs), logs
     run(dataclasses.replace(cfg, max_steps=14, run_dir=str(tmp_path / "b")), data)
 
@@ -63,8 +66,8 @@ def signal_at_update(monkeypatch, k: int, signum=signal.SIGINT):
     """Make the process send itself ``signum`` while update ``k`` (counting from 1) is being applied."""
     original = tat.make_optimizer
 
-    def patched(model, cfg, total_updates=0):
-        optimizer, scheduler = original(model, cfg, total_updates)
+    def patched(model, cfg):
+        optimizer, scheduler = original(model, cfg)
         calls = []
 
         def hook(opt, args, kwargs):
@@ -85,7 +88,7 @@ def test_a_signal_mid_epoch_saves_and_resuming_gives_the_uninterrupted_run(tmp_p
     data = tiny_data(cfg)
     with monkeypatch.context() as m:
         signal_at_update(m, 5, signum)
-        with pytest.raises(tat.TrainingInterrupted, match="after update 5.*Run the same command again"):
+        with pytest.raises(machinery.TrainingInterrupted, match="after update 5.*Run the same command again"):
             run(cfg, data)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the handler must be put back"
     stopped = last_state(tmp_path / "a")
@@ -108,23 +111,6 @@ def test_a_signal_mid_epoch_saves_and_resuming_gives_the_uninterrupted_run(tmp_p
     assert [(r["step"], sorted(r)) for r in records] == [(r["step"], sorted(r)) for r in want]
 
 
-def test_a_run_with_cooldown_resumes_on_the_same_falling_schedule(tmp_path, monkeypatch):
-    # 20 updates, the last 10 at a falling rate; stopped during update 13, in the middle of the fall
-    cfg = tiny_cfg(tmp_path / "a", epochs=2, checkpoint_minutes=0, cooldown=0.5)
-    data = tiny_data(cfg)
-    with monkeypatch.context() as m:
-        signal_at_update(m, 13)
-        with pytest.raises(tat.TrainingInterrupted, match="after update 13"):
-            run(cfg, data)
-    run(cfg, data)
-    run(dataclasses.replace(cfg, run_dir=str(tmp_path / "b")), data)  # never interrupted
-    a, b = last_state(tmp_path / "a"), last_state(tmp_path / "b")
-    assert a["step"] == b["step"] == 20
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    assert a["scheduler"]["_last_lr"] == b["scheduler"]["_last_lr"] == [0.0]  # the fall has reached zero
-
-
 def test_resume_drops_metrics_written_after_the_checkpoint(tmp_path):
     cfg = tiny_cfg(tmp_path / "run", epochs=6, warmup=40)  # 60 updates: records at 10, 20, …, 50 (train), 60
     data = tiny_data(cfg)
@@ -141,18 +127,18 @@ def test_resume_drops_metrics_written_after_the_checkpoint(tmp_path):
 
 def test_checkpoints_every_few_minutes_inside_an_epoch(tmp_path, monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr(tat.time, "time", lambda: clock[0])
+    monkeypatch.setattr(machinery.training.time, "time", lambda: clock[0])
     original = tat.make_optimizer
 
-    def ticking(model, cfg, total_updates=0):  # every update takes "one minute"
-        optimizer, scheduler = original(model, cfg, total_updates)
+    def ticking(model, cfg):  # every update takes "one minute"
+        optimizer, scheduler = original(model, cfg)
         optimizer.register_step_post_hook(lambda *a: clock.__setitem__(0, clock[0] + 60.0))
         return optimizer, scheduler
 
     monkeypatch.setattr(tat, "make_optimizer", ticking)
     cfg = tiny_cfg(tmp_path / "run", checkpoint_minutes=3, keep_checkpoints=100)  # 10 updates
     run(cfg, tiny_data(cfg))
-    steps = [int(p.stem.split("-")[1]) for p in tat.checkpoint_paths(tmp_path / "run")]
+    steps = [int(p.stem.split("-")[1]) for p in machinery.checkpoint_paths(tmp_path / "run")]
     assert steps == [3, 6, 9, 10]  # every 3 minutes, and the end of the epoch
     assert last_state(tmp_path / "run")["batch_in_epoch"] == 0  # the epoch's own checkpoint is the last
 
@@ -174,15 +160,15 @@ def short_run(tmp_path_factory):
 def test_only_the_last_checkpoints_are_kept(short_run):
     cfg, _, run_dir, summary = short_run
     assert summary["steps"] == 8
-    assert [p.name for p in tat.checkpoint_paths(run_dir)] == [
+    assert [p.name for p in machinery.checkpoint_paths(run_dir)] == [
         "checkpoint-00000004.pt", "checkpoint-00000006.pt", "checkpoint-00000008.pt"]
     assert not list(run_dir.glob("*.part")), "temporary checkpoint files left behind"
-    assert [tat.load_checkpoint(p)["step"] for p in tat.checkpoint_paths(run_dir)] == [4, 6, 8]
+    assert [machinery.load_checkpoint(p)["step"] for p in machinery.checkpoint_paths(run_dir)] == [4, 6, 8]
 
 
 def test_checkpoint_loads_with_its_own_config_and_vocabulary(short_run):
     cfg, data, run_dir, _ = short_run
-    state = tat.load_checkpoint(tat.checkpoint_paths(run_dir)[-1], cfg, data.src_vocab, data.tgt_vocab)
+    state = machinery.load_checkpoint(machinery.checkpoint_paths(run_dir)[-1], cfg, data.src_vocab, data.tgt_vocab)
     model = tat.make_model(len(data.src_vocab), len(data.tgt_vocab), cfg)
     model.load_state_dict(state["model"])  # strict: every tensor present, none extra
     assert state["config"] == dataclasses.asdict(cfg)
@@ -192,60 +178,60 @@ def test_checkpoint_loads_with_its_own_config_and_vocabulary(short_run):
 def test_checkpoints_are_plain_data(short_run):
     """torch.load(weights_only=True) accepts them: no pickled objects that could run code."""
     _, _, run_dir, _ = short_run
-    state = torch.load(tat.checkpoint_paths(run_dir)[-1], map_location="cpu", weights_only=True)
+    state = torch.load(machinery.checkpoint_paths(run_dir)[-1], map_location="cpu", weights_only=True)
     assert {"model", "optimizer", "scheduler", "step", "epoch", "batch_in_epoch", "rng", "config",
             "vocab"} <= state.keys()
 
 
 def test_truncated_checkpoint_is_reported(short_run, tmp_path):
     _, _, run_dir, _ = short_run
-    blob = tat.checkpoint_paths(run_dir)[-1].read_bytes()
+    blob = machinery.checkpoint_paths(run_dir)[-1].read_bytes()
     bad = tmp_path / "checkpoint-00000001.pt"
     bad.write_bytes(blob[: len(blob) // 2])
-    with pytest.raises(tat.CheckpointError, match="truncated"):
-        tat.load_checkpoint(bad)
+    with pytest.raises(machinery.CheckpointError, match="truncated"):
+        machinery.load_checkpoint(bad)
 
 
 def test_checkpoint_for_another_d_model_is_refused(short_run):
     cfg, _, run_dir, _ = short_run
-    with pytest.raises(tat.CheckpointError, match="d_model"):
-        tat.load_checkpoint(tat.checkpoint_paths(run_dir)[-1], dataclasses.replace(cfg, d_model=64))
+    with pytest.raises(machinery.CheckpointError, match="d_model"):
+        machinery.load_checkpoint(machinery.checkpoint_paths(run_dir)[-1], dataclasses.replace(cfg, d_model=64))
 
 
 def test_the_decoders_depth_is_checked_however_it_was_written(short_run):
     cfg, _, run_dir, _ = short_run
-    last = tat.checkpoint_paths(run_dir)[-1]
+    last = machinery.checkpoint_paths(run_dir)[-1]
     assert cfg.N_dec == 0
-    tat.load_checkpoint(last, dataclasses.replace(cfg, N_dec=cfg.N))  # N_dec = N is the same model as 0
-    with pytest.raises(tat.CheckpointError, match=f"N: checkpoint {cfg.N} vs now {cfg.N + 1}") as refused:
-        tat.load_checkpoint(last, dataclasses.replace(cfg, N=cfg.N + 1, N_dec=cfg.N))  # only the encoder differs
+    machinery.load_checkpoint(last, dataclasses.replace(cfg, N_dec=cfg.N))  # N_dec = N is the same model as 0
+    with pytest.raises(machinery.CheckpointError, match=f"N: checkpoint {cfg.N} vs now {cfg.N + 1}") as refused:
+        machinery.load_checkpoint(last, dataclasses.replace(cfg, N=cfg.N + 1, N_dec=cfg.N))  # only the encoder differs
     assert "N_dec" not in str(refused.value)
-    with pytest.raises(tat.CheckpointError, match=f"N_dec: checkpoint {cfg.N} vs now {cfg.N + 1}"):
-        tat.load_checkpoint(last, dataclasses.replace(cfg, N_dec=cfg.N + 1))
+    with pytest.raises(machinery.CheckpointError, match=f"N_dec: checkpoint {cfg.N} vs now {cfg.N + 1}"):
+        machinery.load_checkpoint(last, dataclasses.replace(cfg, N_dec=cfg.N + 1))
 
 
 def test_checkpoint_for_another_vocabulary_is_refused(short_run):
     cfg, _, run_dir, _ = short_run
-    other = tat.make_copy_data(cfg, vocab_size=12, sizes=(1, 1, 1)).src_vocab
-    with pytest.raises(tat.CheckpointError, match="vocabulary"):
-        tat.load_checkpoint(tat.checkpoint_paths(run_dir)[-1], cfg, other, other)
+    other = machinery.make_copy_data(cfg, vocab_size=12, sizes=(1, 1, 1)).src_vocab
+    with pytest.raises(machinery.CheckpointError, match="vocabulary"):
+        machinery.load_checkpoint(machinery.checkpoint_paths(run_dir)[-1], cfg, other, other)
 
 
 def test_training_refuses_to_resume_a_different_model(short_run, tmp_path):
     cfg, data, run_dir, _ = short_run
     resume_dir = tmp_path / "resume"
     resume_dir.mkdir()
-    last = tat.checkpoint_paths(run_dir)[-1]
+    last = machinery.checkpoint_paths(run_dir)[-1]
     (resume_dir / last.name).write_bytes(last.read_bytes())
-    with pytest.raises(tat.CheckpointError, match="d_model"):
+    with pytest.raises(machinery.CheckpointError, match="d_model"):
         run(dataclasses.replace(cfg, d_model=64, d_ff=64, run_dir=str(resume_dir), epochs=5), data)
 
 
 def test_average_checkpoints_is_the_elementwise_mean(short_run):
     _, _, run_dir, _ = short_run
-    paths = tat.checkpoint_paths(run_dir)[-2:]
-    s1, s2 = (tat.load_checkpoint(p)["model"] for p in paths)
-    avg = tat.average_checkpoints(paths)
+    paths = machinery.checkpoint_paths(run_dir)[-2:]
+    s1, s2 = (machinery.load_checkpoint(p)["model"] for p in paths)
+    avg = machinery.average_checkpoints(paths)
     assert avg.keys() == s1.keys()
     changed = 0
     for k in avg:
@@ -253,8 +239,8 @@ def test_average_checkpoints_is_the_elementwise_mean(short_run):
                                    atol=1e-7)
         changed += not torch.equal(s1[k], s2[k])
     assert changed > 0, "the two checkpoints are identical, so the test proves nothing"
-    with pytest.raises(tat.CheckpointError):
-        tat.average_checkpoints([])
+    with pytest.raises(machinery.CheckpointError):
+        machinery.average_checkpoints([])
 
 
 # --------------------------------------------------------------------------------------------
@@ -265,48 +251,48 @@ def test_average_checkpoints_is_the_elementwise_mean(short_run):
 def test_non_finite_loss_raises_and_keeps_last_good_checkpoint(tmp_path, monkeypatch, bad):
     cfg = tiny_cfg(tmp_path / "run", epochs=3, batch_tokens=1280)  # 2 updates per epoch
     data = tiny_data(cfg)
-    real = tat.loss_sum_one_pass  # the training loss
+    real = tat.loss_sum  # the training loss, as the notebook's batch_loss computes it
 
     def poisoned(log_probs, target, eps_ls, pad=PAD):
         """The real loss until the first epoch's checkpoint exists, then a non-finite one."""
         loss = real(log_probs, target, eps_ls, pad)
-        if torch.is_grad_enabled() and tat.checkpoint_paths(cfg.run_dir):
+        if torch.is_grad_enabled() and machinery.checkpoint_paths(cfg.run_dir):
             return loss * bad
         return loss
 
-    monkeypatch.setattr(tat, "loss_sum_one_pass", poisoned)
-    with pytest.raises(tat.TrainingDiverged) as err:
+    monkeypatch.setattr(tat, "loss_sum", poisoned)
+    with pytest.raises(machinery.TrainingDiverged) as err:
         run(cfg, data)
     message = str(err.value)
     assert str(bad) in message and "step 3" in message and "checkpoint-00000002.pt" in message, message
-    paths = tat.checkpoint_paths(cfg.run_dir)
+    paths = machinery.checkpoint_paths(cfg.run_dir)
     assert [p.name for p in paths] == ["checkpoint-00000002.pt"]
-    state = tat.load_checkpoint(paths[0], cfg, data.src_vocab, data.tgt_vocab)
+    state = machinery.load_checkpoint(paths[0], cfg, data.src_vocab, data.tgt_vocab)
     assert (state["step"], state["epoch"], state["batch_in_epoch"]) == (2, 1, 0)
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
 
 
 def test_non_finite_loss_before_any_checkpoint_says_so(tmp_path, monkeypatch):
     cfg = tiny_cfg(tmp_path / "run")
-    monkeypatch.setattr(tat, "loss_sum_one_pass", lambda *a, **k: torch.tensor(float("nan"), requires_grad=True))
-    with pytest.raises(tat.TrainingDiverged, match="no checkpoint"):
+    monkeypatch.setattr(tat, "loss_sum", lambda *a, **k: torch.tensor(float("nan"), requires_grad=True))
+    with pytest.raises(machinery.TrainingDiverged, match="no checkpoint"):
         run(cfg, tiny_data(cfg))
 
 
 def test_checkpoint_records_the_positional_encoding(tmp_path):
     cfg = tiny_cfg(tmp_path / "learned", positional="learned", max_len=64)
-    data = tat.make_copy_data(cfg)
+    data = machinery.make_copy_data(cfg)
     run(cfg, data)
-    path = tat.checkpoint_paths(tmp_path / "learned")[-1]
-    state = tat.load_checkpoint(path, cfg, data.src_vocab, data.tgt_vocab)
+    path = machinery.checkpoint_paths(tmp_path / "learned")[-1]
+    state = machinery.load_checkpoint(path, cfg, data.src_vocab, data.tgt_vocab)
     model = tat.make_model(len(data.src_vocab), len(data.tgt_vocab), cfg)
     model.load_state_dict(state["model"])  # strict: both learned tables are in the file
-    with pytest.raises(tat.CheckpointError, match="positional: checkpoint 'learned' vs now 'sinusoid'"):
-        tat.load_checkpoint(path, dataclasses.replace(cfg, positional="sinusoid"))
+    with pytest.raises(machinery.CheckpointError, match="positional: checkpoint 'learned' vs now 'sinusoid'"):
+        machinery.load_checkpoint(path, dataclasses.replace(cfg, positional="sinusoid"))
     # A checkpoint written before the setting existed holds a sinusoidal model.
     state["config"].pop("positional")
     older = tmp_path / "older.pt"
     torch.save(state, older)
-    with pytest.raises(tat.CheckpointError, match="positional: checkpoint 'sinusoid' vs now 'learned'"):
-        tat.load_checkpoint(older, cfg)
-    assert tat.load_checkpoint(older, dataclasses.replace(cfg, positional="sinusoid"))["step"] == state["step"]
+    with pytest.raises(machinery.CheckpointError, match="positional: checkpoint 'sinusoid' vs now 'learned'"):
+        machinery.load_checkpoint(older, cfg)
+    assert machinery.load_checkpoint(older, dataclasses.replace(cfg, positional="sinusoid"))["step"] == state["step"]
