@@ -16,6 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # normally done by conftest.py
     sys.path.insert(0, str(ROOT))
 
+import machinery  # noqa: E402
+import machinery.devices  # noqa: E402
+import machinery.training  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
 from the_annotated_transformer import PAD  # noqa: E402
 from conftest import last_state, quiet, run, tiny_cfg  # noqa: E402
@@ -25,8 +28,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 CPU, CUDA, META = torch.device("cpu"), torch.device("cuda", 0), torch.device("meta")
 
 
-def tiny_data(cfg) -> tat.Dataset:
-    return tat.make_copy_data(cfg, sizes=(200, 40, 20))
+def tiny_data(cfg) -> machinery.Dataset:
+    return machinery.make_copy_data(cfg, sizes=(200, 40, 20))
 
 
 # --------------------------------------------------------------------------------------------
@@ -65,7 +68,7 @@ def machine(monkeypatch):
 ])
 def test_auto_precision_is_native_bf16_else_fast_fp16_else_float32(machine, hardware, device, want, reason):
     machine(**hardware)
-    got, line = tat.resolve_precision("auto", device)
+    got, line = machinery.resolve_precision("auto", device)
     assert got == want
     assert line.startswith("precision: ") and "(auto: " in line and reason in line, line
     if want == "fp16":
@@ -76,44 +79,35 @@ def test_emulated_bf16_is_not_taken_for_native(machine):
     # torch.cuda.is_bf16_supported() says yes on a T4 (it counts emulation): that must not turn bf16 on
     machine(capability=(7, 5))
     assert torch.cuda.is_bf16_supported() and not torch.cuda.is_bf16_supported(including_emulation=False)
-    assert tat.native_bf16(CUDA)[0] is False
-    assert tat.resolve_precision("auto", CUDA)[0] == "fp16"
+    assert machinery.native_bf16(CUDA)[0] is False
+    assert machinery.resolve_precision("auto", CUDA)[0] == "fp16"
 
 
 def test_asked_for_precisions_are_obeyed_and_said(machine):
     machine(kernels="AVX2", capability=(7, 5))
-    precision, line = tat.resolve_precision("bf16", CPU)
+    precision, line = machinery.resolve_precision("bf16", CPU)
     assert precision == "bf16" and "asked for" in line and "emulated" in line
-    assert tat.resolve_precision("bf16", CUDA)[0] == "bf16"
-    assert tat.resolve_precision("fp16", CPU) == ("fp16", "precision: fp16 autocast with a gradient scaler (asked for)")
+    assert machinery.resolve_precision("bf16", CUDA)[0] == "bf16"
+    assert machinery.resolve_precision("fp16", CPU) == ("fp16", "precision: fp16 autocast with a gradient scaler (asked for)")
     machine(kernels="AVX512", avx512_bf16=True)
-    assert tat.resolve_precision("fp32", CPU) == ("fp32", "precision: float32 (asked for)")
+    assert machinery.resolve_precision("fp32", CPU) == ("fp32", "precision: float32 (asked for)")
 
 
-def test_precision_setting_and_the_former_bf16_switch():
-    assert tat.Config().precision == "auto"
-    assert all(cfg.precision == "auto" for cfg in tat.PRESETS.values()), "presets must not hard-code precision"
+def test_precision_setting():
+    assert machinery.Config().precision == "auto"
+    assert all(cfg.precision == "auto" for cfg in machinery.PRESETS.values()), "presets must not hard-code precision"
     with pytest.raises(ValueError, match="auto, fp32, bf16, fp16"):
-        tat.Config(precision="fp8")
-    # --bf16 keeps working: it sets precision and is cleared, so both spellings give one config
-    assert tat.Config(bf16="true") == tat.Config(precision="bf16")
-    assert tat.Config(bf16=False) == tat.Config(precision="fp32")
-    assert tat.Config(bf16="auto") == tat.Config()
-    with pytest.raises(ValueError, match="contradicts precision"):
-        tat.Config(bf16="true", precision="fp16")
-    with pytest.raises(ValueError, match="--precision"):
-        tat.Config(bf16="maybe")
-    _, cfg = tat.config_from_args(["train", "--config", "copy", "--bf16", "true"])
-    assert cfg.precision == "bf16"
-    _, cfg = tat.config_from_args(["train", "--config", "copy", "--precision", "fp16"])
-    assert cfg.precision == "fp16"
+        machinery.Config(precision="fp8")
+    for precision in ("fp32", "bf16", "fp16"):
+        _, cfg = machinery.config_from_args(["train", "--config", "copy", "--precision", precision])
+        assert cfg.precision == precision
 
 
 def test_training_log_says_which_precision_and_why(tmp_path, machine):
     machine(kernels="AVX2")
     cfg = tiny_cfg(tmp_path / "run", max_steps=1, precision="auto")
     logs = []
-    summary = tat.train(cfg, data=tiny_data(cfg), log=logs.append, progress=False, evaluate=False)
+    summary = machinery.train(cfg, data=tiny_data(cfg), log=logs.append, progress=False, evaluate=False)
     assert any(str(line).startswith("precision: float32 (auto: the CPU has no native bf16") for line in logs), logs
     assert summary["precision"] == "fp32"
 
@@ -124,7 +118,7 @@ def test_training_log_says_which_precision_and_why(tmp_path, machine):
 
 def spy_on_loss(monkeypatch) -> list:
     """Record (autocast on, its dtype, loss) for every training loss computed."""
-    real, seen = tat.loss_sum_one_pass, []  # the training loss
+    real, seen = tat.loss_sum, []  # the training loss, as the notebook's batch_loss computes it
 
     def spy(log_probs, target, eps_ls, pad=PAD):
         loss = real(log_probs, target, eps_ls, pad)
@@ -132,7 +126,7 @@ def spy_on_loss(monkeypatch) -> list:
             seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), float(loss.detach())))
         return loss
 
-    monkeypatch.setattr(tat, "loss_sum_one_pass", spy)
+    monkeypatch.setattr(tat, "loss_sum", spy)
     return seen
 
 
@@ -193,7 +187,7 @@ def test_fp16_masks_give_masked_keys_zero_weight_and_no_nan():
 
 def test_forward_loss_and_backward_run_on_the_meta_device():
     # a tensor made on the CPU inside the model, the masks or the loss would meet meta tensors and fail
-    cfg = tat.get_config("tiny", N=1, d_model=32, d_ff=64, h=4)
+    cfg = machinery.get_config("tiny", N=1, d_model=32, d_ff=64, h=4)
     with torch.device("meta"):
         model = tat.make_model(14, 14, cfg)
     pairs = [([1, 5, 6, 2], [1, 7, 2]), ([1, 5, 2], [1, 7, 8, 9, 2])]
@@ -205,15 +199,10 @@ def test_forward_loss_and_backward_run_on_the_meta_device():
     assert loss.device == META and all(p.grad is not None and p.grad.device == META for p in model.parameters())
     kl = tat.LabelSmoothing(14, PAD, 0.1)(model.generator(out).reshape(-1, 14), batch.tgt_y.reshape(-1))
     assert kl.device == META
-    out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)  # a new graph: the first one was freed
-    fused = tat.fused_loss_sum(model.generator.proj(out), batch.tgt_y, 0.1)  # what training calls with fused_loss
-    fused.backward()
-    assert fused.device == META and model.generator.proj.weight.grad.device == META
     model.zero_grad(set_to_none=True)
-    out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
-    one_pass = tat.loss_sum_one_pass(model.generator(out), batch.tgt_y, 0.1)  # what training calls by default
-    one_pass.backward()
-    assert one_pass.device == META and all(p.grad is not None and p.grad.device == META for p in model.parameters())
+    trained = tat.batch_loss(model, batch, 0.1)  # what training calls, the notebook's and the package's
+    trained.backward()
+    assert trained.device == META and all(p.grad is not None and p.grad.device == META for p in model.parameters())
 
 
 def test_label_smoothing_builds_its_distribution_on_the_targets_device():
@@ -236,13 +225,15 @@ def test_batches_go_to_a_gpu_through_pinned_memory(monkeypatch):
 
 
 def host_syncs(monkeypatch) -> list:
-    """Count conversions of tensors to Python values made by the module's own code (each one a host sync on a GPU)."""
+    """Count conversions of tensors to Python values made by the notebook's or the package's own code (each one
+    a host sync on a GPU)."""
+    ours = {tat.__name__, *(name for name in sys.modules if name.split(".")[0] == "machinery")}
     calls = []
     for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
         real = getattr(torch.Tensor, name)
 
         def counting(self, *args, _real=real, _name=name, **kwargs):
-            if sys._getframe(1).f_globals.get("__name__") == tat.__name__:
+            if sys._getframe(1).f_globals.get("__name__") in ours:
                 calls.append(_name)
             return _real(self, *args, **kwargs)
 
@@ -253,28 +244,32 @@ def host_syncs(monkeypatch) -> list:
 def test_an_update_synchronises_with_the_host_once_however_many_batches(tmp_path, monkeypatch):
     cfg = tiny_cfg(tmp_path / "run", accum_steps=3)
     data = tiny_data(cfg)
-    r = tat.setup(cfg, data, CPU, 0, 1, quiet)
+    r = machinery.setup(cfg, data, CPU, 0, 1, quiet)
     pairs = data.splits["train"]
     micro = [tat.make_batch(pairs, list(range(i, i + 4))) for i in (0, 4, 8)]
     calls = host_syncs(monkeypatch)
-    loss, tokens, _ = tat.update(r, micro)
+    loss, tokens, _ = machinery.update(r, micro)
     assert calls == ["tolist"], calls
     assert tokens == sum(b.ntokens for b in micro) and math.isfinite(loss)
 
 
 def test_decoding_moves_a_model_that_is_elsewhere(monkeypatch):
-    model = tat.make_model(14, 14, tat.get_config("tiny", N=1, d_model=32, d_ff=64, h=4))
-    assert tat.on_device(model, CPU) is model and next(model.parameters()).device == CPU
-    tat.on_device(model, META)
+    model = tat.make_model(14, 14, machinery.get_config("tiny", N=1, d_model=32, d_ff=64, h=4))
+    assert machinery.on_device(model, CPU) is model and next(model.parameters()).device == CPU
+    machinery.on_device(model, META)
     assert all(p.device == META for p in model.parameters())
-    # translate and evaluate_test hand their model to on_device with the device they were asked for
-    asked = []
-    monkeypatch.setattr(tat, "on_device", lambda m, device: asked.append(torch.device(device)) or m)
-    cpu_model = tat.make_model(14, 14, tat.get_config("tiny", N=1, d_model=32, d_ff=64, h=4))
-    cfg = tat.get_config("copy", N=1, d_model=32, d_ff=64, h=4, max_eval_sentences=2, examples_to_show=0)
-    data = tat.make_copy_data(cfg, sizes=(4, 2, 2))
-    tat.evaluate_test(cpu_model, data, cfg, "cpu", log=quiet, progress=False)
+    # evaluate_test hands its model to on_device with the device it was asked for, and translate moves it there
+    asked, moved = [], []
+    monkeypatch.setattr(machinery.training, "on_device", lambda m, device: asked.append(torch.device(device)) or m)
+    real_to = torch.nn.Module.to
+    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *args, **kwargs: moved.append(
+        (type(self).__name__, torch.device(*args))) or real_to(self, *args, **kwargs))
+    cpu_model = tat.make_model(14, 14, machinery.get_config("tiny", N=1, d_model=32, d_ff=64, h=4))
+    cfg = machinery.get_config("copy", N=1, d_model=32, d_ff=64, h=4, max_eval_sentences=2, examples_to_show=0)
+    data = machinery.make_copy_data(cfg, sizes=(4, 2, 2))
+    machinery.evaluate_test(cpu_model, data, cfg, "cpu", log=quiet, progress=False)
     assert asked and set(asked) == {CPU}
+    assert moved == [("EncoderDecoder", CPU)] * 2  # greedy, then beam search
 
 
 # --------------------------------------------------------------------------------------------
@@ -288,20 +283,20 @@ def test_a_checkpoint_holding_four_gpus_rng_states_resumes_where_one_exists(monk
     restored = []
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append((state, device)))
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    tat.restore_rng(old, CUDA)
+    machinery.restore_rng(old, CUDA)
     assert len(restored) == 1 and torch.equal(restored[0][0], states[0]) and restored[0][1] == CUDA
     restored.clear()
-    tat.restore_rng(old, torch.device("cuda", 5))  # a GPU the checkpoint knew nothing of: left as seeded
+    machinery.restore_rng(old, torch.device("cuda", 5))  # a GPU the checkpoint knew nothing of: left as seeded
     assert restored == []
 
 
 def test_each_process_seeds_its_own_stream():
     digests = []
     for rank in range(3):
-        tat.seed_process(7, rank)
+        machinery.seed_process(7, rank)
         digests.append(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest())
     assert len(set(digests)) == 3
-    tat.seed_process(7, 0)
+    machinery.seed_process(7, 0)
     assert torch.equal(torch.get_rng_state(), torch.manual_seed(7).get_state()), "process 0 keeps the plain seed"
 
 
@@ -310,7 +305,7 @@ def test_each_process_seeds_its_own_stream():
 # --------------------------------------------------------------------------------------------
 
 def test_the_iwslt_preset_is_fairseqs_recipe():
-    cfg = tat.get_config("iwslt14-small")
+    cfg = machinery.get_config("iwslt14-small")
     assert (cfg.N, cfg.d_model, cfg.d_ff, cfg.h, cfg.P_drop, cfg.eps_ls) == (6, 512, 1024, 4, 0.3, 0.1)
     assert (cfg.batch_tokens, cfg.warmup, cfg.clip_grad, cfg.norm_first) == (4096, 4000, 0.0, False)
     peak = max(tat.rate(s, cfg.d_model, cfg.lr_factor, cfg.warmup) for s in range(1, 3 * cfg.warmup))
@@ -320,19 +315,19 @@ def test_the_iwslt_preset_is_fairseqs_recipe():
     optimizer, _ = tat.make_optimizer(torch.nn.Linear(3, 3), cfg)
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["weight_decay"] == 1e-4
     assert cfg.average_last == 5
-    plain, _ = tat.make_optimizer(torch.nn.Linear(3, 3), tat.get_config("base"))
+    plain, _ = tat.make_optimizer(torch.nn.Linear(3, 3), machinery.get_config("base"))
     assert type(plain) is torch.optim.Adam, "the paper's presets keep plain Adam"
 
 
 def test_allocator_note_says_whether_glibc_keeps_freed_memory(monkeypatch):
-    cpu, settings = torch.device("cpu"), dict(tat.GLIBC_MALLOC_SETTINGS)
-    monkeypatch.setattr(tat.sys, "platform", "linux")
-    monkeypatch.setattr(tat.platform, "libc_ver", lambda: ("glibc", "2.36"))
-    assert tat.allocator_note(cpu, settings).startswith("memory: glibc keeps freed memory for reuse")
-    missing = tat.allocator_note(cpu, {"MALLOC_MMAP_MAX_": "0"})
+    cpu, settings = torch.device("cpu"), dict(machinery.GLIBC_MALLOC_SETTINGS)
+    monkeypatch.setattr(machinery.devices.sys, "platform", "linux")
+    monkeypatch.setattr(machinery.devices.platform, "libc_ver", lambda: ("glibc", "2.36"))
+    assert machinery.allocator_note(cpu, settings).startswith("memory: glibc keeps freed memory for reuse")
+    missing = machinery.allocator_note(cpu, {"MALLOC_MMAP_MAX_": "0"})
     assert missing.startswith("memory: not ") and "MALLOC_TRIM_THRESHOLD_=17179869184" in missing
-    assert tat.allocator_note(torch.device("meta"), {}) == ""  # off the CPU (CUDA has its own allocator)
-    monkeypatch.setattr(tat.platform, "libc_ver", lambda: ("", ""))  # musl, or not known
-    assert tat.allocator_note(cpu, {}) == ""
-    monkeypatch.setattr(tat.sys, "platform", "darwin")
-    assert tat.allocator_note(cpu, {}) == ""
+    assert machinery.allocator_note(torch.device("meta"), {}) == ""  # off the CPU (CUDA has its own allocator)
+    monkeypatch.setattr(machinery.devices.platform, "libc_ver", lambda: ("", ""))  # musl, or not known
+    assert machinery.allocator_note(cpu, {}) == ""
+    monkeypatch.setattr(machinery.devices.sys, "platform", "darwin")
+    assert machinery.allocator_note(cpu, {}) == ""
