@@ -108,7 +108,7 @@ ALT_LINE = re.compile(r"<!--\s*alt:\s*(.*?)\s*-->", re.S)
 MAIN_GUARD = re.compile(r"""\s*if\s+__name__\s*==\s*["']__main__["']""")
 SKIPPABLE = re.compile(r"\bAside\b|^Appendix\b", re.I)
 MENTION = re.compile(r"§\s?\d+(?:\.\d+)*|\bEq\.\s?\d+|\b(?:Figure|Table|Part)\s\d+")
-ENDINGS = {"results": re.compile(r"^(Results|Conclusions?)\b", re.I),
+ENDINGS = {"results": re.compile(r"^(Results|Conclusions?|Summary)\b", re.I),
            "cite": re.compile(r"^(Citation|How to cite|Citing)\b", re.I),
            "credits": re.compile(r"^(Credits|Acknowledg)", re.I)}
 
@@ -263,7 +263,8 @@ def prepare(nb):
     outputs detokenized, attention maps as an interactive figure, the command line's cell
     left out."""
     nb = copy.deepcopy(nb)
-    nb.cells = [c for c in nb.cells if not is_main_guard(c)]
+    nb.cells = [c for c in nb.cells if not is_main_guard(c) and not (
+        c.cell_type == "code" and not c.source.strip() and not c.get("outputs"))]
     prose, alts = "", []
     for cell in nb.cells:
         if cell.cell_type == "markdown":
@@ -487,10 +488,15 @@ def heading_text(tag) -> str:
                    if not t.find_parent(class_="anchor-link")).strip()
 
 
-def slug(text: str, words: int = 4) -> str:
-    """A few ASCII words of ``text`` joined by hyphens: "Label smoothing (ours)" → "label-smoothing-ours"."""
+STOPWORDS = {"a", "an", "and", "the", "of", "on", "in", "to", "for", "with", "our", "its"}
+
+
+def slug(text: str, words: int = 3) -> str:
+    """A few ASCII words of ``text`` joined by hyphens: "Label smoothing, ours" → "label-smoothing-ours"."""
+    text = re.sub(r"[^\w]+", " ", text)
     text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode().lower()
-    return "-".join(re.findall(r"[a-z0-9]+", text)[:words]) or "section"
+    found = re.findall(r"[a-z0-9]+", text)
+    return "-".join([w for w in found if w not in STOPWORDS][:words] or found[:words]) or "section"
 
 
 def section_number(text: str) -> str | None:
@@ -500,22 +506,27 @@ def section_number(text: str) -> str | None:
 
 
 def heading_ids(headings) -> dict:
-    """Short ASCII ids: ``part-3``, ``s3-2-1``, else the id of the heading above plus words."""
-    ids, seen, above = {}, set(), {}  # above: level → id of the last heading at that level
+    """Short ASCII ids: ``part-3``, ``s3-2-1``; another heading gets the id of the Part or
+    paper section it is in plus a few of its words (``s5-4-label-smoothing``)."""
+    ids, seen, above = {}, set(), {}  # above: level → root id of the last heading there
     for n, h in enumerate(headings):
         text, level = heading_text(h), int(h.name[1])
         part = re.match(r"Part\s+(\d+)\b", text)
         number = section_number(text)
+        root = None
         if n == 0:
             base = "title"
         elif part and level == 1:
-            base = f"part-{part.group(1)}"
+            base = root = f"part-{part.group(1)}"
         elif number:
-            base = "s" + number.replace(".", "-")
+            base = root = "s" + number.replace(".", "-")
+        elif level == 2 and any(p.match(text) for p in ENDINGS.values()):
+            base = slug(text, 2)
         else:
-            parents = [above[k] for k in sorted(above) if k < level and above[k] != "title"]
+            roots = [above[k] for k in sorted(above) if k < level and above[k]]
             words = slug(re.split(r"\s[—–-]\s", text)[0] if level == 1 else text)
-            base = f"{parents[-1]}-{words}" if parents else words
+            base = f"{roots[-1]}-{words}" if roots else words
+            root = None if roots else base
         new, k = base, 1
         while new in seen:
             k += 1
@@ -523,7 +534,7 @@ def heading_ids(headings) -> dict:
         seen.add(new)
         ids[id(h)] = new
         above = {k: v for k, v in above.items() if k < level}
-        above[level] = new
+        above[level] = root
     return ids
 
 
@@ -576,7 +587,7 @@ def collapse_skippable(soup, main) -> None:
         details = soup.new_tag("details", attrs={"class": "skippable"})
         summary = soup.new_tag("summary")
         note = soup.new_tag("span", attrs={"class": "skip-note"})
-        note.string = "may be skipped on a first reading · open"
+        note.string = "May be skipped on a first reading"
         for child in list(section.contents):
             details.append(child.extract())
         summary.append(h.extract())
@@ -641,7 +652,7 @@ def link_mentions(soup, main, targets: dict) -> int:
                 continue
             pieces.append(s[last:m.start()])
             link = soup.new_tag("a", href="#" + target, attrs={"class": "xref"})
-            link.string = m.group()
+            link.string = m.group().replace(" ", "\u00a0")  # "Eq. 3" on one line
             pieces.append(link)
             last = m.end()
             count += 1
@@ -655,14 +666,19 @@ def link_mentions(soup, main, targets: dict) -> int:
 
 
 def add_next_links(soup, main) -> None:
-    """Each Part ends with a link to the next Part (a skippable one passed over)."""
+    """Each Part ends with a link to the next Part (a skippable one passed over); the last
+    Part, to the page's end."""
     parts = [s for s in main.find_all("section", class_="level-1")]
     readable = [s for s in parts if "aside" not in s.get("class", [])]
+    end = main.find("footer", class_="page-end")
     for section in parts:
         following = [s for s in readable if parts.index(s) > parts.index(section)]
-        if not following:
+        if following:
+            h = following[0].find("h1")
+        elif end is not None and end.find("h2"):
+            h = end.find("h2")
+        else:
             continue
-        h = following[0].find("h1")
         nav = soup.new_tag("p", attrs={"class": "next-part"})
         link = soup.new_tag("a", href="#" + h["id"])
         link.string = f"Next: {heading_text(h)} →"
@@ -690,24 +706,33 @@ def add_title_block(soup, main, title) -> None:
 
 
 def add_ending(soup, main, headings) -> None:
-    """Results pointer, citation and credits, for whichever of them the notebook lacks."""
+    """The page's end: the notebook's Results, Conclusion, Citation and Credits sections,
+    moved out of the last Part, and a results pointer, the paper's BibTeX and the credits
+    for whichever of them the notebook lacks."""
     has = {k: any(p.match(heading_text(h)) for h in headings) for k, p in ENDINGS.items()}
     footer = soup.new_tag("footer", attrs={"class": "page-end"})
+    for h in headings[1:]:
+        if h.name == "h2" and any(p.match(heading_text(h)) for p in ENDINGS.values()):
+            section = h.find_parent("section")
+            section["class"] = section.get("class", []) + ["ending"]
+            footer.append(section.extract())
+    has["credits"] = has["credits"] or any(
+        p.get_text().startswith("Credits") for p in footer.find_all("p"))
     if not has["results"]:
-        part4 = [h for h in main.find_all("h1") if h.get("id") == "part-4"]
+        parts = main.find_all("section", class_="level-1")
         section = soup.new_tag("section", attrs={"class": "ending"})
         section.append(fragment(soup, '<h2 id="results">Results</h2>'))
-        if part4:
-            runs = part4[0].find_parent("section").find_all(["h2", "h3"])
+        if parts:  # a pointer to the last Part and its sections, where the runs are
+            last = parts[-1].find("h1")
             p = soup.new_tag("p")
             p.append("The runs and what they measured are in ")
-            a = soup.new_tag("a", href="#part-4")
-            a.string = heading_text(part4[0])
+            a = soup.new_tag("a", href="#" + last["id"])
+            a.string = heading_text(last)
             p.append(a)
             p.append(":")
             section.append(p)
             ul = soup.new_tag("ul")
-            for h in runs:
+            for h in parts[-1].find_all(["h2", "h3"]):
                 li = soup.new_tag("li")
                 a = soup.new_tag("a", href="#" + h["id"])
                 a.string = heading_text(h)
@@ -753,7 +778,7 @@ def contents_nav(soup, headings) -> None:
     lists = {0: top}  # heading level → the list that holds the entries below it
     for h in headings[1:]:
         level = int(h.name[1])
-        if level == 3 and section_number(heading_text(h)) is None:
+        if level == 3 and section_number(heading_text(h)) is None or h.find_parent("footer"):
             continue
         parent = lists[max(k for k in lists if k < level)]
         li = soup.new_tag("li", attrs={"class": "toc-part" if level == 1 else f"toc-{level}"})
@@ -768,7 +793,7 @@ def contents_nav(soup, headings) -> None:
     for end in soup.find("footer", class_="page-end").find_all("h2"):
         li = soup.new_tag("li", attrs={"class": "toc-2"})
         link = soup.new_tag("a", href="#" + end["id"])
-        link.string = end.get_text()
+        link.string = heading_text(end)
         li.append(link)
         top.append(li)
     for empty in top.find_all("ol"):
@@ -816,16 +841,23 @@ def arrange(html: str) -> str:
         for a in h.find_all("a", class_="anchor-link"):
             a["href"] = "#" + h["id"]
             a["aria-label"] = f"Link to this section: {heading_text(h)}"
+    heading_set = set(ids.values())
+    for anchor in main.find_all(id=True):  # the notebook's own <a id="part-4"></a> anchors
+        if anchor.name not in ("h1", "h2", "h3") and anchor["id"] in heading_set:
+            holder = anchor.parent
+            anchor.decompose()
+            if holder.name == "p" and not holder.get_text(strip=True) and not holder.find(True):
+                holder.decompose()
     for a in main.find_all("a", href=re.compile("^#")):
         old = unquote(a["href"][1:])
-        if old in renamed:
+        if old in renamed and old not in heading_set:
             a["href"] = "#" + renamed[old]
     add_title_block(soup, main, headings[0])
     into_sections(soup, main, headings)
     collapse_skippable(soup, main)
     link_mentions(soup, main, mention_targets(main, headings))
-    add_next_links(soup, main)
     add_ending(soup, main, headings)
+    add_next_links(soup, main)
     contents_nav(soup, headings)
     index = json.dumps(search_index(main), separators=(",", ":"), ensure_ascii=False)
     script = soup.new_tag("script", attrs={"type": "application/json", "id": "search-index"})

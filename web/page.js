@@ -107,6 +107,9 @@
       }
       found = h;
     }
+    if (window.innerHeight + window.scrollY >= root.scrollHeight - 2) {
+      found = headings.filter((h) => h.getBoundingClientRect().height > 0).pop() || found;
+    }
     const a = found && entries.get(found.id);
     if (!a || a === current) {
       return;
