@@ -105,14 +105,19 @@ from .training import (  # noqa: F401
     update,
 )
 from .figures import (  # noqa: F401
+    ATTENTION_KINDS,
     ATTENTION_TITLES,
+    attention_maps,
+    attention_maps_json,
     draw_attention_head,
     draw_attention_overview,
     plot_curves,
     save_figure,
     sharpest_head,
+    show_figure,
 )
 from .cli import (  # noqa: F401
+    COMMANDS,
     OneLineParser,
     config_from_args,
     config_from_dict,
@@ -124,6 +129,7 @@ from .cli import (  # noqa: F401
     run_inference_command,
     skipped_message,
     translate_lines,
+    usage,
 )
 from .hosted import (  # noqa: F401
     HOSTED_PACKAGES,

@@ -16,6 +16,8 @@ from typing import Sequence
 
 import torch
 
+from .parts import notebook
+
 
 def save_figure(fig, out: Path, dpi: int = 100) -> Path:
     """Write ``fig`` to ``out`` (PNG) through a temporary file renamed over it."""
@@ -163,3 +165,79 @@ def draw_attention_head(
     ax.set_title(title, fontsize=11)
     fig.colorbar(image, ax=ax, shrink=0.6).set_label("weight", fontsize=9)
     return fig
+
+
+# What a trained model attends to (Part 4): the weights of every layer and head for the
+# three uses of attention of §3.2.3, for one sentence pair. Forward pre-hooks note the
+# inputs each attention module receives during one forward pass (and are removed right
+# after); the weights are then recomputed with the notebook's readable `attention()`
+# from the module's own projections, so this works for the fused class too, which never
+# materialises them, and nothing is stored on the modules.
+
+ATTENTION_KINDS = ("encoder", "decoder_self", "decoder_src")
+
+
+@torch.no_grad()
+def attention_maps(model, src, tgt) -> dict:
+    r"""Attention weights of every layer and head, for the three uses of §3.2.3.
+
+    ``src`` (src_len,) source ids; ``tgt`` (tgt_len,) decoder input ids (from <s>).
+    Returns ``{"encoder": (N, h, src_len, src_len), "decoder_self": (N_dec, h, tgt_len,
+    tgt_len), "decoder_src": (N_dec, h, tgt_len, src_len)}``; each row sums to 1.
+    """
+    nb = notebook()
+    was_training = model.training
+    model.eval()
+    src, tgt = src.view(1, -1), tgt.view(1, -1)  # (1, src_len), (1, tgt_len)
+    modules = {("encoder", i): x.self_attn for i, x in enumerate(model.encoder.layers)}
+    for i, layer in enumerate(model.decoder.layers):
+        modules[("decoder_self", i)] = layer.self_attn
+        modules[("decoder_src", i)] = layer.src_attn
+    inputs: dict = {}
+    handles = [
+        m.register_forward_pre_hook(lambda _m, args, key=key: inputs.__setitem__(key, args))
+        for key, m in modules.items()
+    ]
+    try:
+        causal = nb.subsequent_mask(tgt.size(1), device=tgt.device)
+        model(src, tgt, nb.padding_mask(src, nb.PAD), causal)
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    maps = {}
+    for kind in ATTENTION_KINDS:
+        stack = model.encoder if kind == "encoder" else model.decoder
+        layers = []
+        for i in range(len(stack.layers)):
+            a, (query, key, _value, mask) = modules[(kind, i)], inputs[(kind, i)]
+            q, (k, v) = a.project_q(query), a.project_kv(key, key)  # (1, h, len, d_k)
+            weights = nb.attention(q, k, v, nb.per_head(mask))[1][0]  # (h, len_q, len_k)
+            layers.append(weights)
+        maps[kind] = torch.stack(layers)  # (layers of its stack, h, len_q, len_k)
+    return maps
+
+
+def attention_maps_json(maps: dict, src: Sequence[str], out: Sequence[str],
+                        read: Sequence[str]) -> dict:
+    """The maps as the web page's interactive figure reads them (weights to 3 decimals):
+    ``{"sentence": {"src", "tgt", "tgt_in"}, "maps": {"encoder", "decoder", "cross"}}``,
+    each map [layer][head][query][key]; ``out`` is what each decoder position predicts,
+    ``read`` what it reads."""
+    names = {"encoder": "encoder", "decoder_self": "decoder", "decoder_src": "cross"}
+    return {
+        "sentence": {"src": list(src), "tgt": list(out), "tgt_in": list(read)},
+        "maps": {names[k]: maps[k].round(decimals=3).tolist() for k in ATTENTION_KINDS},
+    }
+
+
+def show_figure(fig, alt: str) -> None:
+    """Display ``fig`` in a notebook as a PNG at twice its size, carrying ``alt`` text
+    (the web page uses it)."""
+    import io
+
+    from IPython.display import Image, display
+
+    png = io.BytesIO()
+    fig.savefig(png, format="png", bbox_inches="tight", dpi=200)
+    display(Image(data=png.getvalue()), metadata={"image/png": {"alt": alt}})
