@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # normally done by conftest.py
     sys.path.insert(0, str(ROOT))
 
+import machinery  # noqa: E402
+import machinery.devices  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
 from conftest import last_state, quiet  # noqa: E402
 
@@ -30,12 +32,12 @@ MODEL = dict(N=1, d_model=32, d_ff=64, h=4, warmup=50, device="cpu", precision="
 SETTINGS = dict(batch_tokens=120, epochs=1, eps_ls=0.1)  # 10 pairs a batch: 20 batches an epoch
 
 
-def cfg_for(run_dir, **overrides) -> tat.Config:
-    return tat.get_config("copy", **MODEL, **{**SETTINGS, **overrides}, run_dir=str(run_dir))
+def cfg_for(run_dir, **overrides) -> machinery.Config:
+    return machinery.get_config("copy", **MODEL, **{**SETTINGS, **overrides}, run_dir=str(run_dir))
 
 
-def data_for(cfg) -> tat.Dataset:
-    return tat.make_copy_data(cfg, sizes=(200, 40, 20))
+def data_for(cfg) -> machinery.Dataset:
+    return machinery.make_copy_data(cfg, sizes=(200, 40, 20))
 
 
 def global_batches(cfg) -> list:
@@ -55,14 +57,15 @@ def global_batches(cfg) -> list:
 ])
 def test_the_backend_follows_the_device_the_run_uses(monkeypatch, cuda_available, device_setting, backend):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_available)
-    device = tat.resolve_device(device_setting)
-    assert tat.process_group_backend(device) == backend
+    device = machinery.resolve_device(device_setting)
+    assert machinery.process_group_backend(device) == backend
     started = []
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(tat.dist, "is_initialized", lambda: False)
-    monkeypatch.setattr(tat.dist, "init_process_group", lambda backend=None, **kw: started.append(backend))
-    monkeypatch.setattr(tat.dist, "get_rank", lambda: 1)
-    assert tat._distributed(device) == (1, 2) and started == [backend]
+    monkeypatch.setattr(machinery.devices.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(machinery.devices.dist, "init_process_group",
+                        lambda backend=None, **kw: started.append(backend))
+    monkeypatch.setattr(machinery.devices.dist, "get_rank", lambda: 1)
+    assert machinery._distributed(device) == (1, 2) and started == [backend]
 
 
 class CollectiveCalled(Exception):
@@ -77,11 +80,11 @@ def test_the_stop_flag_is_reduced_on_the_training_device(monkeypatch):
         seen.append(tensor.device)
         raise CollectiveCalled
 
-    monkeypatch.setattr(tat.dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(machinery.devices.dist, "all_reduce", all_reduce)
     with pytest.raises(CollectiveCalled):
-        tat.StopRequest().requested(2, torch.device("meta"))
+        machinery.StopRequest().requested(2, torch.device("meta"))
     with pytest.raises(CollectiveCalled):
-        tat.any_process([True, False], 2, torch.device("meta"))
+        machinery.any_process([True, False], 2, torch.device("meta"))
     assert seen == [torch.device("meta")] * 2
 
 
@@ -93,6 +96,8 @@ SCRIPT = """
 import hashlib, json, os, sys, time
 import torch
 import torch.distributed as dist
+import machinery
+import machinery.training
 import the_annotated_transformer as tat
 
 torch.set_num_threads(1)
@@ -101,8 +106,8 @@ rank = int(os.environ["RANK"])
 if own_dirs and rank:  # machines without a shared disk: only the first holds the run directory
     run_dir = f"{run_dir}-rank{rank}"
 nan_in_rank = settings.pop("nan_in_rank", None)
-cfg = tat.get_config("copy", run_dir=run_dir, **settings)
-data = tat.make_copy_data(cfg, sizes=(200, 40, 20))
+cfg = machinery.get_config("copy", run_dir=run_dir, **settings)
+data = machinery.make_copy_data(cfg, sizes=(200, 40, 20))
 record = {"collective_devices": [], "train_batches": [], "rng_at_first_update": None}
 
 def checked(name):  # every tensor our code hands a collective, noted with its device
@@ -124,8 +129,9 @@ def load_dataset(cfg, log=print, url_base=None):  # notes the order in which pro
         f.write(f"end {rank}\\n")
     return data
 
-tat.load_dataset = load_dataset
-real_make_batch, real_setup, real_update, runs = tat.make_batch, tat.setup, tat.update, []
+machinery.training.load_dataset = load_dataset  # the package's functions `train` calls
+real_setup, real_update = machinery.training.setup, machinery.training.update
+real_make_batch, real_batch_loss, runs = tat.make_batch, tat.batch_loss, []  # the notebook's parts
 
 def make_batch(pairs, idx):
     if pairs is data.splits["train"]:
@@ -143,17 +149,16 @@ def update(run, micro):
         record["rng_at_first_update"] = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
     return real_update(run, micro)
 
-real_loss_sum_one_pass = tat.loss_sum_one_pass  # the training loss
-
-def loss_sum_one_pass(log_probs, target, eps_ls, pad=tat.PAD):  # with nan_in_rank: that process's loss turns NaN
-    loss = real_loss_sum_one_pass(log_probs, target, eps_ls, pad)
+def batch_loss(*args, **kwargs):  # with nan_in_rank: that process's training loss turns NaN
+    loss = real_batch_loss(*args, **kwargs)
     return loss * float("nan") if rank == nan_in_rank else loss
 
-tat.make_batch, tat.setup, tat.update, tat.loss_sum_one_pass = make_batch, setup, update, loss_sum_one_pass
+machinery.training.setup, machinery.training.update = setup, update
+tat.make_batch, tat.batch_loss = make_batch, batch_loss
 try:
-    summary = tat.train(cfg, log=lambda *a, **k: None, progress=False, evaluate=False)
+    summary = machinery.train(cfg, log=lambda *a, **k: None, progress=False, evaluate=False)
     record["steps"], record["world_size"] = summary["steps"], summary["world_size"]
-except tat.TrainingDiverged as e:
+except machinery.TrainingDiverged as e:
     record["diverged"] = str(e)
 record["params"] = [float(p.detach().double().sum()) for p in runs[0].model.parameters()]
 with open(f"{out}/rank{rank}.json", "w") as f:
@@ -200,7 +205,7 @@ def test_two_process_training_equals_one_process_accumulating(tmp_path):
 
     # one process, the same global batches: update k accumulates (b_2k, b_2k+1)
     cfg = cfg_for(tmp_path / "single", accum_steps=2, **settings)
-    tat.train(cfg, data=data_for(cfg), log=quiet, progress=False, evaluate=False)
+    machinery.train(cfg, data=data_for(cfg), log=quiet, progress=False, evaluate=False)
     ddp, single = last_state(tmp_path / "ddp"), last_state(tmp_path / "single")
     assert ddp["step"] == single["step"] == 3
     for k in single["model"]:
@@ -208,7 +213,7 @@ def test_two_process_training_equals_one_process_accumulating(tmp_path):
                                    msg=lambda m, k=k: f"{k}: {m}")
     # the comparison can fail: one process without accumulation ends elsewhere
     plain_cfg = dataclasses.replace(cfg, accum_steps=1, run_dir=str(tmp_path / "plain"))
-    tat.train(plain_cfg, data=data_for(cfg), log=quiet, progress=False, evaluate=False)
+    machinery.train(plain_cfg, data=data_for(cfg), log=quiet, progress=False, evaluate=False)
     plain = last_state(tmp_path / "plain")
     assert max(float((plain["model"][k] - ddp["model"][k]).abs().max()) for k in plain["model"]) > 1e-4
 
@@ -238,7 +243,7 @@ def batches_of_a_run(monkeypatch, cfg) -> tuple[list, list]:
     real = tat.make_batch
     monkeypatch.setattr(tat, "make_batch", lambda pairs, idx: (
         used.append(tuple(idx)) if pairs is data.splits["train"] else None) or real(pairs, idx))
-    tat.train(cfg, data=data, log=logs.append, progress=False, evaluate=False)
+    machinery.train(cfg, data=data, log=logs.append, progress=False, evaluate=False)
     monkeypatch.setattr(tat, "make_batch", real)
     return used, logs
 
@@ -280,7 +285,7 @@ def test_stopped_on_one_process_two_processes_without_a_shared_disk_continue_in_
     assert not set(first) & set(mine[0] + mine[1])
     state = last_state(tmp_path / "run")
     assert (state["step"], state["epoch"], state["batch_in_epoch"]) == (12, 1, 0)
-    assert not tat.checkpoint_paths(Path(str(tmp_path / "run") + "-rank1")), "only the first process writes"
+    assert not machinery.checkpoint_paths(Path(str(tmp_path / "run") + "-rank1")), "only the first process writes"
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,7 +296,7 @@ def test_stopped_on_one_process_two_processes_without_a_shared_disk_continue_in_
 def test_epoch_updates_deal_out_exactly_the_batches_not_consumed(world, accum):
     batches = list(range(23))
     for start in (0, 5, 12, 22, 23):
-        per_rank = [tat.epoch_updates(batches, start, r, world, accum) for r in range(world)]
+        per_rank = [machinery.epoch_updates(batches, start, r, world, accum) for r in range(world)]
         updates, consumed, end = per_rank[0]
         assert all(len(u) == len(updates) and c == consumed and e == end for u, c, e in per_rank), \
             "every process takes as many updates and agrees where they end"
@@ -316,9 +321,9 @@ def test_accumulation_changed_mid_epoch_continues_where_the_last_update_ended(tm
 
 def test_another_batch_size_mid_epoch_is_refused_in_one_line(tmp_path):
     cfg = cfg_for(tmp_path / "run", max_steps=3)
-    tat.train(cfg, data=data_for(cfg), log=quiet, progress=False, evaluate=False)
-    with pytest.raises(tat.CheckpointError, match=r"batch_tokens=120; resume with --batch_tokens 120") as err:
-        tat.train(dataclasses.replace(cfg, batch_tokens=240, max_steps=0), data=data_for(cfg), log=quiet,
+    machinery.train(cfg, data=data_for(cfg), log=quiet, progress=False, evaluate=False)
+    with pytest.raises(machinery.CheckpointError, match=r"batch_tokens=120; resume with --batch_tokens 120") as err:
+        machinery.train(dataclasses.replace(cfg, batch_tokens=240, max_steps=0), data=data_for(cfg), log=quiet,
                   progress=False, evaluate=False)
     assert "\n" not in str(err.value)
 
@@ -326,5 +331,5 @@ def test_another_batch_size_mid_epoch_is_refused_in_one_line(tmp_path):
 def test_an_older_checkpoint_position_counted_in_updates_is_read_in_batches():
     cfg = cfg_for("unused", accum_steps=2)
     old = {"step": 4, "epoch": 0, "batch_in_epoch": 4, "config": dataclasses.asdict(cfg)}
-    pos, layout = tat.resume_position(old, cfg, "old.pt")
+    pos, layout = machinery.resume_position(old, cfg, "old.pt")
     assert pos.batch_in_epoch == 8 and layout == {"world_size": 1, "accum_steps": 2, "batch_tokens": 120}
