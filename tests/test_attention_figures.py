@@ -5,6 +5,7 @@ import pytest
 import torch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+import machinery
 import the_annotated_transformer as tat
 
 PAGE_COLUMN_PX = 736  # the web page's text column (46rem) on a wide screen; the notebook's is wider
@@ -25,7 +26,7 @@ def random_maps(src_len: int, tgt_len: int, seed: int = 0) -> dict:
     model = tat.make_model(50, 50, tat.MODEL_PRESETS["tiny"]).eval()
     src = torch.randint(4, 50, (src_len,))
     tgt = torch.randint(4, 50, (tgt_len,))
-    return tat.attention_maps(model, src, tgt)
+    return machinery.attention_maps(model, src, tgt)
 
 
 def words(n: int, stem: str) -> list[str]:
@@ -36,7 +37,7 @@ def test_sharpest_head_is_the_one_whose_rows_are_most_concentrated():
     weights = torch.full((3, 4, 5, 6), 1 / 6)  # every head uniform: the highest entropy
     weights[2, 1] = torch.eye(5, 6)  # one head puts all weight on one key per row
     weights[0, 3] = torch.softmax(torch.randn(5, 6) * 3, dim=-1)  # sharper than uniform, not one-hot
-    assert tat.sharpest_head(weights) == (2, 1)
+    assert machinery.sharpest_head(weights) == (2, 1)
 
 
 @pytest.mark.parametrize("src_len, tgt_len", [(8, 10), (30, 34)])
@@ -44,10 +45,10 @@ def test_one_head_shows_every_token_legibly_at_page_width(src_len, tgt_len):
     maps = random_maps(src_len, tgt_len)
     src, out = words(src_len, "quelle"), words(tgt_len, "ziel")
     labels = {"encoder": (src, src), "decoder_self": (out, out), "decoder_src": (out, src)}
-    for kind in tat.ATTENTION_KINDS:
-        layer, head = tat.sharpest_head(maps[kind])
+    for kind in machinery.ATTENTION_KINDS:
+        layer, head = machinery.sharpest_head(maps[kind])
         rows, cols = labels[kind]
-        fig = tat.draw_attention_head(maps[kind][layer, head], rows, cols, f"{kind}, layer {layer + 1}")
+        fig = machinery.draw_attention_head(maps[kind][layer, head], rows, cols, f"{kind}, layer {layer + 1}")
         width, _ = saved_size(fig)
         ax = fig.axes[0]
         assert [t.get_text() for t in ax.get_yticklabels()] == rows
@@ -66,7 +67,7 @@ def test_one_head_shows_every_token_legibly_at_page_width(src_len, tgt_len):
 
 def test_overview_shows_every_layer_and_head_and_fits_the_page_unscaled():
     maps = random_maps(7, 9)
-    fig = tat.draw_attention_overview(maps)
+    fig = machinery.draw_attention_overview(maps)
     width, _ = saved_size(fig)
     assert width <= PAGE_COLUMN_PX
     images = [ax for ax in fig.axes if ax.images]

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import machinery
 import the_annotated_transformer as tat
 from the_annotated_transformer import BOS, EOS, PAD
 from conftest import tiny_data
@@ -21,7 +22,7 @@ CPU = torch.device("cpu")
 def lively_model(seed=3, vocab=16, dtype=torch.float64, **overrides):
     """A random tiny model whose greedy output varies with the source (untied, sharper output layer)."""
     torch.manual_seed(seed)
-    model = tat.make_model(vocab, vocab, tat.PRESETS["tiny"], N=2, tie_weights=False, **overrides)
+    model = tat.make_model(vocab, vocab, tat.MODEL_PRESETS["tiny"], N=2, tie_weights=False, **overrides)
     with torch.no_grad():
         model.generator.proj.weight.mul_(4)
     return model.to(dtype).eval()
@@ -221,7 +222,7 @@ def test_a_wide_beam_finds_the_exhaustive_best(alpha, seed):
 def test_beam_search_does_not_depend_on_batch_composition():
     model = lively_model()
     seqs, src = padded_sources()
-    cfg = tat.get_config("tiny", eval_batch_size=4, max_decode_extra=5)
+    cfg = machinery.get_config("tiny", eval_batch_size=4, max_decode_extra=5)
     vocab = tat.Vocab(list(tat.SPECIALS) + [f"w{i}" for i in range(12)])
     together = tat.translate(model, seqs, vocab, cfg, CPU, beam_size=3, alpha=0.6)
     for i, s in enumerate(seqs):
@@ -254,7 +255,7 @@ def never_ending_model():
 @pytest.mark.parametrize("beam_size,cached", [(1, False), (1, True), (4, False), (4, True)])
 def test_output_is_cut_at_input_length_plus_max_decode_extra(beam_size, cached):
     seqs, _ = padded_sources()
-    cfg = tat.get_config("tiny", eval_batch_size=4, max_decode_extra=3)
+    cfg = machinery.get_config("tiny", eval_batch_size=4, max_decode_extra=3)
     vocab = tat.Vocab(list(tat.SPECIALS) + [f"w{i}" for i in range(12)])
     out = tat.translate(never_ending_model(), seqs, vocab, cfg, CPU, beam_size=beam_size, alpha=0.6, cached=cached)
     assert [len(o) for o in out] == [len(s) - 2 + 3 for s in seqs]
@@ -268,7 +269,7 @@ def ends_at(step):
 
 @pytest.mark.parametrize("beam_size", [1, 3])
 def test_the_end_symbol_counts_toward_the_limit(beam_size):
-    cfg = tat.get_config("tiny", eval_batch_size=1, max_decode_extra=2)
+    cfg = machinery.get_config("tiny", eval_batch_size=1, max_decode_extra=2)
     vocab = tat.Vocab(list(tat.SPECIALS) + ["a", "b"])
     source = [BOS, 4, 5, 4, EOS]  # n = 3: at most 5 tokens after <s>
     at_limit = tat.translate(ends_at(5), [source], vocab, cfg, CPU, beam_size=beam_size, alpha=0.0)[0]
@@ -291,7 +292,7 @@ def test_decoders_never_emit_start_or_padding_and_may_emit_unk():
     v = 6
     model = TableModel(lambda p: dist(v, t0=0.28, t2=0.2, t3=0.5, t1=0.02) if len(p) < 3 else
                        dist(v, t0=0.5, t2=0.3, t1=0.2), v)
-    cfg = tat.get_config("tiny", eval_batch_size=2, max_decode_extra=4)
+    cfg = machinery.get_config("tiny", eval_batch_size=2, max_decode_extra=4)
     vocab = tat.Vocab(list(tat.SPECIALS) + ["a", "b"])
     for beam in (1, 3):
         out = tat.translate(model, [[BOS, 4, EOS], [BOS, 4, 5, EOS]], vocab, cfg, CPU, beam_size=beam, alpha=0.6)
@@ -322,8 +323,8 @@ def test_attention_maps_of_the_fast_path_equal_the_readable_ones(norm_first):
     readable = lively_model(attention="readable", norm_first=norm_first)
     readable.load_state_dict(fast.state_dict())
     src, tgt = torch.tensor([BOS, 5, 9, 7, 4, EOS]), torch.tensor([BOS, 6, 8, 11])
-    a, b = tat.attention_maps(fast, src, tgt), tat.attention_maps(readable, src, tgt)
-    cfg = tat.PRESETS["tiny"]
+    a, b = machinery.attention_maps(fast, src, tgt), machinery.attention_maps(readable, src, tgt)
+    cfg = tat.MODEL_PRESETS["tiny"]
     shapes = {"encoder": (6, 6), "decoder_self": (4, 4), "decoder_src": (4, 6)}
     for kind, (rows, cols) in shapes.items():
         assert a[kind].shape == (2, cfg.h, rows, cols)
@@ -348,7 +349,7 @@ def test_attention_maps_are_the_weights_the_readable_forward_uses(monkeypatch):
     with torch.no_grad():
         model(src.view(1, -1), tgt.view(1, -1), (src != PAD).view(1, 1, -1), tat.subsequent_mask(3))
     monkeypatch.undo()
-    maps = tat.attention_maps(model, src, tgt)
+    maps = machinery.attention_maps(model, src, tgt)
     # forward order: encoder layers, then per decoder layer self then source attention
     expected = [maps["encoder"][0], maps["encoder"][1], maps["decoder_self"][0], maps["decoder_src"][0],
                 maps["decoder_self"][1], maps["decoder_src"][1]]
@@ -397,7 +398,7 @@ def test_greedy_decode_pads_after_end_and_stops_when_all_ended():
 
 def test_greedy_decode_batched_equals_one_at_a_time():
     torch.manual_seed(0)
-    model = tat.make_model(14, 14, tat.get_config("tiny", N=1)).eval()
+    model = tat.make_model(14, 14, machinery.get_config("tiny", N=1)).eval()
     sources = [[BOS, 5, 6, 7, 8, 9, 10, EOS], [BOS, 11, 12, 4, EOS], [BOS, 13, EOS]]
     max_len = 12
     src = tat.pad_sequences(sources)
@@ -413,7 +414,7 @@ def test_greedy_decode_batched_equals_one_at_a_time():
 
 
 def test_translate_drops_start_and_everything_from_the_end_symbol():
-    cfg = tat.get_config("tiny", eval_batch_size=1)
+    cfg = machinery.get_config("tiny", eval_batch_size=1)
     vocab = tiny_data(cfg).tgt_vocab
     out = tat.translate(ScriptedModel([4]), [[BOS, 5, EOS], [BOS, 6, 7, EOS]], vocab, cfg, torch.device("cpu"))
     assert out == [vocab.lookup_tokens([5, 6, 7])] * 2 == [["2", "3", "4"]] * 2
@@ -422,7 +423,7 @@ def test_translate_drops_start_and_everything_from_the_end_symbol():
 def test_translate_does_not_depend_on_batching():
     """Each sentence is decoded as if alone: in order, and at most input length + max_decode_extra long (§6.1)."""
     torch.manual_seed(0)
-    cfg = tat.get_config("tiny", N=1, eval_batch_size=2, max_decode_extra=3)
+    cfg = machinery.get_config("tiny", N=1, eval_batch_size=2, max_decode_extra=3)
     vocab = tiny_data(cfg).tgt_vocab
     model = tat.make_model(len(vocab), len(vocab), cfg)
     sources = [[BOS, 5, 6, 7, EOS], [BOS, 4, EOS], [BOS, 8, 9, 10, 11, 12, 13, EOS], [BOS, 9, EOS]]
@@ -432,6 +433,19 @@ def test_translate_does_not_depend_on_batching():
         alone = tat.translate(model, [s], vocab, cfg, torch.device("cpu"))[0]
         assert len(alone) <= len(s) + cfg.max_decode_extra - 1
         assert toks == alone, (s, toks, alone)
+
+
+def test_translate_decodes_the_model_it_is_given_in_eval_mode():
+    """translate takes the model as given (no unwrapping): it moves it to the device and switches off dropout."""
+    seqs, _ = padded_sources()
+    cfg = machinery.get_config("tiny", eval_batch_size=4, max_decode_extra=5)
+    vocab = tat.Vocab(list(tat.SPECIALS) + [f"w{i}" for i in range(12)])
+    reference = tat.translate(lively_model(dtype=torch.float32, P_drop=0.5).eval(), seqs, vocab, cfg, CPU)
+    model = lively_model(dtype=torch.float32, P_drop=0.5).train()
+    assert tat.translate(model, seqs, vocab, cfg, CPU) == reference
+    assert not model.training and {p.device.type for p in model.parameters()} == {"cpu"}
+    for cached in (False, True):
+        assert tat.translate(model, seqs, vocab, cfg, CPU, cached=cached) == reference
 
 
 def test_bleu_of_exact_copies_is_100():

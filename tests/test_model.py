@@ -1,18 +1,16 @@
 """Part 1 invariants: every §3 component, the masks, and agreement with torch.nn.Transformer."""
 import dataclasses
 import math
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import machinery
 import the_annotated_transformer as tat
 
-TINY = tat.PRESETS["tiny"]
+TINY = tat.MODEL_PRESETS["tiny"]
 
 
 def tiny_model(**overrides):
@@ -37,7 +35,7 @@ def masks(src, tgt):
 
 @pytest.mark.parametrize("preset", ["tiny", "base"])
 def test_every_component_has_the_documented_shape(preset):
-    cfg = tat.PRESETS[preset]
+    cfg = tat.MODEL_PRESETS[preset]
     b, n, m, d = 2, 5, 4, cfg.d_model
     x, mem = torch.randn(b, n, d), torch.randn(b, m, d)
     src_mask = torch.ones(b, 1, m, dtype=torch.bool)
@@ -63,7 +61,8 @@ def test_every_component_has_the_documented_shape(preset):
     out = model(src, tgt, *masks(src, tgt))
     assert out.shape == (b, n, d)
     assert model.generator(out).shape == (b, n, 11)
-    assert cfg.d_k * cfg.h == cfg.d_model
+    assert cfg.d_k == 0 and cfg.head_size * cfg.h == cfg.d_model  # §3.2.2: d_k = d_model / h
+    assert mha.d_k == cfg.head_size
 
 
 def test_clones_are_independent_copies():
@@ -272,7 +271,7 @@ def test_weight_sharing_is_one_tensor():
 
 
 def test_base_model_has_the_papers_parameter_count():
-    n = tat.count_parameters(tat.make_model(37000, 37000, tat.PRESETS["base"]))
+    n = tat.count_parameters(tat.make_model(37000, 37000, tat.MODEL_PRESETS["base"]))
     assert abs(n - 65e6) / 65e6 < 0.05, n
 
 
@@ -320,6 +319,16 @@ def test_dropout_sits_exactly_where_section_5_4_puts_it():
     expected |= {f"decoder.layers.{i}.sublayer.{j}.dropout" for i in range(cfg.N) for j in range(3)}
     assert active == expected
     assert all(m.p == cfg.P_drop for name, m in model.named_modules() if name in expected)
+    assert not any(isinstance(m, nn.Dropout) and type(m) is not nn.Dropout for m in model.modules())
+    # Our departures (not in the paper) add dropout inside every attention and every FFN, nowhere else.
+    more = tat.make_model(13, 13, cfg, attn_dropout=0.2, ffn_dropout=0.3)
+    extra = {name: m.p for name, m in more.named_modules() if isinstance(m, nn.Dropout) and m.p > 0}
+    attn = [f"encoder.layers.{i}.self_attn" for i in range(cfg.N)]
+    attn += [f"decoder.layers.{i}.{kind}" for i in range(cfg.N) for kind in ("self_attn", "src_attn")]
+    ffn = [f"{stack}.layers.{i}.feed_forward" for stack in ("encoder", "decoder") for i in range(cfg.N)]
+    assert extra == ({name: cfg.P_drop for name in expected} | {f"{a}.dropout": 0.2 for a in attn}
+                     | {f"{f}.dropout": 0.3 for f in ffn})
+    assert len(extra) == 2 + cfg.N * (2 + 1 + 1) + cfg.N * (3 + 2 + 1)
 
 
 def _torch_transformer_like(model, cfg, norm_first):
@@ -389,14 +398,14 @@ def test_untrained_model_decodes_end_to_end():
     ("cpu", "fast", "fast"), ("cuda", "readable", "readable"), (None, "auto", "readable"),
 ])
 def test_attention_auto_takes_the_fused_path_on_cuda_only(device, setting, path):
-    chosen, line = tat.resolve_attention(setting, None if device is None else torch.device(device))
+    chosen, line = machinery.resolve_attention(setting, None if device is None else torch.device(device))
     assert chosen == path
     assert line.startswith(f"attention: {path} path (") and ("auto" in line) == (setting == "auto")
 
 
 def test_attention_setting_is_checked_and_builds_its_class():
     with pytest.raises(ValueError, match="auto, readable or fast"):
-        tat.resolve_attention("flash")
+        machinery.resolve_attention("flash")
     for setting, cls in (("readable", tat.MultiHeadedAttention), ("fast", tat.FastMultiHeadedAttention),
                          ("auto", tat.MultiHeadedAttention)):
         model = tat.make_model(11, 11, TINY, attention=setting)
@@ -458,316 +467,7 @@ def test_cached_decoding_equals_full_recompute_with_learned_positions():
 
 def test_positional_setting_is_checked():
     with pytest.raises(ValueError, match="positional must be one of sinusoid, learned"):
-        tat.get_config("tiny", positional="rotary")
-
-
-# FastDropout (the aside after §3.5): the same random function as nn.Dropout, drawn more cheaply.
-
-@pytest.mark.parametrize("p", [0.1, 0.3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_dropout_drops_with_probability_p_and_keeps_the_expectation(p, dtype):
-    torch.manual_seed(0)
-    n = 400_000
-    x = torch.full((n,), 2.0, dtype=dtype)
-    y = tat.FastDropout(p).train()(x)
-    dropped = float((y == 0).float().mean())
-    assert abs(dropped - p) < 5 * math.sqrt(p * (1 - p) / n)  # five standard deviations of a binomial share
-    kept = y[y != 0]
-    assert torch.all(kept == kept[0])  # one scale for every kept element
-    # the scale is 1 / (1 - p') for the probability rounded to 2^-15: the mean stays 2 (bf16 rounds the scale)
-    assert abs(float(kept[0]) * (1 - round(p * 2**15) / 2**15) - 2.0) < (1e-6 if dtype == torch.float32 else 1e-2)
-    assert abs(float(y.float().mean()) - 2.0) < 0.02
-
-
-def test_fast_dropout_masks_are_independent_across_positions_and_calls():
-    torch.manual_seed(0)
-    drop = tat.FastDropout(0.5).train()
-    a = drop(torch.ones(200_000)) == 0
-    b = drop(torch.ones(200_000)) == 0
-    assert abs(float((a & b).float().mean()) - 0.25) < 0.01  # two calls: independent masks
-    assert abs(float((a[:-1] & a[1:]).float().mean()) - 0.25) < 0.01  # neighbours (within one 64-bit draw) too
-    for j in range(4):  # each of the four 15-bit slices of a draw drops half
-        assert abs(float(a.view(-1, 4)[:, j].float().mean()) - 0.5) < 0.01
-
-
-def test_fast_dropout_gradient_is_its_mask_and_scale_and_eval_is_identity():
-    torch.manual_seed(0)
-    drop = tat.FastDropout(0.2).train()
-    x = torch.randn(3, 5, 7, requires_grad=True)
-    y = drop(x)
-    y.sum().backward()
-    torch.testing.assert_close(x.grad, y.detach() / x.detach())  # d(x·m·s)/dx = m·s = y/x
-    assert torch.equal(drop.eval()(x), x)
-    torch.manual_seed(3)
-    first = tat.FastDropout(0.2).train()(x)
-    torch.manual_seed(3)
-    assert torch.equal(tat.FastDropout(0.2).train()(x), first)  # seeded: reproducible
-
-
-def test_make_model_swaps_every_dropout_for_fast_dropout_when_asked():
-    fast = tat.make_model(13, 13, TINY, attn_dropout=0.1, ffn_dropout=0.1, fast_dropout=True)
-    plain = tat.make_model(13, 13, TINY, attn_dropout=0.1, ffn_dropout=0.1)  # the default: nn.Dropout's numbers
-    names = lambda m, cls: {n for n, mod in m.named_modules() if type(mod) is cls}  # noqa: E731
-    assert names(fast, tat.SameMaskDropout) == set() and names(plain, tat.FastDropout) == set()
-    assert names(fast, nn.Dropout) == names(plain, nn.Dropout) == set()  # every one replaced
-    assert names(fast, tat.FastDropout) == names(plain, tat.SameMaskDropout)  # the same places
-    assert len(names(plain, tat.SameMaskDropout)) == 2 + TINY.N * (2 + 1 + 1) + TINY.N * (3 + 2 + 1)
-    plain.load_state_dict(fast.state_dict())
-    src, tgt = random_batch()
-    torch.testing.assert_close(fast.eval()(src, tgt, *masks(src, tgt)), plain.eval()(src, tgt, *masks(src, tgt)))
-
-
-def test_fast_dropout_off_the_cpu_is_nn_dropout(monkeypatch):
-    calls = []
-    plain = F.dropout
-
-    def counting_dropout(x, p=0.5, training=True, inplace=False):
-        calls.append((x.device.type, p, training))
-        return plain(x, p, training, inplace)
-
-    monkeypatch.setattr(F, "dropout", counting_dropout)  # what nn.Dropout.forward calls
-    drop = tat.FastDropout(0.1).train()
-    y = drop(torch.empty(4, 8, device="meta"))  # any device but the CPU (CUDA where it exists)
-    assert y.device.type == "meta" and calls == [("meta", 0.1, True)]
-    drop(torch.ones(4, 8))  # on the CPU: the packed-bit mask, not F.dropout
-    assert len(calls) == 1
-
-
-# --------------------------------------------------------------------------------------------
-# SameMaskDropout (the aside after §3.5): nn.Dropout to the last bit, its mask drawn faster.
-# --------------------------------------------------------------------------------------------
-
-def dropout_pass(drop: nn.Module, x: torch.Tensor, seed: int):
-    """Output, input gradient and the generator's state after one training pass of ``drop`` on ``x``."""
-    torch.manual_seed(seed)
-    x = x.detach().clone().requires_grad_()
-    y = drop.train()(x)
-    (y.float() * torch.arange(y.numel()).view(y.shape)).sum().backward()
-    return y.detach(), x.grad, torch.get_rng_state()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
-def test_same_mask_dropout_gives_nn_dropouts_outputs_gradients_and_random_stream(p, dtype):
-    x = torch.randn(3, 37, 64, dtype=dtype)
-    for seed in (0, 7):
-        want = dropout_pass(nn.Dropout(p), x, seed)
-        got = dropout_pass(tat.SameMaskDropout(p), x, seed)
-        for a, b in zip(got, want):
-            assert torch.equal(a, b)
-    torch.manual_seed(1)  # and one stream through several calls, as in a model
-    first = [tat.SameMaskDropout(p).train()(x) for _ in range(3)]
-    torch.manual_seed(1)
-    assert all(torch.equal(a, nn.Dropout(p).train()(x)) for a in first)
-
-
-def mkl_draws_bernoulli() -> bool:
-    """Whether PyTorch's CPU bernoulli_ may use MKL's generator here (it does so only on Intel CPUs)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    intel = "GenuineIntel" in cpuinfo.read_text() if cpuinfo.is_file() else True  # unknown: assume it may
-    return torch.backends.mkl.is_available() and intel
-
-
-@pytest.fixture
-def no_kernel(monkeypatch, tmp_path):
-    """The module as it is where nothing was compiled: masks drawn by the random_ replay."""
-    monkeypatch.setenv("ANNOTATED_TRANSFORMER_KERNEL", str(tmp_path / "not-built.so"))
-    tat.mask_drawer.cache_clear()
-    yield
-    tat.mask_drawer.cache_clear()
-
-
-@pytest.fixture(scope="module")
-def kernel():
-    """csrc/dropout_mask.c compiled (``make kernel``; ``make test`` builds it first). Fails where a C
-    compiler exists but the kernel is not built or does not load; skips only without a compiler."""
-    if not Path(tat.DROPOUT_KERNEL).is_file() and shutil.which("make") and shutil.which("cc"):
-        subprocess.run(["make", "kernel"], check=False, capture_output=True)
-    lib = tat.load_dropout_kernel()
-    if lib is None and not shutil.which("cc"):
-        pytest.skip("no C compiler: the dropout kernel is not built here (the random_ replay draws the masks)")
-    assert lib is not None, f"{tat.DROPOUT_KERNEL} is not built or does not load"
-    return lib
-
-
-def test_same_mask_dropout_draws_without_bernoulli_where_the_check_passes(monkeypatch, no_kernel):
-    if mkl_draws_bernoulli():
-        pytest.skip("on an Intel CPU PyTorch may draw bernoulli_ with MKL: SameMaskDropout is nn.Dropout there")
-    for q, dtype in ((0.9, torch.float32), (0.9, torch.bfloat16), (0.7, torch.float32)):
-        assert tat.mask_drawer(q, dtype) is tat._replayed_scaled_mask, (q, dtype)  # the default kernel: the replay holds
-    calls = []
-    plain = F.dropout
-    monkeypatch.setattr(F, "dropout", lambda *a, **k: calls.append(1) or plain(*a, **k))
-    x = torch.ones(16, 16)
-    y = tat.SameMaskDropout(0.1).train()(x)
-    assert calls == [] and 0 < int((y == 0).sum()) < x.numel()
-    tat.SameMaskDropout(0.1).train()(x.t())  # not contiguous: nn.Dropout's own kernel
-    y = tat.SameMaskDropout(0.1).eval()(x)  # evaluation: nn.Dropout, the identity
-    assert calls == [1, 1] and torch.equal(y, x)
-    tat.SameMaskDropout(0.1).train()(torch.empty(4, 8, device="meta"))  # off the CPU (CUDA where it exists)
-    tat.SameMaskDropout(0.1, inplace=True).train()(torch.ones(16, 16))  # in place, as nn.Dropout does it
-    assert calls == [1, 1, 1, 1]
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # under torch.compile: Inductor's dropout
-    tat.SameMaskDropout(0.1).train()(x)
-    assert calls == [1, 1, 1, 1, 1]
-
-
-def test_the_replay_check_fails_when_the_replayed_mask_is_not_bernoullis(monkeypatch, no_kernel):
-    real = tat._replayed_scaled_mask
-    monkeypatch.setattr(tat, "_replayed_scaled_mask", lambda shape, q, dtype: real(shape, q, dtype).roll(1))
-    assert tat.mask_drawer(0.9, torch.float32) is None
-    calls = []
-    plain = F.dropout
-    monkeypatch.setattr(F, "dropout", lambda *a, **k: calls.append(1) or plain(*a, **k))
-    tat.SameMaskDropout(0.1).train()(torch.ones(8, 8))
-    assert calls == [1]  # so SameMaskDropout is nn.Dropout
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_compiled_kernel_draws_bernoullis_masks_and_leaves_the_generator_where_bernoulli_does(kernel, dtype):
-    # sizes around the generator's 624-word blocks and the kernel's 1,024-element chunks, from
-    # states part-way through a block (the words drawn before) and fresh after seeding
-    for n, before, q in [(1, 0, 0.9), (311, 5, 0.9), (312, 0, 0.7), (313, 311, 0.5), (1024, 3, 0.9),
-                         (1025, 600, 0.7), (5000, 1, 0.9), (1 << 17, 77, 0.9), (0, 9, 0.9)]:
-        torch.manual_seed(n + before)
-        torch.empty(before, dtype=torch.int64).random_()  # 2 words each
-        start = torch.get_rng_state()
-        want = torch.empty(n, dtype=dtype).bernoulli_(q).div_(q)
-        after = torch.get_rng_state()
-        torch.set_rng_state(start)
-        got = tat._kernel_scaled_mask(kernel, torch.Size([n]), q, dtype)
-        assert torch.equal(got, want), (n, before, q)
-        assert torch.equal(torch.get_rng_state(), after), (n, before, q)
-
-
-def test_only_a_library_built_from_this_kernel_source_is_loaded(kernel, tmp_path):
-    import _ctypes  # a real shared library without the kernel's functions
-
-    not_a_library = tmp_path / "dropout_mask.so"
-    not_a_library.write_text("not a library")
-    assert tat.load_dropout_kernel(str(not_a_library)) is None
-    assert tat.load_dropout_kernel(_ctypes.__file__) is None
-    assert tat.load_dropout_kernel(str(tmp_path / "missing.so")) is None
-    assert kernel.dropout_mask_interface() == tat.DROPOUT_KERNEL_INTERFACE
-
-
-def test_the_kernel_refuses_a_generator_state_it_does_not_know(kernel):
-    state = torch.get_rng_state()
-    state[8:12] = torch.tensor([0], dtype=torch.int32).view(torch.uint8)  # `left` 0: never a generator's
-    before = state.clone()
-    out = torch.zeros(16)
-    assert kernel.dropout_mask(state.data_ptr(), 2**52, 0, out.data_ptr(), 16, 4) == -1
-    assert torch.equal(state, before) and torch.equal(out, torch.zeros(16))
-    assert kernel.dropout_mask(torch.get_rng_state().data_ptr(), 2**52, 0, out.data_ptr(), 16, 8) == -1  # 8-byte elements
-
-
-def test_the_mask_drawer_prefers_the_kernel_and_falls_back_where_it_is_wrong(kernel, monkeypatch):
-    if mkl_draws_bernoulli():
-        pytest.skip("on an Intel CPU PyTorch may draw bernoulli_ with MKL: SameMaskDropout is nn.Dropout there")
-    tat.mask_drawer.cache_clear()
-    try:
-        for dtype in (torch.float32, torch.bfloat16):
-            assert tat.mask_drawer(0.9, dtype).func is tat._kernel_scaled_mask
-        assert tat.mask_drawer(0.9, torch.float64) is tat._replayed_scaled_mask  # 8-byte elements: not the kernel's
-        assert "compiled kernel" in tat.dropout_note(TINY, torch.device("cpu"))
-        real = tat._kernel_scaled_mask
-        monkeypatch.setattr(tat, "_kernel_scaled_mask", lambda *a: real(*a).roll(1))  # a kernel that went wrong
-        tat.mask_drawer.cache_clear()
-        assert tat.mask_drawer(0.9, torch.float32) is tat._replayed_scaled_mask
-        assert "it was not used" in tat.dropout_note(TINY, torch.device("cpu"))
-
-        def refused(*args):
-            raise RuntimeError("the dropout kernel does not recognise the generator's state")
-
-        monkeypatch.setattr(tat, "_kernel_scaled_mask", refused)  # a kernel that fails is passed over too
-        tat.mask_drawer.cache_clear()
-        assert tat.mask_drawer(0.9, torch.float32) is tat._replayed_scaled_mask
-        assert tat.mask_drawer(0.9, torch.float32, kernel=False) is tat._replayed_scaled_mask
-    finally:
-        tat.mask_drawer.cache_clear()
-
-
-def test_the_log_says_how_dropout_masks_are_drawn(no_kernel):
-    cpu = torch.device("cpu")
-    note = tat.dropout_note(TINY, cpu)
-    assert "random_" in note and "not-built.so: nothing is built there" in note
-    assert tat.dropout_note(dataclasses.replace(TINY, fast_dropout=True), cpu) == ""
-    assert tat.dropout_note(dataclasses.replace(TINY, P_drop=0.0), cpu) == ""
-    assert tat.dropout_note(TINY, torch.device("meta")) == ""  # off the CPU: nn.Dropout's own kernel
-
-
-@pytest.mark.parametrize("drawer", ["kernel", "replay"])
-@pytest.mark.parametrize("autocast", [False, True])
-def test_a_model_trains_to_the_same_weights_with_same_mask_dropout_as_with_nn_dropout(autocast, drawer, request):
-    request.getfixturevalue("kernel" if drawer == "kernel" else "no_kernel")
-    if not mkl_draws_bernoulli():
-        used = tat.mask_drawer(0.9, torch.float32)
-        assert (getattr(used, "func", None) is tat._kernel_scaled_mask) == (drawer == "kernel")
-    def train(kind):
-        torch.manual_seed(0)
-        model = tat.use_dropout(tat.make_model(13, 13, TINY, attn_dropout=0.1, ffn_dropout=0.1), kind).train()
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-        src, tgt = random_batch()
-        for _ in range(3):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                out = model.generator(model(src, tgt, *masks(src, tgt)))
-            out.float().logsumexp(-1).sum().backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        return model
-
-    same_mask, plain = train(tat.SameMaskDropout), train(nn.Dropout)
-    assert {type(m) for m in plain.modules()} & {tat.SameMaskDropout} == set()
-    for (name, a), b in zip(same_mask.named_parameters(), plain.parameters()):
-        assert torch.equal(a, b), name
-
-
-# --------------------------------------------------------------------------------------------
-# Word dropout (our option for small data): whole tokens, only in training, off by default
-# --------------------------------------------------------------------------------------------
-
-def test_word_dropout_zeroes_whole_tokens_in_training_and_nothing_in_eval():
-    torch.manual_seed(0)
-    x = torch.randn(8, 50, 16) + 3.0  # no element is zero by chance
-    drop = tat.WordDropout(0.3).train()
-    y = drop(x)
-    zero = (y == 0).all(-1)  # (batch, seq): the tokens dropped
-    assert ((y == 0).any(-1) == zero).all()  # a token is dropped whole or not at all
-    torch.testing.assert_close(y[~zero], x[~zero] / 0.7)  # the others scaled as dropout scales
-    assert 0.2 < float(zero.float().mean()) < 0.4  # about p of 400 tokens
-    assert torch.equal(drop.eval()(x), x)
-    assert torch.equal(tat.WordDropout(0.0).train()(x), x)
-
-
-def test_make_model_adds_word_dropout_before_the_positions_only_when_asked():
-    plain = tat.make_model(11, 11, tat.MODEL_PRESETS["tiny"])
-    assert not any(isinstance(m, tat.WordDropout) for m in plain.modules())
-    torch.manual_seed(0)
-    model = tat.make_model(11, 11, tat.MODEL_PRESETS["tiny"], word_dropout=0.25)
-    for embed in (model.src_embed, model.tgt_embed):
-        assert [type(m) for m in embed] == [tat.Embeddings, tat.WordDropout, tat.PositionalEncoding]
-        assert embed[1].p == 0.25
-    assert model.state_dict().keys() == plain.state_dict().keys()  # no parameters of its own
-    # in eval it is the same network
-    plain.load_state_dict(model.state_dict())
-    src = torch.tensor([[0, 5, 6, 7, 1]])
-    tgt = torch.tensor([[0, 7, 8]])
-    args = (src, tgt, tat.padding_mask(src, tat.PAD), tat.subsequent_mask(3) & (tgt != tat.PAD).unsqueeze(-2))
-    assert torch.equal(model.eval()(*args), plain.eval()(*args))
-    with pytest.raises(ValueError, match="word_dropout must be in"):
-        tat.get_config("tiny", word_dropout=1.0)
-
-
-@pytest.mark.parametrize("positional", ["sinusoid", "learned"])
-def test_a_model_with_word_dropout_decodes_the_same_with_and_without_the_cache(positional):
-    torch.manual_seed(0)
-    model = tat.make_model(11, 11, tat.MODEL_PRESETS["tiny"], word_dropout=0.3, positional=positional).eval()
-    src = torch.tensor([[0, 5, 6, 7, 8, 1], [0, 9, 4, 1, tat.PAD, tat.PAD]])
-    src_mask = tat.padding_mask(src, tat.PAD)
-    with torch.no_grad():
-        full = tat.greedy_decode(model, src, src_mask, 9, tat.BOS, tat.EOS, tat.PAD)
-        cached = tat.greedy_decode_cached(model, src, src_mask, 9, tat.BOS, tat.EOS, tat.PAD)
-    assert torch.equal(full, cached)
+        machinery.get_config("tiny", positional="rotary")
 
 
 def test_n_dec_sets_the_decoder_depth_alone_and_zero_means_n():
@@ -777,7 +477,7 @@ def test_n_dec_sets_the_decoder_depth_alone_and_zero_means_n():
     shallow = tat.make_model(11, 11, tiny, N=3, N_dec=1)
     assert (len(shallow.encoder.layers), len(shallow.decoder.layers)) == (3, 1)
     with pytest.raises(ValueError, match="N_dec must be 0"):
-        tat.get_config("tiny", N_dec=-1)
+        machinery.get_config("tiny", N_dec=-1)
 
 
 def test_a_model_with_a_shallower_decoder_decodes_the_same_with_and_without_the_cache():
@@ -792,3 +492,115 @@ def test_a_model_with_a_shallower_decoder_decodes_the_same_with_and_without_the_
                  for c in (True, False)]
     assert torch.equal(full, cached)
     assert beams[0] == beams[1]
+
+
+# --- d_k apart from d_model / h, and Table 3's parameter counts ---------------------------
+
+@pytest.mark.parametrize("cls", [tat.MultiHeadedAttention, tat.FastMultiHeadedAttention])
+@pytest.mark.parametrize("h, d_model, d_k", [(8, 32, 2), (4, 32, 16), (3, 32, 5), (2, 6, 7)])
+def test_multi_head_attention_with_its_own_d_k(cls, h, d_model, d_k):
+    torch.manual_seed(0)
+    mha = cls(h, d_model, 0.0, d_k=d_k).double().eval()
+    assert mha.d_k == d_k and d_k != d_model // h
+    for proj in (mha.w_q, mha.w_k, mha.w_v):
+        assert (proj.in_features, proj.out_features) == (d_model, h * d_k)
+    assert (mha.w_o.in_features, mha.w_o.out_features) == (h * d_k, d_model)
+    x, y = torch.randn(2, 3, d_model, dtype=torch.float64), torch.randn(2, 5, d_model, dtype=torch.float64)
+    mask = torch.tensor([[[True] * 5], [[True] * 3 + [False] * 2]])
+    out = mha(x, y, y, mask)
+    assert out.shape == (2, 3, d_model)
+    heads = []  # h heads of width d_k, concatenated (h·d_k wide), then W^O
+    for i in range(h):
+        rows = slice(i * d_k, (i + 1) * d_k)
+        qi = x @ mha.w_q.weight[rows].T + mha.w_q.bias[rows]
+        ki = y @ mha.w_k.weight[rows].T + mha.w_k.bias[rows]
+        vi = y @ mha.w_v.weight[rows].T + mha.w_v.bias[rows]
+        heads.append(tat.attention(qi, ki, vi, mask)[0])
+    torch.testing.assert_close(out, mha.w_o(torch.cat(heads, dim=-1)), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(mha(x, x, x), mha(x, x, x))  # self-attention (the fused branch) too
+    with pytest.raises(ValueError):
+        cls(3, 32, 0.0)  # 32 / 3 is no head size: d_k must be given
+
+
+def test_make_model_passes_d_k_to_every_attention_and_the_readable_and_fast_paths_agree():
+    readable = tat.make_model(13, 13, TINY, d_k=3).double().eval()
+    fast = tat.make_model(13, 13, TINY, d_k=3, attention="fast").double().eval()
+    fast.load_state_dict(readable.state_dict())
+    attns = [m for m in readable.modules() if isinstance(m, tat.MultiHeadedAttention)]
+    assert len(attns) == 3 * TINY.N and all(m.d_k == 3 and m.w_q.out_features == TINY.h * 3 for m in attns)
+    src, tgt = random_batch()
+    torch.testing.assert_close(fast(src, tgt, *masks(src, tgt)), readable(src, tgt, *masks(src, tgt)),
+                               rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="d_k must be 0"):
+        machinery.get_config("tiny", d_k=-1)
+    assert machinery.get_config("tiny", h=3, d_k=8).head_size == 8  # h need not divide d_model then
+    with pytest.raises(ValueError, match="must divide d_model"):
+        machinery.get_config("tiny", h=3)
+
+
+VOCAB = 8000  # the multi30k-small preset's joint BPE vocabulary
+
+
+def table3_count(**overrides) -> int:
+    """Parameters of the multi30k-small model with Table 3's row changes applied."""
+    cfg = machinery.get_config("multi30k-small", **overrides)
+    assert cfg.bpe_size == VOCAB
+    return tat.count_parameters(tat.make_model(VOCAB, VOCAB, cfg))
+
+
+def expected_count(N=3, d_model=256, d_ff=1024, h=8, d_k=0, vocab=VOCAB) -> int:
+    """The same count by hand: a shared embedding (three-way tying, §3.4), the generator's bias, per
+    encoder layer one attention, one FFN and two LayerNorms, per decoder layer two attentions, one FFN
+    and three LayerNorms."""
+    hd = h * (d_k or d_model // h)
+    mha = 3 * (d_model * hd + hd) + hd * d_model + d_model  # W^Q, W^K, W^V for all heads; W^O
+    ffn = d_model * d_ff + d_ff + d_ff * d_model + d_model
+    norm = 2 * d_model
+    return vocab * d_model + vocab + N * (mha + ffn + 2 * norm) + N * (2 * mha + ffn + 3 * norm)
+
+
+@pytest.fixture(scope="module")
+def table3_base():
+    n = table3_count()
+    assert n == expected_count()
+    return n
+
+
+@pytest.mark.parametrize("h", [1, 4, 16, 32])
+def test_table3_row_a_varies_the_heads_at_constant_computation(table3_base, h):
+    assert table3_count(h=h, d_k=256 // h) == table3_base  # d_k = d_v = d_model / h: h·d_k = d_model
+    assert table3_count(h=h) == table3_base  # d_k left at 0 means the same
+
+
+def test_table3_row_b_smaller_keys_mean_fewer_parameters(table3_base):
+    counts = {d_k: table3_count(h=8, d_k=d_k) for d_k in (8, 16)}
+    assert counts[8] < counts[16] < table3_base
+    for d_k, n in counts.items():
+        assert n == expected_count(d_k=d_k)
+        # every attention (N in the encoder, 2N in the decoder) loses 4·d_model·h·Δ weights and 3·h·Δ biases
+        delta = 8 * (256 // 8 - d_k)
+        assert table3_base - n == 3 * 3 * (4 * 256 * delta + 3 * delta)
+
+
+@pytest.mark.parametrize("field, smaller, larger", [("N", 2, 4), ("d_model", 128, 512), ("d_ff", 512, 2048)])
+def test_table3_row_c_bigger_models_have_more_parameters(table3_base, field, smaller, larger):
+    small, large = table3_count(**{field: smaller}), table3_count(**{field: larger})
+    assert small < table3_base < large
+    assert (small, large) == (expected_count(**{field: smaller}), expected_count(**{field: larger}))
+
+
+@pytest.mark.parametrize("overrides", [dict(P_drop=0.0), dict(P_drop=0.2), dict(eps_ls=0.0), dict(eps_ls=0.2),
+                                       dict(P_drop=0.3, eps_ls=0.05)])
+def test_table3_row_d_dropout_and_label_smoothing_leave_the_count_alone(table3_base, overrides):
+    assert table3_count(**overrides) == table3_base
+
+
+def test_table3_row_e_learned_positions_add_one_table_per_embedding(table3_base):
+    cfg = machinery.get_config("multi30k-small", positional="learned")
+    model = tat.make_model(VOCAB, VOCAB, cfg)
+    tables = [model.src_embed[1], model.tgt_embed[1]]
+    assert all(isinstance(t, tat.LearnedPositionalEncoding) for t in tables)
+    assert tables[0].weight is not tables[1].weight  # the source and target each have their own
+    assert tat.count_parameters(model) - table3_base == cfg.max_len * cfg.d_model * 2
+    sinusoid = tat.make_model(VOCAB, VOCAB, machinery.get_config("multi30k-small"))
+    assert sum(p.numel() for t in (sinusoid.src_embed[1], sinusoid.tgt_embed[1]) for p in t.parameters()) == 0

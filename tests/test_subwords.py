@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import machinery
 import the_annotated_transformer as tat
-from the_annotated_transformer import BOS, EOS, PAD, SPECIALS, UNK
+from the_annotated_transformer import BOS, EOS, SPECIALS, UNK
 from conftest import quiet  # noqa: E402
 
 
@@ -29,17 +30,17 @@ def small_mirror(root: Path, test_extra: str = "") -> Path:
     valid = train[:5]
     test = [(f"Ein Hund sieht eine Katze{test_extra}.", "A dog sees a cat."), ("Ein Vogel.", "A bird.")]
     for split, pairs in (("train", train), ("valid", valid), ("test", test)):
-        de, en = tat.CORPORA["multi30k"].files[split]
+        de, en = machinery.CORPORA["multi30k"].files[split]
         write_gz(folder / de, [p[0] for p in pairs])
         write_gz(folder / en, [p[1] for p in pairs])
     return root
 
 
-def bpe_cfg(mirror: Path, tmp_path: Path, **kw) -> tat.Config:
+def bpe_cfg(mirror: Path, tmp_path: Path, **kw) -> machinery.Config:
     settings = dict(dataset="multi30k", vocab="bpe", bpe_size=60, data_mirror=str(mirror),
-                    data_dir=str(tmp_path / "data"), device="cpu", bf16="false")
+                    data_dir=str(tmp_path / "data"), device="cpu", precision="fp32")
     settings.update(kw)
-    return tat.get_config("tiny", **settings)
+    return machinery.get_config("tiny", **settings)
 
 
 @pytest.fixture(scope="module")
@@ -47,22 +48,22 @@ def multi30k_bpe(tmp_path_factory, mirror):
     """The multi30k-small preset's BPE data set, from the real mirror (skipped without it)."""
     if not (mirror / "multi30k").is_dir():
         pytest.skip(f"no Multi30k in the data mirror at {mirror}")
-    cfg = tat.get_config("multi30k-small", data_mirror=str(mirror), data_dir=str(tmp_path_factory.mktemp("data")))
-    return cfg, tat.load_dataset(cfg, log=quiet), mirror
+    cfg = machinery.get_config("multi30k-small", data_mirror=str(mirror), data_dir=str(tmp_path_factory.mktemp("data")))
+    return cfg, machinery.load_dataset(cfg, log=quiet), mirror
 
 
 def test_presets_use_one_joint_bpe_vocabulary_with_three_way_tying():
     for name in ("base", "big", "multi30k-small", "iwslt14-small"):
-        cfg = tat.PRESETS[name]
+        cfg = machinery.PRESETS[name]
         assert cfg.vocab == "bpe" and cfg.shared_vocab and cfg.tie_weights, name
-    assert tat.PRESETS["iwslt14-small"].bpe_size == 10_000
-    assert tat.PRESETS["base"].bpe_size == 37_000
+    assert machinery.PRESETS["iwslt14-small"].bpe_size == 10_000
+    assert machinery.PRESETS["base"].bpe_size == 37_000
 
 
 def test_pieces_decode_back_to_the_sentence(multi30k_bpe):
     cfg, data, mirror = multi30k_bpe
     for name in ("test_2016_flickr.de.gz", "test_2016_flickr.en.gz"):
-        lines = [line.strip() for line in tat.read_lines(mirror / "multi30k" / name)]
+        lines = [line.strip() for line in machinery.read_lines(mirror / "multi30k" / name)]
         pieces = data.subwords.encode(lines)
         assert data.subwords.decode(pieces) == lines
         assert sum(map(len, pieces)) > sum(len(line.split()) for line in lines)  # rare words are split
@@ -87,7 +88,7 @@ def test_a_rare_compound_is_spelled_with_known_pieces(multi30k_bpe):
 
 def test_the_bpe_model_is_built_from_the_training_split_only(tmp_path):
     mirror = small_mirror(tmp_path / "m", test_extra=" Ω")  # Ω occurs only in the test set
-    data = tat.load_dataset(bpe_cfg(mirror, tmp_path), log=quiet)
+    data = machinery.load_dataset(bpe_cfg(mirror, tmp_path), log=quiet)
     assert not any("Ω" in piece for piece in data.src_vocab.itos)
     first_test_source = data.splits["test"][0][0]
     assert first_test_source[0] == BOS and first_test_source[-1] == EOS
@@ -95,21 +96,22 @@ def test_the_bpe_model_is_built_from_the_training_split_only(tmp_path):
     assert data.stats["test_unk_share"] > 0
     assert not any(UNK in ids for pair in data.splits["train"] for ids in pair)  # … and never in training
     # retraining on the training lines alone gives the very same model
-    train_pairs, _ = tat.read_parallel(*tat.locate_dataset("multi30k", bpe_cfg(mirror, tmp_path)).files["train"])
+    files = machinery.locate_dataset("multi30k", bpe_cfg(mirror, tmp_path)).files["train"]
+    train_pairs, _ = machinery.read_parallel(*files)
     assert tat.Subwords.train([s for p in train_pairs for s in p], 60) == data.subwords
 
 
 def test_the_bpe_model_is_cached_and_keyed_on_its_settings(tmp_path):
     mirror = small_mirror(tmp_path / "m")
     cfg = bpe_cfg(mirror, tmp_path)
-    first = tat.load_dataset(cfg, log=quiet)
+    first = machinery.load_dataset(cfg, log=quiet)
     cache = tmp_path / "data" / "cache"
     models = sorted(cache.glob("bpe-*.model"))
     assert len(models) == 1 and models[0].read_bytes() == first.subwords.model_proto
     stamp = models[0].stat().st_mtime_ns
-    assert tat.load_dataset(cfg, log=quiet).subwords == first.subwords
+    assert machinery.load_dataset(cfg, log=quiet).subwords == first.subwords
     assert models[0].stat().st_mtime_ns == stamp  # read, not rewritten
-    tat.load_dataset(dataclasses.replace(cfg, bpe_size=50), log=quiet)
+    machinery.load_dataset(dataclasses.replace(cfg, bpe_size=50), log=quiet)
     assert len(list(cache.glob("bpe-*.model"))) == 2
 
 
@@ -117,18 +119,18 @@ def test_the_bpe_model_is_cached_and_keyed_on_its_settings(tmp_path):
 def bpe_run(tmp_path):
     mirror = small_mirror(tmp_path / "m")
     cfg = bpe_cfg(mirror, tmp_path, N=1, run_dir=str(tmp_path / "run"), max_steps=2, batch_tokens=200)
-    data = tat.load_dataset(cfg, log=quiet)
-    tat.train(cfg, data=data, log=quiet, progress=False, evaluate=False)
-    return cfg, data, tat.checkpoint_paths(tmp_path / "run")[-1]
+    data = machinery.load_dataset(cfg, log=quiet)
+    machinery.train(cfg, data=data, log=quiet, progress=False, evaluate=False)
+    return cfg, data, machinery.checkpoint_paths(tmp_path / "run")[-1]
 
 
 def test_the_checkpoint_carries_the_bpe_model_and_translates_alone(bpe_run):
     cfg, data, path = bpe_run
-    state = tat.load_checkpoint(path)
-    subwords = tat.checkpoint_subwords(state)
+    state = machinery.load_checkpoint(path)
+    subwords = machinery.checkpoint_subwords(state)
     assert subwords == data.subwords
     # everything needed to translate comes from the checkpoint file: model settings, weights, pieces
-    saved = tat.config_from_dict(state["config"])
+    saved = machinery.config_from_dict(state["config"])
     model = tat.make_model(len(subwords.vocab), len(subwords.vocab), saved)
     model.load_state_dict(state["model"])
     ids = [BOS] + subwords.vocab(subwords.encode(["Ein Hund sieht eine Katze."])[0]) + [EOS]
@@ -139,59 +141,18 @@ def test_the_checkpoint_carries_the_bpe_model_and_translates_alone(bpe_run):
 def test_a_checkpoint_with_another_bpe_model_is_refused(bpe_run, tmp_path):
     cfg, data, path = bpe_run
     other = tat.Subwords.train(["ganz andere Sätze", "other sentences entirely"] * 20, 40)
-    with pytest.raises(tat.CheckpointError, match="another BPE model"):
-        tat.load_checkpoint(path, subwords=other)
+    with pytest.raises(machinery.CheckpointError, match="another BPE model"):
+        machinery.load_checkpoint(path, subwords=other)
     # resuming the run on data whose BPE model differs is refused the same way
     changed = dataclasses.replace(data, subwords=other)
-    with pytest.raises(tat.CheckpointError, match="another BPE model"):
-        tat.train(dataclasses.replace(cfg, max_steps=3), data=changed, log=quiet, progress=False, evaluate=False)
+    with pytest.raises(machinery.CheckpointError, match="another BPE model"):
+        machinery.train(dataclasses.replace(cfg, max_steps=3), data=changed, log=quiet, progress=False, evaluate=False)
 
 
 def test_word_vocabularies_remain_an_option(tmp_path):
     mirror = small_mirror(tmp_path / "m")
-    data = tat.load_dataset(bpe_cfg(mirror, tmp_path, vocab="words", min_freq=1), log=quiet)
+    data = machinery.load_dataset(bpe_cfg(mirror, tmp_path, vocab="words", min_freq=1), log=quiet)
     assert data.subwords is None
     assert "Hund" in data.src_vocab.stoi and "dog" in data.tgt_vocab.stoi
     with pytest.raises(ValueError, match="bpe or words"):
-        tat.Config(vocab="chars")
-
-
-def test_bpe_dropout_resegments_the_same_text_per_epoch_and_repeats_for_a_seed(multi30k_bpe):
-    cfg, data, _ = multi30k_bpe
-    assert tat.epoch_pairs(data, cfg, 0) is data.splits["train"]  # off: the ids as loaded, every epoch
-    dropped = dataclasses.replace(cfg, bpe_dropout=0.1)
-    first, again, second = (tat.epoch_pairs(data, dropped, e) for e in (0, 0, 1))
-    assert first == again  # a function of (seed, epoch): a resumed run sees the same pieces
-    assert first != second and first != data.splits["train"]
-    pieces = data.subwords.vocab.lookup_tokens
-    for pairs in (first, second):
-        assert len(pairs) == len(data.splits["train"])
-        for (src, tgt), (plain_src, plain_tgt) in zip(pairs[:300], data.splits["train"][:300]):
-            assert src[0] == tgt[0] == BOS and src[-1] == tgt[-1] == EOS
-            # smaller pieces of the same sentence: they decode to what the ordinary pieces decode to
-            assert (data.subwords.decode([pieces(src[1:-1]), pieces(tgt[1:-1])])
-                    == data.subwords.decode([pieces(plain_src[1:-1]), pieces(plain_tgt[1:-1])]))
-    n_plain = sum(len(s) + len(t) for s, t in data.splits["train"])
-    n_dropped = sum(len(s) + len(t) for s, t in first)
-    assert n_plain < n_dropped < 2 * n_plain  # skipped merges leave more, smaller pieces
-    other_seed = tat.epoch_pairs(data, dataclasses.replace(dropped, seed=2), 0)
-    assert other_seed != first
-
-
-def test_bpe_dropout_needs_a_bpe_vocabulary_and_a_probability():
-    with pytest.raises(ValueError, match="bpe_dropout"):
-        tat.get_config("tiny", vocab="words", bpe_dropout=0.1)
-    for bad in (-0.1, 1.0, float("nan")):
-        with pytest.raises(ValueError, match="bpe_dropout"):
-            tat.get_config("multi30k-small", bpe_dropout=bad)
-
-
-def test_a_run_with_bpe_dropout_trains_and_resumes(tmp_path):
-    mirror = small_mirror(tmp_path / "m")
-    cfg = bpe_cfg(mirror, tmp_path, N=1, run_dir=str(tmp_path / "run"), max_steps=2, batch_tokens=200,
-                  bpe_dropout=0.3)
-    data = tat.load_dataset(cfg, log=quiet)
-    tat.train(cfg, data=data, log=quiet, progress=False, evaluate=False)
-    out = tat.train(dataclasses.replace(cfg, max_steps=4), data=data, log=quiet, progress=False, evaluate=False)
-    assert out["steps"] == 4
-    assert [p.name for p in tat.checkpoint_paths(tmp_path / "run")][-1].endswith("00000004.pt")
+        machinery.Config(vocab="chars")
