@@ -1,10 +1,16 @@
-"""The notebook as a web page (make html), checked in a real browser: offline, typeset, readable.
+"""The notebook as a web page (make html), checked in a real browser.
 
-Headless Chromium is the system's (Debian's ``chromium``), driven by playwright; no browser is
-downloaded. The page is built once from the committed notebook and its stored outputs.
-Screenshots for a person to look at are written to runs/html/.
+Headless Chromium is the system's (Debian's ``chromium``), driven by playwright; no browser
+is downloaded, and every request other than file:// is refused and noted. The page is
+built once from the committed notebook and its stored outputs, and once from a small
+fixture notebook for what the real one may not have yet (the attention maps to explore, a
+skippable section with a heading inside). Screenshots for a person are written to
+runs/html/; the measured numbers are printed (pytest -s shows them).
 """
+
 import importlib.util
+import json
+import random
 import re
 import shutil
 from pathlib import Path
@@ -19,52 +25,174 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 KATEX_INSTALLED = (ROOT / "web" / "node_modules" / "katex" / "package.json").is_file()
 # Headless Chromium as root, offline and quiet: no sandbox (root), no GPU, and none of the
 # background requests (updates, sync, first-run pages) that would try to reach the network.
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--disable-default-apps",
-                 "--disable-extensions", "--no-default-browser-check", "--metrics-recording-only"]
+CHROMIUM_ARGS = [
+    "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--disable-default-apps",
+    "--disable-extensions", "--no-default-browser-check", "--metrics-recording-only",
+]  # fmt: skip
 WIDTHS = (1280, 390)
+HEIGHT = 900  # the viewport's height: one "screen"
+MENTION = re.compile(r"§\s?\d+(?:\.\d+)*|\bEq\.\s?\d+|\b(?:Figure|Table|Part)\s\d+")
 
 pytestmark = [
-    pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (Debian: apt-get install chromium)"),
-    pytest.mark.skipif(importlib.util.find_spec("playwright") is None,
-                       reason="playwright is not installed (make install)"),
-    pytest.mark.skipif(shutil.which("node") is None or (shutil.which("npm") is None and not KATEX_INSTALLED),
-                       reason="Node.js and npm are needed to fetch and run KaTeX (apt-get install nodejs npm)"),
+    pytest.mark.skipif(
+        CHROMIUM is None,
+        reason="Chromium is not installed (Debian: apt-get install chromium)",
+    ),
+    pytest.mark.skipif(
+        importlib.util.find_spec("playwright") is None,
+        reason="playwright is not installed (make install)",
+    ),
+    pytest.mark.skipif(
+        shutil.which("node") is None or (shutil.which("npm") is None and not KATEX_INSTALLED),
+        reason="Node.js and npm are needed to fetch and run KaTeX (apt-get install nodejs npm)",
+    ),
 ]
 
 
+def load_build():
+    """web/build.py as a module (under a name no installed package uses)."""
+    spec = importlib.util.spec_from_file_location("web_page_build", ROOT / "web" / "build.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build = load_build()
+
+
 def markdown_formulas(notebook: Path) -> int:
-    """Formulas in the notebook's Markdown, counted from its text: ``$$…$$`` and ``$…$`` outside code."""
+    """Formulas in the notebook's Markdown, counted from its text: ``$$…$$`` and ``$…$``."""
     count = 0
     for cell in nbformat.read(notebook, as_version=4).cells:
         if cell.cell_type != "markdown":
             continue
-        text = re.sub(r"^ {0,3}> ?", "", cell.source, flags=re.M)  # block quotes: the text inside
+        text = re.sub(r"^ {0,3}> ?", "", cell.source, flags=re.M)  # block quotes: inside
         text = re.sub(r"```.*?```", "", text, flags=re.S)  # fenced code
         text = re.sub(r"(`+)(?!`).+?(?<!`)\1(?!`)", "", text, flags=re.S)  # code spans
         display = re.findall(r"\$\$.+?\$\$", text, flags=re.S)
         text = re.sub(r"\$\$.+?\$\$", "", text, flags=re.S)
-        count += len(display) + len(re.findall(r"(?<!\\)\$[^$]+?(?<!\\)\$", text, flags=re.S))
+        inline = re.findall(r"(?<!\\)\$[^$]+?(?<!\\)\$", text, flags=re.S)
+        count += len(display) + len(inline)
     return count
 
 
 def attributions(notebook: Path) -> int:
-    """The paper's quotations in the notebook: each ends with one "— §…" (or "— Abstract") line under its block quote(s)."""
+    """The paper's quotations: each ends with one "— §…" line under its block quote(s)."""
     cells = nbformat.read(notebook, as_version=4).cells
-    return sum(len(re.findall(r"^>.*\n\s*\n— ", c.source, flags=re.M)) for c in cells if c.cell_type == "markdown")
+    return sum(
+        len(re.findall(r"^>.*\n\s*\n— ", c.source, flags=re.M))
+        for c in cells
+        if c.cell_type == "markdown"
+    )
+
+
+def has_attention_maps(notebook: Path) -> bool:
+    """Whether a cell output carries the attention maps the page can explore."""
+    return any(
+        build.ATTENTION_MIME in o.get("data", {})
+        for c in nbformat.read(notebook, as_version=4).cells
+        if c.cell_type == "code"
+        for o in c.outputs
+    )
+
+
+def softmax_rows(n_q: int, n_k: int, rng: random.Random, causal: bool = False) -> list:
+    """``n_q`` rows of ``n_k`` weights that sum to 1 (to 3 decimals), as a notebook writes."""
+    rows = []
+    for i in range(n_q):
+        raw = [rng.random() ** 4 if not causal or j <= i else 0.0 for j in range(n_k)]
+        rows.append([round(w / sum(raw), 3) for w in raw])
+    return rows
+
+
+def fixture_notebook(path: Path) -> Path:
+    """A small notebook with what the page is built from, the attention maps included."""
+    rng = random.Random(0)
+    src = ["▁Ein", "▁Hund", "▁läuft", "▁schnell", ".", "</s>"]
+    tgt = ["<s>", "▁A", "▁dog", "▁runs", "▁fast", "."]
+    blob = {
+        "sentence": {"src": src, "tgt": tgt},
+        "maps": {
+            "encoder": [[softmax_rows(6, 6, rng) for _ in range(4)] for _ in range(2)],
+            "decoder": [[softmax_rows(6, 6, rng, True) for _ in range(4)] for _ in range(2)],
+            "cross": [[softmax_rows(6, 6, rng) for _ in range(4)] for _ in range(2)],
+        },
+    }
+    new = nbformat.v4
+    cells = [
+        new.new_markdown_cell(
+            "# A fixture\n\nA notebook for the page's tests.\n\n"
+            "On a first reading, skip to Part 2; the aside is optional."
+        ),
+        new.new_markdown_cell(
+            "# Part 1 — The model\n\n## §3.2.1 Scaled Dot-Product Attention\n\n"
+            "> The weights, $x$.\n\n— §3.2.1, Eq. 1\n\n"
+            "Eq. 1 is §3.2.1's; §9.9 and Table 7 are not on this page; see "
+            "[the detail](#part-1-inner-detail)."
+        ),
+        new.new_code_cell(
+            "print(\"it's\")",
+            outputs=[new.new_output("stream", name="stdout", text="it &apos;s &quot;ok&quot;\n")],
+        ),
+        new.new_markdown_cell(
+            "## Aside: a detour\n\nA detour a first reading may skip.\n\n"
+            "### Inner detail\n\nDeep text about label smoothing."
+        ),
+        new.new_markdown_cell(
+            "# Part 2 — Real runs\n\n### What the model attends to\n\n"
+            "<!-- alt: never used: this cell shows no image -->\nAs §3.2.1 says."
+        ),
+        new.new_code_cell(
+            "show(maps)",
+            outputs=[
+                new.new_output(
+                    "display_data",
+                    data={build.ATTENTION_MIME: blob, "text/plain": "<attention maps>"},
+                )
+            ],
+        ),
+        new.new_code_cell(
+            'if __name__ == "__main__":\n    sys.exit(main())',
+        ),
+    ]
+    nbformat.write(new.new_notebook(cells=cells), path)
+    return path
 
 
 @pytest.fixture(scope="module")
-def site(tmp_path_factory) -> Path:
-    spec = importlib.util.spec_from_file_location("web_page_build", ROOT / "web" / "build.py")
-    build = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(build)
+def built(tmp_path_factory) -> dict:
+    """The real notebook's page, built once: its path and the build's numbers."""
     out = tmp_path_factory.mktemp("site") / "index.html"
     try:
-        build.build(NB, out)
+        stats = build.build(NB, out)
     except build.MissingTool as err:  # no npm, or KaTeX not fetched yet and no network
         pytest.skip(str(err))
+    print(
+        f"\npage: {stats['bytes']:,} bytes, {stats['formulas']} formulas typeset, "
+        f"built in {stats['seconds']:.1f} s"
+    )
+    return {"path": out, **stats}
+
+
+@pytest.fixture(scope="module")
+def site(built) -> Path:
+    return built["path"]
+
+
+@pytest.fixture(scope="module")
+def fixture_site(tmp_path_factory, site) -> Path:
+    """The fixture notebook's page (after the real one, so KaTeX is there)."""
+    where = tmp_path_factory.mktemp("fixture")
+    out = where / "index.html"
+    build.build(fixture_notebook(where / "fixture.ipynb"), out)
     return out
+
+
+@pytest.fixture(scope="module")
+def explorer_site(site, fixture_site) -> Path:
+    """A page with the attention maps to explore: the real one once it has them."""
+    return site if has_attention_maps(NB) else fixture_site
 
 
 @pytest.fixture(scope="module")
@@ -78,19 +206,24 @@ def browser():
 
 
 class Visit:
-    """One page load at a given width, recording console errors and every request that is not local."""
+    """One page load at a width, recording console errors and every non-local request."""
 
-    def __init__(self, browser, site: Path, width: int):
-        self.context = browser.new_context(viewport={"width": width, "height": 900})
+    def __init__(self, browser, site: Path, width: int, **options):
+        self.context = browser.new_context(
+            viewport={"width": width, "height": HEIGHT}, **options
+        )
         self.left_file, self.errors = [], []
 
         def block(route):
             self.left_file.append(route.request.url)
             route.abort()
 
-        self.context.route(re.compile(r"^(?!file:|data:)"), block)  # http, https, ws, …: refused and noted
+        # http, https, ws, …: refused and noted
+        self.context.route(re.compile(r"^(?!file:|data:)"), block)
         self.page = self.context.new_page()
-        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on(
+            "console", lambda m: self.errors.append(m.text) if m.type == "error" else None
+        )
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
         self.page.goto(site.as_uri(), wait_until="load")
 
@@ -105,22 +238,47 @@ def wide(browser, site):
     visit.close()
 
 
+@pytest.fixture(scope="module")
+def fixture_wide(browser, fixture_site):
+    visit = Visit(browser, fixture_site, 1280)
+    yield visit
+    visit.close()
+
+
+@pytest.fixture
+def fresh(browser, site):
+    """A visit of its own, for a test that changes the page, at the width it asks for."""
+    visits = []
+
+    def visit(width: int, page_site: Path = site, **options) -> Visit:
+        visits.append(Visit(browser, page_site, width, **options))
+        return visits[-1]
+
+    yield visit
+    for v in visits:
+        v.close()
+
+
+OPEN_ALL = "document.querySelectorAll('details').forEach(d => { d.open = true; })"
+
+
+# --- Offline, typeset, readable ------------------------------------------------------------
+
+
 @pytest.mark.parametrize("width", WIDTHS)
-def test_page_requests_nothing_beyond_file_and_logs_no_errors(browser, site, width):
-    visit = Visit(browser, site, width)
-    try:
-        visit.page.wait_for_timeout(300)  # anything the page would fetch after load
-        assert visit.left_file == [], f"requests that left file://: {visit.left_file}"
-        assert visit.errors == []
-    finally:
-        visit.close()
+def test_page_requests_nothing_beyond_file_and_logs_no_errors(fresh, width):
+    visit = fresh(width)
+    visit.page.wait_for_timeout(300)  # anything the page would fetch after load
+    assert visit.left_file == [], f"requests that left file://: {visit.left_file}"
+    assert visit.errors == []
 
 
-def test_every_formula_is_typeset_and_no_tex_is_left_in_the_text(wide):
+def test_every_formula_is_typeset_and_no_tex_is_left_in_the_text(wide, built):
     page = wide.page
     typeset = page.evaluate("document.querySelectorAll('main .katex').length")
-    assert typeset == markdown_formulas(NB)
+    assert typeset == markdown_formulas(NB) == built["formulas"]
     assert page.evaluate("document.querySelectorAll('.katex-error').length") == 0
+    assert page.evaluate("document.querySelectorAll('main .katex math').length") == typeset
     text = page.evaluate("""() => {
         const main = document.querySelector('main').cloneNode(true);
         main.querySelectorAll('.katex, pre, code').forEach(e => e.remove());
@@ -136,63 +294,16 @@ def test_every_image_is_decoded_and_has_alt_text(wide):
         await Promise.all(imgs.map(i => i.decode()));
         return imgs.map(i => ({w: i.naturalWidth, h: i.naturalHeight, alt: i.alt.trim()}));
     }""")
-    stored = sum("image/png" in o.get("data", {}) for c in nbformat.read(NB, as_version=4).cells
-                 if c.cell_type == "code" for o in c.outputs)
+    stored = sum(
+        "image/png" in o.get("data", {})
+        for c in nbformat.read(NB, as_version=4).cells
+        if c.cell_type == "code"
+        for o in c.outputs
+    )
     assert len(images) >= stored > 0
     assert all(i["w"] > 0 and i["h"] > 0 for i in images)
     assert all(i["alt"] for i in images), [i for i in images if not i["alt"]]
-
-
-def test_a_clicked_figure_opens_at_its_natural_size_and_escape_closes_it(browser, site):
-    visit = Visit(browser, site, 390)
-    try:
-        page = visit.page
-        figure = page.locator("main figure.plot img").last
-        figure.scroll_into_view_if_needed()
-        shown, natural = figure.evaluate("i => [i.getBoundingClientRect().width, i.naturalWidth]")
-        assert shown < natural  # on a phone the page shows it scaled down
-        figure.click()
-        large = page.evaluate("""(() => { const i = document.querySelector('.zoom-view img');
-            return i && [i.getBoundingClientRect().width, i.naturalWidth, i.alt]; })()""")
-        assert large is not None and large[0] == large[1] == natural and large[2]
-        page.keyboard.press("Escape")
-        assert page.evaluate("document.querySelector('.zoom-view')") is None
-    finally:
-        visit.close()
-
-
-def test_every_contents_link_lands_on_a_heading(wide):
-    page = wide.page
-    hrefs = page.evaluate("[...document.querySelectorAll('nav.toc a')].map(a => a.getAttribute('href'))")
-    headings = page.evaluate("""[...document.querySelectorAll('main h1, main h2, main h3')]
-        .map(h => h.id + '|' + h.tagName + '|' + h.textContent)""")
-    parts_and_sections = [h.split("|")[0] for h in headings
-                          if h.split("|")[1] == "H1" or h.split("|")[2].startswith("§")]
-    assert parts_and_sections and {"#" + i for i in parts_and_sections} <= set(hrefs)
-    for href in hrefs:
-        page.click(f'nav.toc a[href="{href}"]')
-        landed = page.evaluate("""() => {
-            const el = document.getElementById(decodeURIComponent(location.hash.slice(1)));
-            return el && {tag: el.tagName, top: el.getBoundingClientRect().top, height: innerHeight};
-        }""")
-        assert landed is not None, f"{href} leads nowhere"
-        assert landed["tag"] in ("H1", "H2", "H3") and 0 <= landed["top"] < landed["height"], (href, landed)
-
-
-@pytest.mark.parametrize("width", WIDTHS)
-def test_nothing_overflows_the_page_and_wide_code_scrolls(browser, site, width):
-    visit = Visit(browser, site, width)
-    try:
-        page = visit.page
-        assert page.evaluate("document.documentElement.scrollWidth") <= width
-        clipped = page.evaluate("""[...document.querySelectorAll('pre, .katex-display, table')]
-            .filter(e => e.scrollWidth > e.clientWidth + 1
-                    && !['auto', 'scroll'].includes(getComputedStyle(e).overflowX)
-                    && !['auto', 'scroll'].includes(getComputedStyle(e.parentElement).overflowX))
-            .map(e => e.textContent.slice(0, 60))""")
-        assert clipped == []
-    finally:
-        visit.close()
+    assert not [i["alt"] for i in images if "▁" in i["alt"]]
 
 
 def test_the_papers_words_stand_apart_from_our_commentary(wide):
@@ -200,46 +311,548 @@ def test_the_papers_words_stand_apart_from_our_commentary(wide):
     quotes = page.evaluate("""[...document.querySelectorAll('figure.paper-quote')].map(f => ({
         caption: (f.querySelector('figcaption') || {textContent: ''}).textContent.trim(),
         background: getComputedStyle(f).backgroundColor, font: getComputedStyle(f).fontFamily}))""")
-    loose = page.evaluate("[...document.querySelectorAll('blockquote')].filter(q => !q.closest('figure.paper-quote')).length")
-    prose = page.evaluate("""(() => { const p = document.querySelector('main .prose > p');
-        return {background: getComputedStyle(p).backgroundColor, font: getComputedStyle(p).fontFamily}; })()""")
+    loose = page.evaluate("""[...document.querySelectorAll('blockquote')]
+        .filter(q => !q.closest('figure.paper-quote')).length""")
+    prose = page.evaluate("""(() => { const p = document.querySelector('main section > p');
+        const s = getComputedStyle(p);
+        return {background: s.backgroundColor, font: s.fontFamily}; })()""")
     assert len(quotes) == attributions(NB) and loose == 0
-    assert all(re.match(r"— (§\d|Abstract)", q["caption"]) for q in quotes), [q["caption"] for q in quotes]
-    assert all(q["background"] != prose["background"] and q["font"] != prose["font"] for q in quotes)
+    assert all(re.match(r"— (§\d|Abstract)", q["caption"]) for q in quotes), [
+        q["caption"] for q in quotes
+    ]
+    assert all(
+        q["background"] != prose["background"] and q["font"] != prose["font"] for q in quotes
+    )
 
 
-def test_no_prompts_progress_bars_or_warnings(wide):
+def test_no_prompts_progress_bars_warnings_or_escaped_text(wide):
     text = wide.page.evaluate("document.querySelector('main').innerText")
     assert not re.search(r"\b(In|Out)\s*\[\s*\d*\s*\]:", text)
     assert not re.search(r"\d+%\|", text), "progress bar"
     assert not re.search(r"\w*Warning:", text)
+    outputs = wide.page.evaluate(
+        "[...document.querySelectorAll('pre.output')].map(p => p.textContent).join('\\n')"
+    )
+    assert not re.search(r"&(apos|quot|amp|lt|gt|#\d+);", outputs)
+
+
+def test_text_outputs_are_detokenized(fixture_wide):
+    outputs = fixture_wide.page.evaluate(
+        "[...document.querySelectorAll('pre.output')].map(p => p.textContent)"
+    )
+    assert outputs == ['it \'s "ok"\n']
+
+
+# --- Code fits -----------------------------------------------------------------------------
+
+
+def long_lines(text: str, columns: int = 88) -> bool:
+    return any(len(line) > columns for line in text.split("\n"))
+
+
+@pytest.mark.parametrize("width", (1280, 1920))
+def test_no_code_block_scrolls_sideways_on_a_desktop(fresh, width):
+    page = fresh(width).page
+    page.evaluate(OPEN_ALL)
+    blocks = page.evaluate("""[...document.querySelectorAll('main pre')].map(e => ({
+        text: e.textContent, over: e.scrollWidth > e.clientWidth + 1,
+        code: !!e.closest('.source')}))""")
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
+    over = [b for b in blocks if b["over"]]
+    wider = [b for b in blocks if b["code"] and long_lines(b["text"])]
+    print(
+        f"\n{width} px: {len(blocks)} code and output blocks, {len(over)} scroll sideways; "
+        f"{len(wider)} code blocks have lines over 88 columns"
+    )
+    # Every block of lines up to 88 columns fits; wider ones fit as far as the column goes.
+    assert [b["text"][:60] for b in over if not long_lines(b["text"])] == []
+    assert [b["text"][:60] for b in over if not long_lines(b["text"], 110)] == []
+
+
+def test_88_columns_of_code_fit_at_1280_px(wide):
+    columns = wide.page.evaluate("""() => {
+        const pre = document.querySelector('main .source pre');
+        const probe = document.createElement('span');
+        probe.textContent = '0'.repeat(88);
+        pre.appendChild(probe);
+        const need = probe.getBoundingClientRect().width;
+        probe.remove();
+        const s = getComputedStyle(pre);
+        return pre.clientWidth - parseFloat(s.paddingLeft) - parseFloat(s.paddingRight) - need;
+    }""")
+    assert columns >= 0
+
+
+def test_on_a_phone_code_scrolls_and_a_switch_wraps_it(fresh):
+    page = fresh(390).page
+    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+    clipped = page.evaluate("""[...document.querySelectorAll('pre, .katex-display, table')]
+        .filter(e => e.scrollWidth > e.clientWidth + 1
+                && !['auto', 'scroll'].includes(getComputedStyle(e).overflowX)
+                && !['auto', 'scroll'].includes(getComputedStyle(e.parentElement).overflowX))
+        .map(e => e.textContent.slice(0, 60))""")
+    assert clipped == []
+    wrap = page.locator(".wrap-button")
+    assert wrap.is_visible()
+    wrap.click()
+    assert wrap.get_attribute("aria-pressed") == "true"
+    over = page.evaluate("""[...document.querySelectorAll('main pre')]
+        .filter(e => e.scrollWidth > e.clientWidth + 1).length""")
+    assert over == 0
+
+
+def test_printing_wraps_code_and_opens_every_collapsed_part(fresh):
+    page = fresh(1280).page
+    assert page.evaluate("document.querySelectorAll('details:not([open])').length") > 0
+    page.evaluate("window.dispatchEvent(new Event('beforeprint'))")
+    assert page.evaluate("document.querySelectorAll('details:not([open])').length") == 0
+    page.emulate_media(media="print")
+    spaces = page.evaluate("""[...new Set([...document.querySelectorAll('main pre')]
+        .map(p => getComputedStyle(p).whiteSpace))]""")
+    assert spaces == ["pre-wrap"]
+    assert page.evaluate("getComputedStyle(document.querySelector('nav.toc')).display") == "none"
+    page.evaluate("window.dispatchEvent(new Event('afterprint'))")
+    assert page.evaluate("document.querySelectorAll('details:not([open])').length") > 0
+
+
+# --- A short path to the results -----------------------------------------------------------
+
+
+def test_the_page_is_short_and_part_4_comes_early(wide):
+    screens, part4 = wide.page.evaluate(f"""[
+        document.documentElement.scrollHeight / {HEIGHT},
+        (document.getElementById('part-4').getBoundingClientRect().top + scrollY) / {HEIGHT}]""")
+    print(f"\nat 1280 px: {screens:.1f} screens; Part 4 begins at screen {part4:.1f}")
+    assert screens <= 70
+    assert part4 < 55
+
+
+def test_asides_are_collapsed_and_open_for_a_link_into_them(fresh, fixture_site):
+    page = fresh(1280, fixture_site).page
+    asides = page.evaluate("""[...document.querySelectorAll('details.skippable')].map(d => ({
+        open: d.open, heading: d.querySelector('summary :is(h1, h2, h3)').textContent}))""")
+    assert asides and all(not a["open"] and "Aside" in a["heading"] for a in asides)
+    page.click('a[href="#part-1-inner-detail"]')
+    landed = page.evaluate("""(() => { const h = document.getElementById(location.hash.slice(1));
+        const r = h.getBoundingClientRect();
+        return {open: h.closest('details').open, top: r.top, height: r.height}; })()""")
+    assert landed["open"] and landed["height"] > 0 and 0 <= landed["top"] < HEIGHT
+
+
+def test_on_the_real_page_asides_and_long_code_are_collapsed(wide):
+    counts = wide.page.evaluate("""[
+        [...document.querySelectorAll('main :is(h1, h2, h3)')]
+            .filter(h => /\\bAside\\b/.test(h.textContent)).length,
+        [...document.querySelectorAll('main :is(h1, h2, h3)')]
+            .filter(h => /\\bAside\\b/.test(h.textContent) && h.closest('summary')).length,
+        document.querySelectorAll('details.code-rest:not([open])').length]""")
+    assert counts[0] == counts[1]
+    assert counts[2] > 0
+
+
+def test_every_skip_to_is_a_link(fixture_wide, wide):
+    for visit in (fixture_wide, wide):
+        bare = visit.page.evaluate("""(() => {
+            const walker = document.createTreeWalker(document.querySelector('main'),
+                NodeFilter.SHOW_TEXT);
+            const bare = [];
+            for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+                if (!/skip to\\s*$/i.test(n.textContent) && !/skip to \\S/i.test(n.textContent))
+                    continue;
+                const next = n.nextSibling;
+                if (/skip to\\s*$/i.test(n.textContent) && next && next.nodeName === 'A') continue;
+                if (n.parentElement.closest('a, code, pre')) continue;
+                bare.push(n.textContent.slice(-60));
+            }
+            return bare; })()""")
+        assert bare == []
+
+
+# --- Navigation ----------------------------------------------------------------------------
+
+
+def test_the_contents_mark_and_show_the_section_being_read(fresh):
+    page = fresh(1280).page
+    page.evaluate("""window.scrollTo(0,
+        document.getElementById('part-4').getBoundingClientRect().top + scrollY - 10)""")
+    page.wait_for_timeout(200)
+    state = page.evaluate("""(() => {
+        const a = document.querySelector('.toc-list a[aria-current]');
+        const part = document.querySelector('.toc-list a[href="#part-4"]');
+        const toc = document.querySelector('nav.toc').getBoundingClientRect();
+        const r = a.getBoundingClientRect();
+        return {href: a.getAttribute('href'), in_part: part.parentElement.contains(a),
+                visible: r.top >= toc.top && r.bottom <= toc.bottom,
+                marked: a.classList.contains('current')}; })()""")
+    assert state["in_part"] and state["visible"] and state["marked"], state
+
+
+def test_on_a_phone_the_contents_stay_in_reach(fresh):
+    page = fresh(390).page
+    page.evaluate("window.scrollTo(0, document.documentElement.scrollHeight / 2)")
+    button = page.locator(".toc-button")
+    box = button.bounding_box()
+    assert box and 0 <= box["y"] < HEIGHT
+    assert button.evaluate("b => getComputedStyle(b.parentElement).position") == "fixed"
+    assert not page.locator("nav.toc").is_visible() or not page.locator(".toc-list").is_visible()
+    button.click()
+    assert button.get_attribute("aria-expanded") == "true"
+    page.wait_for_timeout(300)  # the panel slides in
+    link = page.locator('.toc-list a[href="#part-2"]')
+    assert link.is_visible()
+    link.click()
+    page.wait_for_timeout(300)
+    assert button.get_attribute("aria-expanded") == "false"
+    top = page.evaluate("document.getElementById('part-2').getBoundingClientRect().top")
+    assert 0 <= top < HEIGHT
+
+
+def test_every_contents_link_lands_on_a_heading(fresh):
+    page = fresh(1280).page
+    hrefs = page.evaluate(
+        "[...document.querySelectorAll('.toc-list a')].map(a => a.getAttribute('href'))"
+    )
+    headings = page.evaluate("""[...document.querySelectorAll('main h1, main h2, main h3')]
+        .map(h => [h.id, h.tagName, h.textContent])""")
+    parts_and_sections = [
+        i for i, tag, text in headings if i != "title" and (tag == "H1" or text.startswith("§"))
+    ]
+    assert parts_and_sections and {"#" + i for i in parts_and_sections} <= set(hrefs)
+    for href in hrefs:
+        page.click(f'.toc-list a[href="{href}"]')
+        landed = page.evaluate("""() => {
+            const el = document.getElementById(decodeURIComponent(location.hash.slice(1)));
+            return el && {tag: el.tagName, top: el.getBoundingClientRect().top};
+        }""")
+        assert landed is not None, f"{href} leads nowhere"
+        assert landed["tag"] in ("H1", "H2", "H3") and 0 <= landed["top"] < HEIGHT, (
+            href,
+            landed,
+        )
+
+
+def test_every_internal_link_lands_on_an_existing_id(wide, fixture_wide):
+    for visit in (wide, fixture_wide):
+        missing = visit.page.evaluate("""[...document.querySelectorAll('a[href^="#"]')]
+            .map(a => a.getAttribute('href'))
+            .filter(h => !document.getElementById(decodeURIComponent(h.slice(1))))""")
+        assert missing == []
+        ids = visit.page.evaluate("[...document.querySelectorAll('[id]')].map(e => e.id)")
+        assert len(ids) == len(set(ids)), "duplicate ids"
+
+
+def test_headings_have_short_ascii_ids_and_a_permalink_that_shows_on_focus(fresh):
+    page = fresh(1280).page
+    headings = page.evaluate("""[...document.querySelectorAll('main :is(h1, h2, h3)')]
+        .map(h => [h.id, h.tagName, h.textContent])""")
+    for hid, tag, text in headings:
+        assert re.fullmatch(r"[a-z0-9]+(-[a-z0-9]+)*", hid) and len(hid) <= 40, hid
+        if tag == "H1" and (m := re.match(r"Part (\d+)", text)):
+            assert hid == f"part-{m.group(1)}"
+        if m := re.match(r"§(\d+(?:\.\d+)*)", text):
+            assert hid == "s" + m.group(1).replace(".", "-")
+    link = page.locator("#s3-2-1 .anchor-link")
+    assert link.evaluate("a => getComputedStyle(a).opacity") == "0"
+    link.focus()
+    assert link.evaluate("a => getComputedStyle(a).opacity") == "1"
+    assert link.get_attribute("href") == "#s3-2-1"
+
+
+def test_mentions_in_prose_link_to_what_they_name(wide, fixture_wide):
+    for visit in (wide, fixture_wide):
+        links = visit.page.evaluate("""[...document.querySelectorAll('main a.xref')].map(a => {
+            const t = document.getElementById(a.getAttribute('href').slice(1));
+            return [a.textContent, t.tagName,
+                    t.matches('h1, h2, h3') ? t.textContent
+                        : t.querySelector('figcaption') ? t.querySelector('figcaption').textContent
+                        : t.getAttribute('alt') || ''];
+        })""")
+        assert links
+        for text, tag, target in links:
+            name = text.replace("\u00a0", " ")
+            if name.startswith("Eq."):
+                assert tag == "FIGURE" and re.search(re.escape(name) + r"\b", target)
+            elif name.startswith("Figure"):
+                assert target.startswith(name)
+            else:
+                assert name in target, (name, target)
+        unlinked = visit.page.evaluate("""(() => {
+            const walker = document.createTreeWalker(document.querySelector('main'),
+                NodeFilter.SHOW_TEXT);
+            const out = [];
+            for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+                if (n.parentElement.closest(
+                    'a, code, pre, h1, h2, h3, figcaption, summary, .katex, .output, svg'))
+                    continue;
+                out.push(n.textContent);
+            }
+            return out; })()""")
+        targets = build.mention_targets  # what the build can link: the same rules
+        assert targets  # (used below through the page's own headings)
+        headings = visit.page.evaluate("""[...document.querySelectorAll(
+            'main :is(h1, h2, h3)')].map(h => h.textContent)""")
+        carried = {
+            build.normal_mention(m.group())
+            for h in headings
+            for m in MENTION.finditer(h)
+            if not m.group().startswith("Part") or re.match(r"Part \d", h)
+        }
+        bare = [
+            m.group()
+            for text in unlinked
+            for m in MENTION.finditer(text)
+            if build.normal_mention(m.group()) in carried
+        ]
+        assert bare == []
+    fixture_links = fixture_wide.page.evaluate(
+        "[...document.querySelectorAll('main a.xref')].map(a => a.textContent)"
+    )
+    assert "§9.9" not in fixture_links and "Table\u00a07" not in fixture_links
+    assert {"Eq.\u00a01", "§3.2.1", "Part\u00a02"} <= set(fixture_links)
+
+
+def test_each_part_ends_with_a_link_to_the_next(wide):
+    ends = wide.page.evaluate("""[...document.querySelectorAll('section.level-1')]
+        .map(s => [s.querySelector('h1').id,
+                   [...s.querySelectorAll('.next-part a')].map(a => a.getAttribute('href'))])""")
+    parts = [pid for pid, _ in ends]
+    for i, (pid, links) in enumerate(ends):
+        assert len(links) == 1, pid
+        if i + 1 < len(parts):
+            assert links[0] == "#" + parts[i + 1]
+
+
+def test_the_title_block_links_the_paper_repository_colab_and_citation(wide):
+    links = wide.page.evaluate("""[...document.querySelectorAll('.title-block a')]
+        .map(a => [a.textContent, a.getAttribute('href')])""")
+    hrefs = [h for _, h in links]
+    repo = build.REPOSITORY
+    assert "https://arxiv.org/abs/1706.03762" in hrefs and repo in hrefs
+    assert re.match(r"https://github\.com/[\w.-]+/[\w.-]+$", repo)
+    colab = "https://colab.research.google.com/github/" + repo.removeprefix(
+        "https://github.com/"
+    ) + "/blob/main/annotated_transformer.ipynb"
+    assert colab in hrefs
+    cite = next(h for t, h in links if "cite" in t.lower())
+    text = wide.page.evaluate(
+        f"document.getElementById('{cite[1:]}').closest('section').textContent"
+    )
+    assert "@inproceedings" in text and "Attention Is All You Need" in text
+
+
+def test_the_page_ends_with_results_citation_and_credits(wide):
+    end = wide.page.evaluate("""(() => {
+        const main = document.querySelector('main');
+        const last = main.lastElementChild;
+        const codes = [...document.querySelectorAll('main .cell.code')];
+        return {tag: last.tagName, text: last.textContent,
+                headings: [...last.querySelectorAll('h2')].map(h => h.textContent),
+                lastCode: codes[codes.length - 1].textContent}; })()""")
+    assert end["tag"] == "FOOTER"
+    assert "__main__" not in end["lastCode"]
+    assert any(re.match(r"Results|Conclusion", h) for h in end["headings"])
+    assert "@inproceedings" in end["text"] and "Credits" in end["text"]
+
+
+def test_search_finds_label_smoothing(fresh):
+    page = fresh(1280).page
+    page.fill("#search-box", "label smoothing")
+    results = page.locator(".search-results a")
+    assert results.count() > 0
+    first = results.first
+    href = first.get_attribute("href")
+    first.click()
+    text = page.evaluate(
+        f"document.getElementById('{href[1:]}').closest('section').textContent.toLowerCase()"
+    )
+    assert "label smoothing" in text or "label-smoothing" in text
+
+
+# --- Figures -------------------------------------------------------------------------------
+
+
+def test_figures_larger_than_shown_open_from_the_keyboard(fresh):
+    page = fresh(390).page
+    state = page.evaluate("""[...document.querySelectorAll('main figure.plot img')].map(i => ({
+        natural: i.naturalWidth, shown: i.getBoundingClientRect().width,
+        button: i.parentElement.matches('button.zoom')}))""")
+    assert state and all(s["button"] == (s["natural"] > s["shown"] * 1.1) for s in state)
+    button = page.locator("main figure.plot button.zoom").last
+    button.scroll_into_view_if_needed()
+    natural = button.evaluate("b => b.querySelector('img').naturalWidth")
+    button.focus()
+    page.keyboard.press("Enter")
+    large = page.evaluate("""(() => { const i = document.querySelector('.zoom-view img');
+        return i && [i.getBoundingClientRect().width, i.naturalWidth, i.alt]; })()""")
+    assert large is not None and large[0] == large[1] == natural and large[2]
+    page.keyboard.press("Escape")
+    assert page.evaluate("document.querySelector('.zoom-view')") is None
+    assert page.evaluate("document.activeElement.matches('button.zoom')")
+
+
+def test_a_figure_shown_whole_has_no_enlarge_button(fresh):
+    page = fresh(1920).page
+    state = page.evaluate("""[...document.querySelectorAll('main figure.plot img')].map(i => ({
+        natural: i.naturalWidth, shown: i.getBoundingClientRect().width,
+        button: i.parentElement.matches('button.zoom')}))""")
+    assert all(s["button"] == (s["natural"] > s["shown"] * 1.1) for s in state)
+
+
+def test_the_attention_maps_can_be_explored(fresh, explorer_site):
+    visit = fresh(1280, explorer_site)
+    page = visit.page
+    figure = page.locator("figure.attention-explorer").first
+    figure.scroll_into_view_if_needed()
+
+    def fills():
+        return figure.evaluate(
+            "f => [...f.querySelectorAll('rect[data-q]')].map(r => r.getAttribute('fill'))"
+        )
+
+    before = fills()
+    assert before
+    head = figure.locator('select[data-role="head"]')
+    options = head.evaluate("s => [...s.options].map(o => o.value)")
+    head.select_option(next(v for v in options if v != head.input_value()))
+    after_head = fills()
+    assert after_head != before
+    layer = figure.locator('select[data-role="layer"]')
+    options = layer.evaluate("s => [...s.options].map(o => o.value)")
+    layer.select_option(next(v for v in options if v != layer.input_value()))
+    assert fills() != after_head
+    shown = figure.locator(".ae-shown").text_content()
+    assert "layer" in shown and "head" in shown
+    figure.locator("rect[data-q]").nth(3).hover()
+    readout = figure.locator(".ae-readout").text_content()
+    assert re.search(r"weight \d\.\d{3}", readout), readout
+    labels = figure.evaluate("f => [...f.querySelectorAll('svg text')].map(t => t.textContent)")
+    assert labels and not any("▁" in t for t in labels)
+    kind = figure.locator('select[data-role="kind"]')
+    assert len(kind.evaluate("s => [...s.options].map(o => o.value)")) == 3
+    figure.locator(".ae-map").focus()
+
+    def column():
+        return int(re.search(r"column (\d+)", figure.locator(".ae-readout").text_content())[1])
+
+    page.keyboard.press("ArrowLeft")
+    before = column()
+    page.keyboard.press("ArrowRight")
+    assert column() == before + 1
+    assert visit.errors == []
+
+
+def test_the_attention_maps_have_a_static_image_without_script(fresh, explorer_site):
+    page = fresh(1280, explorer_site, java_script_enabled=False).page
+    figure = page.locator("figure.attention-explorer").first
+    assert figure.locator("svg rect[data-q]").count() > 0
+    assert figure.locator("svg").is_visible()
+    assert not figure.locator(".ae-controls").is_visible()
+
+
+# --- Colour --------------------------------------------------------------------------------
+
+
+def luminance(rgb) -> float:
+    def channel(c):
+        c /= 255
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (channel(c) for c in rgb)
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast(a, b) -> float:
+    la, lb = sorted((luminance(a), luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+def rgb(css: str):
+    return tuple(int(float(x)) for x in re.findall(r"[\d.]+", css)[:3])
+
+
+@pytest.mark.parametrize("scheme", ("light", "dark"))
+def test_every_code_colour_passes_aa(fresh, scheme):
+    page = fresh(1280, color_scheme=scheme).page
+    page.evaluate(OPEN_ALL)
+    pairs = page.evaluate("""(() => {
+        const pairs = new Set();
+        for (const box of document.querySelectorAll('main .highlight')) {
+            const bg = getComputedStyle(box).backgroundColor;
+            for (const el of [box, ...box.querySelectorAll('pre, span')])
+                pairs.add(getComputedStyle(el).color + '|' + bg);
+        }
+        for (const pre of document.querySelectorAll('pre.output')) {
+            let e = pre, bg = 'rgba(0, 0, 0, 0)';
+            while (e && /rgba\\(0, 0, 0, 0\\)|transparent/.test(bg)) {
+                bg = getComputedStyle(e).backgroundColor; e = e.parentElement; }
+            pairs.add(getComputedStyle(pre).color + '|' + bg);
+        }
+        return [...pairs]; })()""")
+    ratios = {p: contrast(rgb(p.split("|")[0]), rgb(p.split("|")[1])) for p in pairs}
+    print(f"\n{scheme}: {len(ratios)} code colours, lowest contrast {min(ratios.values()):.2f}")
+    assert len(ratios) >= 6
+    assert {p: round(r, 2) for p, r in ratios.items() if r < 4.5} == {}
+
+
+@pytest.mark.parametrize("scheme", ("light", "dark"))
+def test_quotations_prose_and_figures_are_legible_in_both_schemes(fresh, scheme):
+    page = fresh(1280, color_scheme=scheme).page
+    colours = page.evaluate("""(() => {
+        const get = (sel, what) => getComputedStyle(document.querySelector(sel))[what];
+        return {body: [get('body', 'color'), get('body', 'backgroundColor')],
+                quote: [get('figure.paper-quote', 'color'),
+                        get('figure.paper-quote', 'backgroundColor')],
+                caption: [get('figure.paper-quote figcaption', 'color'),
+                          get('figure.paper-quote', 'backgroundColor')],
+                link: [get('main a.xref', 'color'), get('body', 'backgroundColor')],
+                katex: [get('.katex', 'color'), get('body', 'backgroundColor')],
+                image: get('figure.plot img', 'backgroundColor')}; })()""")
+    for name in ("body", "quote", "caption", "link", "katex"):
+        fg, bg = colours[name]
+        assert contrast(rgb(fg), rgb(bg)) >= 4.5, (name, fg, bg)
+    assert rgb(colours["image"]) == (255, 255, 255)  # figures keep a light frame
+    dark = luminance(rgb(colours["body"][1])) < 0.1
+    assert dark == (scheme == "dark")
+
+
+# --- For a person --------------------------------------------------------------------------
 
 
 SCROLL_TO = {  # screenshot name → script that scrolls to what it shows
     "top": "window.scrollTo(0, 0)",
     "formulas": """(() => {  // the section with the most typeset formulas
         const count = h => { let n = 0;
-            for (let e = h.nextElementSibling; e && !/^H[1-3]$/.test(e.tagName); e = e.nextElementSibling)
+            for (let e = h.nextElementSibling; e && !/^H[1-3]$/.test(e.tagName);
+                 e = e.nextElementSibling)
                 n += e.querySelectorAll('.katex').length + e.classList.contains('katex');
             return n; };
         const hs = [...document.querySelectorAll('main h2, main h3')];
         hs.reduce((a, b) => count(b) > count(a) ? b : a).scrollIntoView(); })()""",
-    "attention": """(() => {  // the first figure after the heading of the attention maps
-        const h = [...document.querySelectorAll('main h3')].find(e => e.textContent.startsWith('What the model attends'));
-        [...document.querySelectorAll('main figure.plot')]
-            .find(f => h.compareDocumentPosition(f) & Node.DOCUMENT_POSITION_FOLLOWING).scrollIntoView(); })()""",
+    "attention": """(() => {  // what the model attends to: the explorer, else a figure
+        const h = [...document.querySelectorAll('main :is(h2, h3)')]
+            .find(e => /attends/i.test(e.textContent));
+        const f = document.querySelector('figure.attention-explorer') || (h &&
+            [...document.querySelectorAll('main figure.plot')].find(
+                f => h.compareDocumentPosition(f) & Node.DOCUMENT_POSITION_FOLLOWING));
+        (f || document.body).scrollIntoView(); })()""",
+    "part-4": "document.getElementById('part-4').scrollIntoView()",
 }
 
 
-def test_screenshots_for_a_person(browser, site):
+def test_screenshots_for_a_person(fresh, explorer_site):
     SHOTS.mkdir(parents=True, exist_ok=True)
-    for width in WIDTHS:
-        visit = Visit(browser, site, width)
-        try:
-            for name, script in SCROLL_TO.items():
-                visit.page.evaluate(script)
-                path = SHOTS / f"{name}-{width}.png"
-                visit.page.screenshot(path=str(path))
-                assert path.stat().st_size > 0
-        finally:
-            visit.close()
+    for width, scheme in ((1280, "light"), (390, "light"), (1280, "dark")):
+        page = fresh(width, color_scheme=scheme).page
+        for name, script in SCROLL_TO.items():
+            page.evaluate(script)
+            page.wait_for_timeout(50)
+            suffix = "-dark" if scheme == "dark" else ""
+            path = SHOTS / f"{name}-{width}{suffix}.png"
+            page.screenshot(path=str(path))
+            assert path.stat().st_size > 0
+    page = fresh(1280, explorer_site).page
+    figure = page.locator("figure.attention-explorer").first
+    figure.scroll_into_view_if_needed()
+    figure.locator("rect[data-q]").nth(8).hover()
+    figure.screenshot(path=str(SHOTS / "attention-explorer.png"))
+    shutil.copyfile(SHOTS / "top-1280.png", SHOTS / "web_page.png")  # for figures/
