@@ -1,23 +1,24 @@
-"""Build the notebook as one offline web page: ``make html`` → site/index.html (our addition).
+"""The notebook as one offline web page: ``make html`` → site/index.html (our addition).
 
-The page is the committed notebook with its stored outputs, converted by nbconvert with our
-template (web/article/). Formulas are typeset here, at build time, by KaTeX (npm, pinned in
-web/package.json, fetched into the git-ignored web/node_modules), so the page needs no
-script for them; KaTeX's fonts, the figures, the styles, the script (web/page.js) and a
-search index are embedded. The page loads nothing.
+The page is the committed notebook with its stored outputs, converted by nbconvert with
+our template (web/article/). Formulas are typeset here, at build time, by KaTeX (npm,
+pinned in web/package.json, fetched into the git-ignored web/node_modules), so the page
+needs no script for them; KaTeX's fonts, the figures, the styles, the script
+(web/page.js) and a search index are embedded. The page loads nothing.
 
 What the build reads from the notebook's structure (never from its exact words):
 
-* ``# Part N — …`` headings are the Parts (ids ``part-N``; each Part ends with a link to the
-  next); ``## §x.y …`` headings are the paper's sections (ids ``sx-y``); other headings get
-  the id of the section above them plus a few words (``s5-4-label-smoothing``). A mention of
-  "§x.y", "Part N", "Table N" or "Figure N" in prose links to the heading that carries it
-  (that starts with it, else has it in parentheses) or, for "Figure N", to the image whose
-  alt text starts with it; "Eq. N" links to the quotation whose "— §…" line names it. A
-  mention of something the page does not have stays plain text.
+* ``# Part N — …`` headings are the Parts (ids ``part-N``; each Part ends with a link to
+  the next); ``## §x.y …`` headings are the paper's sections (ids ``sx-y``); other
+  headings get the id of the section above them plus a few words
+  (``s5-4-label-smoothing``). A mention of "§x.y", "Part N", "Table N" or "Figure N" in
+  prose links to the heading that carries it (that starts with it, else has it in
+  parentheses) or, for "Figure N", to the image whose alt text starts with it; "Eq. N"
+  links to the quotation whose "— §…" line names it. A mention of something the page
+  does not have stays plain text.
 * A heading that contains "Aside", or starts with "Appendix", opens a section a first
-  reading may skip: it is collapsed (a ``<details>``, opened for printing, by a link into
-  it, and by the browser's find-in-page).
+  reading may skip: it is collapsed (a ``<details>``, opened for printing, by a link
+  into it, and by the browser's find-in-page).
 * A code cell of more than ``FOLD_OVER`` lines shows its first ``FOLD_SHOW`` or so
   (signature and docstring) and folds the rest the same way, "… N more lines".
 * A block quote is the paper's wording; the ``— §…`` line under it is its source.
@@ -34,29 +35,32 @@ Conventions a notebook cell can use for the page:
   the cell's ``metadata["alt"]``; the figure's titles and axis labels in the cell's code
   (``set_title("…")``, ``suptitle``, ``set_xlabel``, ``set_ylabel``); the paragraph
   before. SentencePiece markers (``▁``) in alt text are joined into words.
-* **Resolution**: draw figures at 2× (``dpi=200``, or IPython's ``retina`` format). An image
-  is shown at the width its output metadata gives (``metadata["image/png"]["width"]``,
-  which ``retina`` sets), else at half its pixel width when that is at least
-  ``HIGH_DPI_MIN_WIDTH`` pixels, else at its pixel width. Where an image is larger than
-  shown, it opens at full size from a button (click, Enter or Space; Escape closes).
+* **Resolution**: draw figures at 2× (``dpi=200``, or IPython's ``retina`` format). An
+  image is shown at the width its output metadata gives
+  (``metadata["image/png"]["width"]``, which ``retina`` sets), else at half its pixel
+  width when that is at least ``HIGH_DPI_MIN_WIDTH`` pixels, else at its pixel width.
+  Where an image is larger than shown, it opens at full size from a button (click, Enter
+  or Space; Escape closes).
 * **Attention maps** to explore: a ``display_data`` output whose data has the key
   ``application/vnd.attention-maps+json`` (IPython:
-  ``display({"application/vnd.attention-maps+json": blob, "text/plain": "…"}, raw=True)``)
-  becomes an interactive figure (attention kind, layer, head; hover or arrow keys read a
-  weight) with a static SVG of one head for print and no-script. The blob::
+  ``display({"application/vnd.attention-maps+json": blob, "text/plain": "…"},
+  raw=True)``) becomes an interactive figure (attention kind, layer, head; hover or
+  arrow keys read a weight) with a static SVG of one head for print and no-script. The
+  blob::
 
       {"sentence": {"src": ["▁Ein", "▁Hund", ...], "tgt": ["<s>", "▁A", "▁dog", ...]},
        "maps": {"encoder": [layer][head][query][key],   # src × src
-                "decoder": [layer][head][query][key],   # tgt × tgt (masked self-attention)
+                "decoder": [layer][head][query][key],   # tgt × tgt (masked)
                 "cross":   [layer][head][query][key]},  # tgt × src (encoder-decoder)
        "title": "optional caption"}
 
   weights rounded to 3 decimals; rows (queries) are target tokens for "decoder" and
   "cross", source tokens for "encoder"; "tgt" is what the decoder reads (as many as its
   rows). A kind may be left out. Token labels are shown without ``▁``.
-* Text outputs are shown detokenized: Moses' escapes (``&apos;``, ``&quot;``, ``&amp;`` …)
-  become the characters they stand for.
+* Text outputs are shown detokenized: Moses' escapes (``&apos;``, ``&quot;``,
+  ``&amp;`` …) become the characters they stand for.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,15 +87,17 @@ KATEX = WEB / "node_modules" / "katex"
 SLOT = re.compile(r'<span data-math-slot="(\d+)"></span>')
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
-# Where the project lives: the title block's links (repository, Colab) come from this one
-# constant. The README names no public URL yet; change it here when the project has one.
+# Where the project lives: the title block's links (repository, Colab) come from this
+# one constant. The README names no public URL yet; change it here when it has one.
 REPOSITORY = "https://github.com/annotated-transformer/reproduced"
 NOTEBOOK_FILE = "annotated_transformer.ipynb"
 PAPER = "https://arxiv.org/abs/1706.03762"
 ATTENTION_MIME = "application/vnd.attention-maps+json"
 FOLD_OVER = 45  # lines: a longer code cell shows its first FOLD_SHOW, the rest folded
 FOLD_SHOW = 24
-HIGH_DPI_MIN_WIDTH = 1000  # pixels: a wider image without a display width is a 2× drawing
+HIGH_DPI_MIN_WIDTH = (
+    1000  # pixels: a wider image without a display width is a 2× drawing
+)
 BIBTEX = r"""@inproceedings{vaswani2017attention,
   title     = {Attention Is All You Need},
   author    = {Vaswani, Ashish and Shazeer, Noam and Parmar, Niki and
@@ -102,19 +108,29 @@ BIBTEX = r"""@inproceedings{vaswani2017attention,
   year      = {2017},
   url       = {https://arxiv.org/abs/1706.03762}
 }"""
-MOSES = {"&amp;": "&", "&apos;": "'", "&quot;": '"', "&lt;": "<", "&gt;": ">",
-         "&#91;": "[", "&#93;": "]", "&#124;": "|"}
+MOSES = {
+    "&amp;": "&",
+    "&apos;": "'",
+    "&quot;": '"',
+    "&lt;": "<",
+    "&gt;": ">",
+    "&#91;": "[",
+    "&#93;": "]",
+    "&#124;": "|",
+}
 ALT_LINE = re.compile(r"<!--\s*alt:\s*(.*?)\s*-->", re.S)
 MAIN_GUARD = re.compile(r"""\s*if\s+__name__\s*==\s*["']__main__["']""")
 SKIPPABLE = re.compile(r"\bAside\b|^Appendix\b", re.I)
 MENTION = re.compile(r"§\s?\d+(?:\.\d+)*|\bEq\.\s?\d+|\b(?:Figure|Table|Part)\s\d+")
-ENDINGS = {"results": re.compile(r"^(Results|Conclusions?|Summary)\b", re.I),
-           "cite": re.compile(r"^(Citation|How to cite|Citing)\b", re.I),
-           "credits": re.compile(r"^(Credits|Acknowledg)", re.I)}
+ENDINGS = {
+    "results": re.compile(r"^(Results|Conclusions?|Summary)\b", re.I),
+    "cite": re.compile(r"^(Citation|How to cite|Citing)\b", re.I),
+    "credits": re.compile(r"^(Credits|Acknowledg)", re.I),
+}
 
 
 class MissingTool(Exception):
-    """A program the build needs is not installed or could not be fetched; the message says which."""
+    """A program the build needs is missing or could not be fetched."""
 
 
 def colab_url(repository: str = REPOSITORY) -> str:
@@ -129,40 +145,55 @@ def pinned_katex_version() -> str:
 
 
 def ensure_katex() -> None:
-    """Install the pinned KaTeX into web/node_modules with ``npm ci`` unless it is there."""
+    """Install the pinned KaTeX in web/node_modules (``npm ci``) unless it is there."""
     if shutil.which("node") is None:
-        raise MissingTool("make html needs Node.js (node and npm) to typeset the formulas "
-                          "with KaTeX; install it (e.g. apt-get install nodejs npm) and run "
-                          "make html again")
+        raise MissingTool(
+            "make html needs Node.js (node and npm) to typeset the formulas "
+            "with KaTeX; install it (e.g. apt-get install nodejs npm) and run "
+            "make html again"
+        )
     package = KATEX / "package.json"
-    if package.is_file() and json.loads(package.read_text())["version"] == pinned_katex_version():
+    if (
+        package.is_file()
+        and json.loads(package.read_text())["version"] == pinned_katex_version()
+    ):
         return
     if shutil.which("npm") is None:
-        raise MissingTool("make html needs npm to fetch the KaTeX math renderer once; "
-                          "install it (e.g. apt-get install npm) and run make html again")
-    fetched = subprocess.run(["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"],
-                             cwd=WEB)
+        raise MissingTool(
+            "make html needs npm to fetch the KaTeX math renderer once; "
+            "install it (e.g. apt-get install npm) and run make html again"
+        )
+    fetched = subprocess.run(
+        ["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"], cwd=WEB
+    )
     if fetched.returncode != 0:
-        raise MissingTool(f"make html could not fetch KaTeX {pinned_katex_version()} with "
-                          "npm ci in web/ (is the npm registry reachable?)")
+        raise MissingTool(
+            f"make html could not fetch KaTeX {pinned_katex_version()} with "
+            "npm ci in web/ (is the npm registry reachable?)"
+        )
 
 
 def typeset(formulas: list[dict]) -> list[str]:
-    """KaTeX's HTML for each ``{"tex", "display"}``, in one run of web/render_math.js."""
-    result = subprocess.run(["node", str(WEB / "render_math.js")], input=json.dumps(formulas),
-                            capture_output=True, text=True)
+    """KaTeX's HTML for each ``{"tex", "display"}``, in one run of render_math.js."""
+    result = subprocess.run(
+        ["node", str(WEB / "render_math.js")],
+        input=json.dumps(formulas),
+        capture_output=True,
+        text=True,
+    )
     if result.returncode != 0:
         raise SystemExit(f"KaTeX could not typeset a formula: {result.stderr.strip()}")
     return json.loads(result.stdout)
 
 
 def katex_css() -> str:
-    """KaTeX's style sheet with its WOFF2 fonts embedded as data URIs (other formats dropped)."""
+    """KaTeX's style sheet with its WOFF2 fonts embedded as data URIs (no others)."""
     css = (KATEX / "dist" / "katex.min.css").read_text()
 
     def embed(match: re.Match) -> str:
         font = (KATEX / "dist" / "fonts" / f"{match.group(1)}.woff2").read_bytes()
-        return f'src:url(data:font/woff2;base64,{base64.b64encode(font).decode()}) format("woff2")'
+        font = base64.b64encode(font).decode()
+        return f'src:url(data:font/woff2;base64,{font}) format("woff2")'
 
     css = re.sub(r"src:url\(fonts/([\w-]+)\.woff2\)[^;}]*", embed, css)
     if "url(fonts/" in css:
@@ -171,7 +202,7 @@ def katex_css() -> str:
 
 
 def tidy_stream(text: str) -> str:
-    r"""Printed text as a terminal leaves it: colours removed, each line after its last ``\r``."""
+    r"""Printed text as a terminal leaves it: no colours, each line after its ``\r``."""
     lines = []
     for line in ANSI.sub("", text).split("\n"):
         parts = [p for p in line.split("\r") if p.strip()]
@@ -180,12 +211,12 @@ def tidy_stream(text: str) -> str:
 
 
 def unescape_moses(text: str) -> str:
-    """Moses' escaped characters (``&apos;`` …) as the characters, in one left-to-right pass."""
+    """Moses' escaped characters (``&apos;`` …) as the characters, in one pass."""
     return re.sub("|".join(map(re.escape, MOSES)), lambda m: MOSES[m.group()], text)
 
 
 def plain(markdown: str) -> str:
-    """Markdown reduced to plain words for alt text: no code ticks, dollars or emphasis marks."""
+    """Markdown as plain words for alt text: no code ticks, dollars or emphasis."""
     text = re.sub(r"!\[[^\]]*\]\([^)]*\)", "", markdown)
     text = re.sub(r"<!--.*?-->", "", text, flags=re.S)
     text = re.sub(r"[`$*_>#]|\\(?=[a-zA-Z])", "", text)
@@ -193,7 +224,7 @@ def plain(markdown: str) -> str:
 
 
 def join_pieces(text: str) -> str:
-    """SentencePiece pieces in running text as words: "▁A ▁body ▁t err ier ." → "A body terrier."
+    """SentencePiece pieces in running text as words: "▁A ▁t err ier ." → "A terrier."
 
     A run starts at a piece with "▁" and ends at a word ending in ";"; inside it a piece
     without "▁" continues the word before. <s> and </s> are dropped.
@@ -214,39 +245,52 @@ def join_pieces(text: str) -> str:
         if token.endswith(";"):
             in_run = False
     text = re.sub(r"\s+", " ", " ".join(words)).strip()
-    text = re.sub(r"\.(?=;)", "", text)  # "… Zaun.; columns" → "… Zaun; columns"
     # the same tokens twice: "rows are the tokens X; columns are the tokens X"
-    return re.sub(r"rows are (.+); columns are \1$", r"rows and columns are \1", text)
+    text = re.sub(r"rows are (.+); columns are \1$", r"rows and columns are \1", text)
+    return re.sub(r"\.(?=;)", "", text)  # "… Zaun.; columns" → "… Zaun; columns"
 
 
 def figure_alt(code: str, prose: str) -> str:
-    """Alt text for a figure a code cell drew: its titles and axis labels, else the prose before."""
+    """Alt text for a figure a cell drew: titles and axis labels, else the prose."""
     found = []
-    for call, what in (("suptitle", "Plot"), ("set_title", "Plot"), ("set_xlabel", "x axis"),
-                       ("set_ylabel", "y axis")):
+    for call, what in (
+        ("suptitle", "Plot"),
+        ("set_title", "Plot"),
+        ("set_xlabel", "x axis"),
+        ("set_ylabel", "y axis"),
+    ):
         for text in re.findall(call + r'\(\s*"([^"{}]+)"', code):
-            found.append(f"{what}: " + text.replace("\\n", " "))  # a line break in the string
+            found.append(
+                f"{what}: " + text.replace("\\n", " ")
+            )  # a line break in the string
     if found:
         return "; ".join(found)
     paragraphs = [p for p in prose.split("\n\n") if plain(p)]
-    return "Figure: " + plain(paragraphs[-1] if paragraphs else "output of the code above")
+    return "Figure: " + plain(
+        paragraphs[-1] if paragraphs else "output of the code above"
+    )
 
 
 def png_size(data: str) -> tuple[int, int] | None:
     """(width, height) from a base64 PNG's header, or None if it is not one."""
-    head = base64.b64decode(data[:44] + "=" * (-len(data[:44]) % 4))
-    if head[:8] != b"\x89PNG\r\n\x1a\n":
+    try:
+        head = base64.b64decode(data[:32])
+    except ValueError:
+        return None
+    if head[:8] != b"\x89PNG\r\n\x1a\n" or len(head) < 24:
         return None
     return struct.unpack(">II", head[16:24])
 
 
 def display_size(output, mime: str) -> tuple[int, int] | None:
-    """The CSS size an image output is shown at (see the module's notes on resolution)."""
+    """The CSS size an image output is shown at (the module's notes on resolution)."""
     meta = output.get("metadata", {}).get(mime, {})
     size = png_size(output["data"][mime]) if mime == "image/png" else None
     if meta.get("width"):
         width = int(meta["width"])
-        height = int(meta.get("height") or (size and round(size[1] * width / size[0])) or 0)
+        height = int(
+            meta.get("height") or (size and round(size[1] * width / size[0])) or 0
+        )
         return (width, height) if height else None
     if size and size[0] >= HIGH_DPI_MIN_WIDTH:
         return round(size[0] / 2), round(size[1] / 2)
@@ -254,17 +298,23 @@ def display_size(output, mime: str) -> tuple[int, int] | None:
 
 
 def is_main_guard(cell) -> bool:
-    """A code cell that only runs the command line (``if __name__ == "__main__": …``)."""
+    """A code cell that only runs the command line: ``if __name__ == "__main__": …``."""
     return cell.cell_type == "code" and MAIN_GUARD.match(cell.source) is not None
 
 
 def prepare(nb):
-    """A copy of ``nb`` as the page shows it: images with alt text and display sizes, text
-    outputs detokenized, attention maps as an interactive figure, the command line's cell
-    left out."""
+    """A copy of ``nb`` as the page shows it: images with alt text and display sizes,
+    text outputs detokenized, attention maps as an interactive figure, the command
+    line's cell and empty cells left out."""
     nb = copy.deepcopy(nb)
-    nb.cells = [c for c in nb.cells if not is_main_guard(c) and not (
-        c.cell_type == "code" and not c.source.strip() and not c.get("outputs"))]
+    nb.cells = [
+        c
+        for c in nb.cells
+        if not is_main_guard(c)
+        and not (
+            c.cell_type == "code" and not c.source.strip() and not c.get("outputs")
+        )
+    ]
     prose, alts = "", []
     for cell in nb.cells:
         if cell.cell_type == "markdown":
@@ -287,8 +337,12 @@ def prepare(nb):
                 if mime not in data:
                     continue
                 meta = output.setdefault("metadata", {}).setdefault(mime, {})
-                alt = (alts.pop(0) if alts else None) or meta.get("alt") or \
-                    cell.metadata.get("alt") or figure_alt(cell.source, prose)
+                alt = (
+                    (alts.pop(0) if alts else None)
+                    or meta.get("alt")
+                    or cell.metadata.get("alt")
+                    or figure_alt(cell.source, prose)
+                )
                 meta["alt"] = join_pieces(alt)
                 size = display_size(output, mime)
                 if size:
@@ -297,16 +351,24 @@ def prepare(nb):
 
 
 def with_alt_text(nb):
-    """A copy of ``nb`` in which every image output carries alt text (see :func:`prepare`)."""
+    """A copy of ``nb`` in which every image carries alt text (see :func:`prepare`)."""
     return prepare(nb)
 
 
-# --- The interactive attention figure -------------------------------------------------------
+# --- The interactive attention figure -------------------------------------------------
 
-KIND_NAMES = {"encoder": "Encoder self-attention", "decoder": "Decoder self-attention (masked)",
-              "cross": "Decoder–encoder attention"}
-BLUES = ((0.0, (247, 251, 255)), (0.25, (198, 219, 239)), (0.5, (107, 174, 214)),
-         (0.75, (33, 113, 181)), (1.0, (8, 48, 107)))  # as web/page.js's BLUES
+KIND_NAMES = {
+    "encoder": "Encoder self-attention",
+    "decoder": "Decoder self-attention (masked)",
+    "cross": "Decoder–encoder attention",
+}
+BLUES = (
+    (0.0, (247, 251, 255)),
+    (0.25, (198, 219, 239)),
+    (0.5, (107, 174, 214)),
+    (0.75, (33, 113, 181)),
+    (1.0, (8, 48, 107)),
+)  # as web/page.js's BLUES
 
 
 def blue(w: float) -> str:
@@ -315,7 +377,9 @@ def blue(w: float) -> str:
     for (a, ca), (b, cb) in zip(BLUES, BLUES[1:]):
         if w <= b:
             t = (w - a) / (b - a)
-            return "#" + "".join(f"{round(x + (y - x) * t):02x}" for x, y in zip(ca, cb))
+            return "#" + "".join(
+                f"{round(x + (y - x) * t):02x}" for x, y in zip(ca, cb)
+            )
     return "#08306b"
 
 
@@ -331,7 +395,7 @@ def axes_of(kind: str, sentence: dict) -> tuple[list[str], list[str]]:
 
 
 def attention_svg(weights: list, rows: list[str], cols: list[str]) -> str:
-    """One head as an SVG heat map with its token labels (the same drawing as page.js's)."""
+    """One head as an SVG heat map with its token labels (as page.js draws it)."""
     nq, nk = len(weights), len(weights[0]) if weights else 0
     rows = [token_label(t) for t in rows[:nq]] + [""] * max(0, nq - len(rows))
     cols = [token_label(t) for t in cols[:nk]] + [""] * max(0, nk - len(cols))
@@ -340,26 +404,38 @@ def attention_svg(weights: list, rows: list[str], cols: list[str]) -> str:
     top = 12 + 7 * max((len(t) for t in cols), default=1)
     width, height = left + cell * nk + 4, top + cell * nq + 4
     esc = htmllib.escape
-    parts = [f'<svg class="ae-svg" viewBox="0 0 {width} {height}" width="{width}" '
-             f'height="{height}" role="img" aria-label="attention weights heat map">']
+    parts = [
+        f'<svg class="ae-svg" viewBox="0 0 {width} {height}" width="{width}" '
+        f'height="{height}" role="img" aria-label="attention weights heat map">'
+    ]
     for i, t in enumerate(rows):
-        parts.append(f'<text x="{left - 6}" y="{top + cell * i + cell / 2 + 4}" '
-                     f'text-anchor="end">{esc(t)}</text>')
+        parts.append(
+            f'<text x="{left - 6}" y="{top + cell * i + cell / 2 + 4}" '
+            f'text-anchor="end">{esc(t)}</text>'
+        )
     for j, t in enumerate(cols):
         x, y = left + cell * j + cell / 2 + 4, top - 6
-        parts.append(f'<text x="{x}" y="{y}" transform="rotate(-90 {x} {y})">{esc(t)}</text>')
+        parts.append(
+            f'<text x="{x}" y="{y}" transform="rotate(-90 {x} {y})">{esc(t)}</text>'
+        )
     for i, row in enumerate(weights):
         for j, w in enumerate(row):
-            parts.append(f'<rect x="{left + cell * j}" y="{top + cell * i}" width="{cell}" '
-                         f'height="{cell}" fill="{blue(w)}" data-q="{i}" data-k="{j}"/>')
+            parts.append(
+                f'<rect x="{left + cell * j}" y="{top + cell * i}" width="{cell}" '
+                f'height="{cell}" fill="{blue(w)}" data-q="{i}" data-k="{j}"/>'
+            )
     parts.append("</svg>")
     return "".join(parts)
 
 
 def sharpest(heads: list) -> int:
-    """The head (index) of one layer whose rows are most concentrated (lowest mean entropy)."""
+    """The head of one layer whose rows are most concentrated (lowest mean entropy)."""
+
     def entropy(head):
-        return sum(-sum(w * math.log(w) for w in row if w > 0) for row in head) / max(len(head), 1)
+        return sum(-sum(w * math.log(w) for w in row if w > 0) for row in head) / max(
+            len(head), 1
+        )
+
     return min(range(len(heads)), key=lambda h: entropy(heads[h]))
 
 
@@ -372,12 +448,20 @@ def attention_explorer(blob: dict) -> str:
     layer = len(maps[kind]) - 1
     head = sharpest(maps[kind][layer])
     rows, cols = axes_of(kind, blob.get("sentence", {}))
-    data = {"sentence": blob.get("sentence", {}), "maps": maps,
-            "start": {"kind": kind, "layer": layer, "head": head}}
-    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False).replace("</", "<\\/")
-    caption = blob.get("title") or ("What the trained model attends to, for one test sentence: "
-                                    "every kind of attention, layer and head.")
+    data = {
+        "sentence": blob.get("sentence", {}),
+        "maps": maps,
+        "start": {"kind": kind, "layer": layer, "head": head},
+    }
+    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False).replace(
+        "</", "<\\/"
+    )
+    caption = blob.get("title") or (
+        "What the trained model attends to, for one test sentence: "
+        "every kind of attention, layer and head."
+    )
     shown = f"{KIND_NAMES[kind]}, layer {layer + 1}, head {head + 1}"
+    svg = attention_svg(maps[kind][layer][head], rows, cols)
     return (
         '<figure class="attention-explorer">'
         '<div class="ae-controls" hidden>'
@@ -385,14 +469,17 @@ def attention_explorer(blob: dict) -> str:
         '<label>Layer <select data-role="layer"></select></label> '
         '<label>Head <select data-role="head"></select></label></div>'
         f'<p class="ae-shown">{htmllib.escape(shown)}</p>'
-        f'<div class="ae-map" tabindex="0">{attention_svg(maps[kind][layer][head], rows, cols)}</div>'
-        '<p class="ae-readout" aria-live="polite">Rows: the token attending (query); columns: '
-        'the token attended to (key); darker is more weight.</p>'
-        f'<figcaption>{htmllib.escape(caption)}</figcaption>'
-        f'<script type="application/json" class="ae-data">{payload}</script></figure>')
+        f'<div class="ae-map" tabindex="0">{svg}</div>'
+        '<p class="ae-readout" aria-live="polite">Rows: the token attending (query); '
+        "columns: "
+        "the token attended to (key); darker is more weight.</p>"
+        f"<figcaption>{htmllib.escape(caption)}</figcaption>"
+        f'<script type="application/json" class="ae-data">{payload}</script></figure>'
+    )
 
 
-# --- Code ---------------------------------------------------------------------------------
+# --- Code -----------------------------------------------------------------------------
+
 
 def fold_line(source: str) -> int | None:
     """Where a long cell's folded part starts (a line index), or None to show it whole.
@@ -422,7 +509,9 @@ def code_html(source: str) -> str:
     from pygments.lexers import PythonLexer
 
     def lit(text: str) -> str:
-        return highlight(text or " ", PythonLexer(), HtmlFormatter(cssclass="highlight"))
+        return highlight(
+            text or " ", PythonLexer(), HtmlFormatter(cssclass="highlight")
+        )
 
     n = fold_line(source)
     if n is None:
@@ -430,20 +519,23 @@ def code_html(source: str) -> str:
     lines = source.split("\n")
     head, tail = "\n".join(lines[:n]), "\n".join(lines[n:])
     more = len(lines) - n
-    return (f'{lit(head)}<details class="code-rest"><summary><span>{more} more lines '
-            f"(lines {n + 1}–{len(lines)})</span></summary>{lit(tail)}</details>")
+    return (
+        f'{lit(head)}<details class="code-rest"><summary><span>{more} more lines '
+        f"(lines {n + 1}–{len(lines)})</span></summary>{lit(tail)}</details>"
+    )
 
 
-# --- nbconvert ------------------------------------------------------------------------------
+# --- nbconvert ------------------------------------------------------------------------
+
 
 def make_exporter(formulas: list[dict]):
-    """nbconvert's HTML exporter with our template; its Markdown leaves a slot per formula."""
+    """nbconvert's HTML exporter with our template (a slot per formula)."""
     from jinja2 import pass_context
     from nbconvert import HTMLExporter
     from nbconvert.filters.markdown_mistune import IPythonRenderer, MarkdownWithMath
 
     class MathSlots(IPythonRenderer):
-        """Markdown renderer that records each formula's TeX and leaves a slot for it."""
+        """Markdown renderer that records each formula's TeX and leaves a slot."""
 
         def _slot(self, tex: str, display: bool) -> str:
             formulas.append({"tex": tex, "display": display})
@@ -459,14 +551,19 @@ def make_exporter(formulas: list[dict]):
             return self._slot(f"\\begin{{{name}}}{body}\\end{{{name}}}", True)
 
     class ArticleExporter(HTMLExporter):
-        """The notebook as an article: web/article/index.html.j2 and the filters it uses."""
+        """The notebook as an article: web/article/index.html.j2 and its filters."""
 
         @pass_context
         def markdown2html(self, context, source):
             cell = context.get("cell", {})
             path = context.get("resources", {}).get("metadata", {}).get("path", "")
-            renderer = MathSlots(escape=False, attachments=cell.get("attachments", {}),
-                                 embed_images=True, path=path, anchor_link_text="¶")
+            renderer = MathSlots(
+                escape=False,
+                attachments=cell.get("attachments", {}),
+                embed_images=True,
+                path=path,
+                anchor_link_text="¶",
+            )
             return MarkdownWithMath(renderer=renderer).render(source)
 
         def default_filters(self):
@@ -474,40 +571,64 @@ def make_exporter(formulas: list[dict]):
             yield ("markdown2html", self.markdown2html)
             yield ("tidy_stream", tidy_stream)
             yield ("code_html", code_html)
-            yield ("svg_data_uri", lambda svg: "data:image/svg+xml;base64,"
-                   + base64.b64encode(svg.encode()).decode())
+            yield (
+                "svg_data_uri",
+                lambda svg: "data:image/svg+xml;base64,"
+                + base64.b64encode(svg.encode()).decode(),
+            )
 
     return ArticleExporter(extra_template_basedirs=[str(WEB)], template_name="article")
 
 
-# --- The article's structure ----------------------------------------------------------------
+# --- The article's structure ----------------------------------------------------------
+
 
 def heading_text(tag) -> str:
     """A heading's words without its ¶ anchor link."""
-    return "".join(t for t in tag.find_all(string=True)
-                   if not t.find_parent(class_="anchor-link")).strip()
+    return "".join(
+        t for t in tag.find_all(string=True) if not t.find_parent(class_="anchor-link")
+    ).strip()
 
 
-STOPWORDS = {"a", "an", "and", "the", "of", "on", "in", "to", "for", "with", "our", "its"}
+STOPWORDS = {
+    "a",
+    "an",
+    "and",
+    "at",
+    "the",
+    "of",
+    "on",
+    "in",
+    "to",
+    "for",
+    "with",
+    "our",
+    "its",
+}
 
 
 def slug(text: str, words: int = 3) -> str:
-    """A few ASCII words of ``text`` joined by hyphens: "Label smoothing, ours" → "label-smoothing-ours"."""
-    text = re.sub(r"[^\w]+", " ", text)
-    text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode().lower()
+    """A few ASCII words of ``text``: "The label smoothing (ε)" → "label-smoothing"."""
+    text = re.sub(r"[^\w]+", " ", re.sub(r"\(.*?\)", " ", text))  # not "(§3.5, …)"
+    text = (
+        unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode().lower()
+    )
     found = re.findall(r"[a-z0-9]+", text)
-    return "-".join([w for w in found if w not in STOPWORDS][:words] or found[:words]) or "section"
+    return (
+        "-".join([w for w in found if w not in STOPWORDS][:words] or found[:words])
+        or "section"
+    )
 
 
 def section_number(text: str) -> str | None:
-    """"3.2.1" for a heading that starts with "§3.2.1"."""
+    """ "3.2.1" for a heading that starts with "§3.2.1"."""
     match = re.match(r"§\s?(\d+(?:\.\d+)*)", text)
     return match.group(1) if match else None
 
 
 def heading_ids(headings) -> dict:
-    """Short ASCII ids: ``part-3``, ``s3-2-1``; another heading gets the id of the Part or
-    paper section it is in plus a few of its words (``s5-4-label-smoothing``)."""
+    """Short ASCII ids: ``part-3``, ``s3-2-1``; another heading gets the id of the Part
+    or paper section it is in plus a few of its words (``s5-4-label-smoothing``)."""
     ids, seen, above = {}, set(), {}  # above: level → root id of the last heading there
     for n, h in enumerate(headings):
         text, level = heading_text(h), int(h.name[1])
@@ -539,7 +660,7 @@ def heading_ids(headings) -> dict:
 
 
 def group_quotes(soup, main) -> None:
-    """The paper's words: block quotes and the "— §…" line after them become one figure."""
+    """The paper's words: block quotes and the "— §…" line after them, one figure."""
     for quote in main.find_all("blockquote"):
         if quote.find_parent("figure") is not None:
             continue
@@ -567,7 +688,11 @@ def into_sections(soup, main, headings) -> None:
         b.extract()
     stack = [(0, main)]
     for block in blocks:
-        level = int(block.name[1]) if getattr(block, "name", None) in ("h1", "h2", "h3") else 0
+        level = (
+            int(block.name[1])
+            if getattr(block, "name", None) in ("h1", "h2", "h3")
+            else 0
+        )
         if level:
             while stack[-1][0] >= level:
                 stack.pop()
@@ -579,7 +704,7 @@ def into_sections(soup, main, headings) -> None:
 
 
 def collapse_skippable(soup, main) -> None:
-    """Sections a first reading may skip (see the module's notes) become closed ``<details>``."""
+    """Sections a first reading may skip (module notes) become closed ``<details>``."""
     for section in main.find_all("section"):
         h = section.find(["h1", "h2", "h3"], recursive=False)
         if h is None or not SKIPPABLE.search(heading_text(h)):
@@ -598,7 +723,7 @@ def collapse_skippable(soup, main) -> None:
 
 
 def mention_targets(main, headings) -> dict:
-    """What each mention ("§3.2", "Part 4", "Table 3", "Figure 1", "Eq. 1") links to: an id."""
+    """The id each mention ("§3.2", "Part 4", "Table 3", "Eq. 1" …) links to."""
     best: dict = {}  # mention → (rank, id); the lowest rank wins, then the first
 
     def offer(key: str, rank: int, target: str) -> None:
@@ -633,24 +758,47 @@ def normal_mention(text: str) -> str:
     return re.sub(r"^Eq\.\s?", "Eq. ", re.sub(r"^§\s", "§", text))
 
 
-NO_LINKS = {"a", "code", "pre", "h1", "h2", "h3", "h4", "h5", "h6", "figcaption", "script",
-            "style", "summary", "svg", "button", "select", "label", "title"}
+NO_LINKS = {
+    "a",
+    "code",
+    "pre",
+    "h1",
+    "h2",
+    "h3",
+    "h4",
+    "h5",
+    "h6",
+    "figcaption",
+    "script",
+    "style",
+    "summary",
+    "svg",
+    "button",
+    "select",
+    "label",
+    "title",
+}
 
 
 def link_mentions(soup, main, targets: dict) -> int:
     """Turn every mention in prose into a link to its target; returns how many."""
     count = 0
     for text in list(main.find_all(string=MENTION)):
-        if any(p.name in NO_LINKS or "katex" in (p.get("class") or []) or
-               "output" in (p.get("class") or []) or "highlight" in (p.get("class") or [])
-               for p in text.parents if p is not main and p.name):
+        if any(
+            p.name in NO_LINKS
+            or "katex" in (p.get("class") or [])
+            or "output" in (p.get("class") or [])
+            or "highlight" in (p.get("class") or [])
+            for p in text.parents
+            if p is not main and p.name
+        ):
             continue
         pieces, last, s = [], 0, str(text)
         for m in MENTION.finditer(s):
             target = targets.get(normal_mention(m.group()))
             if target is None:
                 continue
-            pieces.append(s[last:m.start()])
+            pieces.append(s[last : m.start()])
             link = soup.new_tag("a", href="#" + target, attrs={"class": "xref"})
             link.string = m.group().replace(" ", "\u00a0")  # "Eq. 3" on one line
             pieces.append(link)
@@ -666,8 +814,8 @@ def link_mentions(soup, main, targets: dict) -> int:
 
 
 def add_next_links(soup, main) -> None:
-    """Each Part ends with a link to the next Part (a skippable one passed over); the last
-    Part, to the page's end."""
+    """Each Part ends with a link to the next Part (a skippable one passed over); the
+    last Part, to the page's end."""
     parts = [s for s in main.find_all("section", class_="level-1")]
     readable = [s for s in parts if "aside" not in s.get("class", [])]
     end = main.find("footer", class_="page-end")
@@ -687,7 +835,7 @@ def add_next_links(soup, main) -> None:
 
 
 def add_title_block(soup, main, title) -> None:
-    """The title, the paragraph under it, and the links: paper, repository, Colab, citation."""
+    """The title, the paragraph under it, and links: paper, repository, Colab, cite."""
     header = soup.new_tag("header", attrs={"class": "title-block"})
     subtitle = title.find_next_sibling("p")
     main.insert(0, header)
@@ -695,8 +843,12 @@ def add_title_block(soup, main, title) -> None:
     if subtitle is not None:
         header.append(subtitle.extract())
     links = soup.new_tag("p", attrs={"class": "title-links"})
-    for text, href in (("The paper (arXiv:1706.03762)", PAPER), ("Repository", REPOSITORY),
-                       ("Open in Colab", colab_url()), ("How to cite", "#how-to-cite")):
+    for text, href in (
+        ("The paper (arXiv:1706.03762)", PAPER),
+        ("Repository", REPOSITORY),
+        ("Open in Colab", colab_url()),
+        ("How to cite", "#how-to-cite"),
+    ):
         a = soup.new_tag("a", href=href)
         a.string = text
         if href.startswith("http"):
@@ -706,10 +858,12 @@ def add_title_block(soup, main, title) -> None:
 
 
 def add_ending(soup, main, headings) -> None:
-    """The page's end: the notebook's Results, Conclusion, Citation and Credits sections,
-    moved out of the last Part, and a results pointer, the paper's BibTeX and the credits
-    for whichever of them the notebook lacks."""
-    has = {k: any(p.match(heading_text(h)) for h in headings) for k, p in ENDINGS.items()}
+    """The page's end: the notebook's Results, Conclusion, Citation and Credits
+    sections, moved out of the last Part, and a results pointer, the paper's BibTeX and
+    the credits for whichever of them the notebook lacks."""
+    has = {
+        k: any(p.match(heading_text(h)) for h in headings) for k, p in ENDINGS.items()
+    }
     footer = soup.new_tag("footer", attrs={"class": "page-end"})
     for h in headings[1:]:
         if h.name == "h2" and any(p.match(heading_text(h)) for p in ENDINGS.values()):
@@ -717,7 +871,8 @@ def add_ending(soup, main, headings) -> None:
             section["class"] = section.get("class", []) + ["ending"]
             footer.append(section.extract())
     has["credits"] = has["credits"] or any(
-        p.get_text().startswith("Credits") for p in footer.find_all("p"))
+        p.get_text().startswith("Credits") for p in footer.find_all("p")
+    )
     if not has["results"]:
         parts = main.find_all("section", class_="level-1")
         section = soup.new_tag("section", attrs={"class": "ending"})
@@ -745,22 +900,32 @@ def add_ending(soup, main, headings) -> None:
         for a in main.find_all("a", href="#how-to-cite"):
             a["href"] = "#" + heading["id"]
     else:
-        footer.append(fragment(soup, f"""<section class="ending">
+        footer.append(
+            fragment(
+                soup,
+                f"""<section class="ending">
 <h2 id="how-to-cite">How to cite</h2>
 <p>Cite the paper (BibTeX below), and this reproduction by its repository,
 <a href="{REPOSITORY}">{REPOSITORY.removeprefix("https://")}</a>.</p>
 <pre class="bibtex">{htmllib.escape(BIBTEX)}</pre>
-</section>"""))
+</section>""",
+            )
+        )
     if not has["credits"]:
-        footer.append(fragment(soup, f"""<section class="ending">
+        footer.append(
+            fragment(
+                soup,
+                f"""<section class="ending">
 <h2 id="credits">Credits</h2>
 <p>The paper and its words quoted here: Ashish Vaswani, Noam Shazeer, Niki Parmar, Jakob
 Uszkoreit, Llion Jones, Aidan N. Gomez, Łukasz Kaiser and Illia Polosukhin,
 <a href="{PAPER}"><cite>Attention Is All You Need</cite></a> (NeurIPS 2017). The idea of
 annotating it line by line with running code: <cite>The Annotated Transformer</cite> by
-Alexander Rush (Harvard NLP, 2018). Formulas typeset by KaTeX; the page was built from the
-notebook and its stored outputs by <code>make html</code>.</p>
-</section>"""))
+Alexander Rush (Harvard NLP, 2018). Formulas typeset by KaTeX; the page was built from
+the notebook and its stored outputs by <code>make html</code>.</p>
+</section>""",
+            )
+        )
     main.append(footer)
 
 
@@ -772,16 +937,22 @@ def fragment(soup, markup: str):
 
 
 def contents_nav(soup, headings) -> None:
-    """The contents: Parts (h1), their sections (h2), the paper's subsections (h3 with §)."""
+    """The contents: Parts (h1), sections (h2), the paper's subsections (h3 with §)."""
     nav = soup.find("nav", class_="toc")
     top = soup.new_tag("ol", attrs={"class": "toc-list"})
     lists = {0: top}  # heading level → the list that holds the entries below it
     for h in headings[1:]:
         level = int(h.name[1])
-        if level == 3 and section_number(heading_text(h)) is None or h.find_parent("footer"):
+        if (
+            level == 3
+            and section_number(heading_text(h)) is None
+            or h.find_parent("footer")
+        ):
             continue
         parent = lists[max(k for k in lists if k < level)]
-        li = soup.new_tag("li", attrs={"class": "toc-part" if level == 1 else f"toc-{level}"})
+        li = soup.new_tag(
+            "li", attrs={"class": "toc-part" if level == 1 else f"toc-{level}"}
+        )
         link = soup.new_tag("a", href="#" + h["id"])
         link.string = heading_text(h)
         li.append(link)
@@ -803,20 +974,28 @@ def contents_nav(soup, headings) -> None:
 
 
 def search_index(main) -> list:
-    """Each section's heading and prose (no code, outputs or formulas): [id, title, text]."""
+    """Each section's heading and prose (no code or formulas): [id, title, text]."""
     entries = []
     for h in main.find_all(["h1", "h2", "h3"]):
         if not h.get("id"):
             continue
         words = []
         holder = h.find_parent("section")
-        for el in (holder.descendants if holder else []):
+        for el in holder.descendants if holder else []:
             if getattr(el, "name", None) in ("section",) and el is not holder:
                 break
-            if isinstance(el, str) and el.strip() and not any(
-                    p.name in ("pre", "script", "style", "svg", "h1", "h2", "h3", "summary")
-                    or {"katex", "highlight", "output", "anchor-link"} & set(p.get("class") or [])
-                    for p in el.parents if p is not holder):
+            if (
+                isinstance(el, str)
+                and el.strip()
+                and not any(
+                    p.name
+                    in ("pre", "script", "style", "svg", "h1", "h2", "h3", "summary")
+                    or {"katex", "highlight", "output", "anchor-link"}
+                    & set(p.get("class") or [])
+                    for p in el.parents
+                    if p is not holder
+                )
+            ):
                 words.append(el.strip())
         text = re.sub(r"\s+", " ", " ".join(words))
         entries.append([h["id"], heading_text(h), text])
@@ -824,13 +1003,13 @@ def search_index(main) -> list:
 
 
 def arrange(html: str) -> str:
-    """The article's structure: title block, sections, ids, links, contents, ending, index."""
+    """The article's structure: title, sections, ids, links, contents, ending, index."""
     from bs4 import BeautifulSoup
 
     soup = BeautifulSoup(html, "html.parser")
     main = soup.find("main")
     for cell in main.find_all("div", class_="prose", recursive=False):
-        cell.unwrap()  # one flat run of blocks: headings, paragraphs, quotations, code cells
+        cell.unwrap()  # one flat run: headings, paragraphs, quotations, code cells
     group_quotes(soup, main)
     headings = main.find_all(["h1", "h2", "h3"])
     ids = heading_ids(headings)
@@ -842,11 +1021,17 @@ def arrange(html: str) -> str:
             a["href"] = "#" + h["id"]
             a["aria-label"] = f"Link to this section: {heading_text(h)}"
     heading_set = set(ids.values())
-    for anchor in main.find_all(id=True):  # the notebook's own <a id="part-4"></a> anchors
+    for anchor in main.find_all(
+        id=True
+    ):  # the notebook's own <a id="part-4"></a> anchors
         if anchor.name not in ("h1", "h2", "h3") and anchor["id"] in heading_set:
             holder = anchor.parent
             anchor.decompose()
-            if holder.name == "p" and not holder.get_text(strip=True) and not holder.find(True):
+            if (
+                holder.name == "p"
+                and not holder.get_text(strip=True)
+                and not holder.find(True)
+            ):
                 holder.decompose()
     for a in main.find_all("a", href=re.compile("^#")):
         old = unquote(a["href"][1:])
@@ -860,35 +1045,59 @@ def arrange(html: str) -> str:
     add_next_links(soup, main)
     contents_nav(soup, headings)
     index = json.dumps(search_index(main), separators=(",", ":"), ensure_ascii=False)
-    script = soup.new_tag("script", attrs={"type": "application/json", "id": "search-index"})
+    script = soup.new_tag(
+        "script", attrs={"type": "application/json", "id": "search-index"}
+    )
     script.string = index.replace("</", "<\\/")
     soup.body.find("script", recursive=False).insert_before(script)
     return str(soup)
 
 
 def code_css() -> str:
-    """Code colours: each Pygments token class to one of a few colours (page.css sets them,
-    light and dark, each at least 4.5:1 on the code background)."""
-    from pygments.token import STANDARD_TYPES, Comment, Keyword, Name, Number, Operator, String
+    """Code colours: each Pygments token class to one of a few colours (page.css sets
+    them, light and dark, each at least 4.5:1 on the code background)."""
+    from pygments.token import (
+        STANDARD_TYPES,
+        Comment,
+        Keyword,
+        Name,
+        Number,
+        Operator,
+        String,
+    )
 
-    roles = [(Comment, "comment"), (String, "string"), (Number, "number"),
-             (Keyword, "keyword"), (Operator.Word, "keyword"),
-             (Name.Function, "function"), (Name.Class, "function"), (Name.Decorator, "decorator"),
-             (Name.Builtin, "builtin"), (Name.Exception, "builtin")]
+    roles = [
+        (Comment, "comment"),
+        (String, "string"),
+        (Number, "number"),
+        (Keyword, "keyword"),
+        (Operator.Word, "keyword"),
+        (Name.Function, "function"),
+        (Name.Class, "function"),
+        (Name.Decorator, "decorator"),
+        (Name.Builtin, "builtin"),
+        (Name.Exception, "builtin"),
+    ]
     rules = {}
     for token, short in STANDARD_TYPES.items():
         for kind, role in roles:
             if short and token in kind:
                 rules.setdefault(role, []).append(f".highlight .{short}")
                 break
-    css = [f"{', '.join(sel)} {{ color: var(--code-{role}); }}" for role, sel in rules.items()]
-    css.append(".highlight .c, .highlight .c1, .highlight .cm, .highlight .ch, .highlight .cs, "
-               ".highlight .sd { font-style: italic; }")
+    css = [
+        f"{', '.join(sel)} {{ color: var(--code-{role}); }}"
+        for role, sel in rules.items()
+    ]
+    css.append(
+        ".highlight .c, .highlight .c1, .highlight .cm, .highlight .ch, "
+        ".highlight .cs, "
+        ".highlight .sd { font-style: italic; }"
+    )
     return "\n".join(css)
 
 
 def build(notebook: Path, out: Path) -> dict:
-    """Write the page for ``notebook`` to ``out``; returns its size, formulas and build time."""
+    """Write the page for ``notebook`` to ``out``: its size, formulas, build time."""
     import nbformat
 
     start = time.perf_counter()
@@ -896,19 +1105,34 @@ def build(notebook: Path, out: Path) -> dict:
     nb = prepare(nbformat.read(notebook, as_version=4))
     formulas: list[dict] = []
     exporter = make_exporter(formulas)
-    title = next((line[2:].strip() for c in nb.cells if c.cell_type == "markdown"
-                  for line in c.source.splitlines() if line.startswith("# ")), notebook.stem)
+    title = next(
+        (
+            line[2:].strip()
+            for c in nb.cells
+            if c.cell_type == "markdown"
+            for line in c.source.splitlines()
+            if line.startswith("# ")
+        ),
+        notebook.stem,
+    )
     css = "\n".join([(WEB / "page.css").read_text(), code_css(), katex_css()])
-    resources = {"metadata": {"path": str(notebook.parent), "name": notebook.stem},
-                 "page_title": title, "page_css": css, "page_js": (WEB / "page.js").read_text()}
+    resources = {
+        "metadata": {"path": str(notebook.parent), "name": notebook.stem},
+        "page_title": title,
+        "page_css": css,
+        "page_js": (WEB / "page.js").read_text(),
+    }
     html, _ = exporter.from_notebook_node(nb, resources=resources)
     typeset_html = typeset(formulas)
     html = SLOT.sub(lambda m: typeset_html[int(m.group(1))], html)
     html = arrange(html)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(html, encoding="utf-8")
-    return {"bytes": out.stat().st_size, "formulas": len(formulas),
-            "seconds": time.perf_counter() - start}
+    return {
+        "bytes": out.stat().st_size,
+        "formulas": len(formulas),
+        "seconds": time.perf_counter() - start,
+    }
 
 
 def main(argv=None) -> int:
@@ -923,8 +1147,10 @@ def main(argv=None) -> int:
         print(err, file=sys.stderr)
         return 2
     where = args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out
-    print(f"wrote {where}: {stats['bytes'] / 1e6:.1f} MB ({stats['bytes']:,} bytes), "
-          f"{stats['formulas']} formulas, {stats['seconds']:.1f} s")
+    print(
+        f"wrote {where}: {stats['bytes'] / 1e6:.1f} MB ({stats['bytes']:,} bytes), "
+        f"{stats['formulas']} formulas, {stats['seconds']:.1f} s"
+    )
     return 0
 
 
