@@ -1,15 +1,14 @@
 """The notebook as a web page (make html), checked in a real browser.
 
-Headless Chromium is the system's (Debian's ``chromium``), driven by playwright; no browser
-is downloaded, and every request other than file:// is refused and noted. The page is
-built once from the committed notebook and its stored outputs, and once from a small
-fixture notebook for what the real one may not have yet (the attention maps to explore, a
-skippable section with a heading inside). Screenshots for a person are written to
-runs/html/; the measured numbers are printed (pytest -s shows them).
+Headless Chromium is the system's (Debian's ``chromium``), driven by playwright; no
+browser is downloaded, and every request other than file:// is refused and noted. The
+page is built once from the committed notebook and its stored outputs, and once from a
+small fixture notebook for what the real one may not have yet (the attention maps to
+explore, a skippable section with a heading inside). Screenshots for a person are
+written to runs/html/; the measured numbers are printed (pytest -s shows them).
 """
 
 import importlib.util
-import json
 import random
 import re
 import shutil
@@ -23,10 +22,11 @@ NB = ROOT / "annotated_transformer.ipynb"
 SHOTS = ROOT / "runs" / "html"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 KATEX_INSTALLED = (ROOT / "web" / "node_modules" / "katex" / "package.json").is_file()
-# Headless Chromium as root, offline and quiet: no sandbox (root), no GPU, and none of the
-# background requests (updates, sync, first-run pages) that would try to reach the network.
+# Headless Chromium as root, offline and quiet: no sandbox (root), no GPU, and none of
+# the background requests (updates, sync, first-run pages) that would reach the network.
 CHROMIUM_ARGS = [
-    "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+    "--no-sandbox", "--disable-gpu", "--no-first-run",
+    "--disable-background-networking",
     "--disable-component-update", "--disable-sync", "--disable-default-apps",
     "--disable-extensions", "--no-default-browser-check", "--metrics-recording-only",
 ]  # fmt: skip
@@ -44,15 +44,19 @@ pytestmark = [
         reason="playwright is not installed (make install)",
     ),
     pytest.mark.skipif(
-        shutil.which("node") is None or (shutil.which("npm") is None and not KATEX_INSTALLED),
-        reason="Node.js and npm are needed to fetch and run KaTeX (apt-get install nodejs npm)",
+        shutil.which("node") is None
+        or (shutil.which("npm") is None and not KATEX_INSTALLED),
+        reason="Node.js and npm are needed to fetch and run KaTeX "
+        "(apt-get install nodejs npm)",
     ),
 ]
 
 
 def load_build():
     """web/build.py as a module (under a name no installed package uses)."""
-    spec = importlib.util.spec_from_file_location("web_page_build", ROOT / "web" / "build.py")
+    spec = importlib.util.spec_from_file_location(
+        "web_page_build", ROOT / "web" / "build.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -62,12 +66,14 @@ build = load_build()
 
 
 def markdown_formulas(notebook: Path) -> int:
-    """Formulas in the notebook's Markdown, counted from its text: ``$$…$$`` and ``$…$``."""
+    """Formulas in the notebook's Markdown, from its text: ``$$…$$`` and ``$…$``."""
     count = 0
     for cell in nbformat.read(notebook, as_version=4).cells:
         if cell.cell_type != "markdown":
             continue
-        text = re.sub(r"^ {0,3}> ?", "", cell.source, flags=re.M)  # block quotes: inside
+        text = re.sub(
+            r"^ {0,3}> ?", "", cell.source, flags=re.M
+        )  # block quotes: inside
         text = re.sub(r"```.*?```", "", text, flags=re.S)  # fenced code
         text = re.sub(r"(`+)(?!`).+?(?<!`)\1(?!`)", "", text, flags=re.S)  # code spans
         display = re.findall(r"\$\$.+?\$\$", text, flags=re.S)
@@ -78,7 +84,7 @@ def markdown_formulas(notebook: Path) -> int:
 
 
 def attributions(notebook: Path) -> int:
-    """The paper's quotations: each ends with one "— §…" line under its block quote(s)."""
+    """The paper's quotations: each ends with one "— §…" line under its block quotes."""
     cells = nbformat.read(notebook, as_version=4).cells
     return sum(
         len(re.findall(r"^>.*\n\s*\n— ", c.source, flags=re.M))
@@ -98,7 +104,7 @@ def has_attention_maps(notebook: Path) -> bool:
 
 
 def softmax_rows(n_q: int, n_k: int, rng: random.Random, causal: bool = False) -> list:
-    """``n_q`` rows of ``n_k`` weights that sum to 1 (to 3 decimals), as a notebook writes."""
+    """``n_q`` rows of ``n_k`` weights summing to 1 (3 decimals), as notebooks write."""
     rows = []
     for i in range(n_q):
         raw = [rng.random() ** 4 if not causal or j <= i else 0.0 for j in range(n_k)]
@@ -107,7 +113,7 @@ def softmax_rows(n_q: int, n_k: int, rng: random.Random, causal: bool = False) -
 
 
 def fixture_notebook(path: Path) -> Path:
-    """A small notebook with what the page is built from, the attention maps included."""
+    """A small notebook of what the page is built from, the attention maps included."""
     rng = random.Random(0)
     src = ["▁Ein", "▁Hund", "▁läuft", "▁schnell", ".", "</s>"]
     tgt = ["<s>", "▁A", "▁dog", "▁runs", "▁fast", "."]
@@ -115,7 +121,9 @@ def fixture_notebook(path: Path) -> Path:
         "sentence": {"src": src, "tgt": tgt},
         "maps": {
             "encoder": [[softmax_rows(6, 6, rng) for _ in range(4)] for _ in range(2)],
-            "decoder": [[softmax_rows(6, 6, rng, True) for _ in range(4)] for _ in range(2)],
+            "decoder": [
+                [softmax_rows(6, 6, rng, True) for _ in range(4)] for _ in range(2)
+            ],
             "cross": [[softmax_rows(6, 6, rng) for _ in range(4)] for _ in range(2)],
         },
     }
@@ -132,8 +140,12 @@ def fixture_notebook(path: Path) -> Path:
             "[the detail](#part-1-inner-detail)."
         ),
         new.new_code_cell(
-            "print(\"it's\")",
-            outputs=[new.new_output("stream", name="stdout", text="it &apos;s &quot;ok&quot;\n")],
+            'print("it\'s")',
+            outputs=[
+                new.new_output(
+                    "stream", name="stdout", text="it &apos;s &quot;ok&quot;\n"
+                )
+            ],
         ),
         new.new_markdown_cell(
             "## Aside: a detour\n\nA detour a first reading may skip.\n\n"
@@ -152,9 +164,7 @@ def fixture_notebook(path: Path) -> Path:
                 )
             ],
         ),
-        new.new_code_cell(
-            'if __name__ == "__main__":\n    sys.exit(main())',
-        ),
+        new.new_code_cell('if __name__ == "__main__":\n    sys.exit(main())'),
     ]
     nbformat.write(new.new_notebook(cells=cells), path)
     return path
@@ -206,7 +216,7 @@ def browser():
 
 
 class Visit:
-    """One page load at a width, recording console errors and every non-local request."""
+    """One page load at a width, noting console errors and every non-local request."""
 
     def __init__(self, browser, site: Path, width: int, **options):
         self.context = browser.new_context(
@@ -222,7 +232,8 @@ class Visit:
         self.context.route(re.compile(r"^(?!file:|data:)"), block)
         self.page = self.context.new_page()
         self.page.on(
-            "console", lambda m: self.errors.append(m.text) if m.type == "error" else None
+            "console",
+            lambda m: self.errors.append(m.text) if m.type == "error" else None,
         )
         self.page.on("pageerror", lambda e: self.errors.append(str(e)))
         self.page.goto(site.as_uri(), wait_until="load")
@@ -247,7 +258,7 @@ def fixture_wide(browser, fixture_site):
 
 @pytest.fixture
 def fresh(browser, site):
-    """A visit of its own, for a test that changes the page, at the width it asks for."""
+    """A visit of its own for a test that changes the page, at the width it asks."""
     visits = []
 
     def visit(width: int, page_site: Path = site, **options) -> Visit:
@@ -262,7 +273,7 @@ def fresh(browser, site):
 OPEN_ALL = "document.querySelectorAll('details').forEach(d => { d.open = true; })"
 
 
-# --- Offline, typeset, readable ------------------------------------------------------------
+# --- Offline, typeset, readable -------------------------------------------------------
 
 
 @pytest.mark.parametrize("width", WIDTHS)
@@ -278,7 +289,9 @@ def test_every_formula_is_typeset_and_no_tex_is_left_in_the_text(wide, built):
     typeset = page.evaluate("document.querySelectorAll('main .katex').length")
     assert typeset == markdown_formulas(NB) == built["formulas"]
     assert page.evaluate("document.querySelectorAll('.katex-error').length") == 0
-    assert page.evaluate("document.querySelectorAll('main .katex math').length") == typeset
+    assert (
+        page.evaluate("document.querySelectorAll('main .katex math').length") == typeset
+    )
     text = page.evaluate("""() => {
         const main = document.querySelector('main').cloneNode(true);
         main.querySelectorAll('.katex, pre, code').forEach(e => e.remove());
@@ -292,7 +305,8 @@ def test_every_image_is_decoded_and_has_alt_text(wide):
     images = wide.page.evaluate("""async () => {
         const imgs = [...document.querySelectorAll('img')];
         await Promise.all(imgs.map(i => i.decode()));
-        return imgs.map(i => ({w: i.naturalWidth, h: i.naturalHeight, alt: i.alt.trim()}));
+        return imgs.map(i => ({w: i.naturalWidth, h: i.naturalHeight,
+                               alt: i.alt.trim()}));
     }""")
     stored = sum(
         "image/png" in o.get("data", {})
@@ -308,12 +322,16 @@ def test_every_image_is_decoded_and_has_alt_text(wide):
 
 def test_the_papers_words_stand_apart_from_our_commentary(wide):
     page = wide.page
-    quotes = page.evaluate("""[...document.querySelectorAll('figure.paper-quote')].map(f => ({
-        caption: (f.querySelector('figcaption') || {textContent: ''}).textContent.trim(),
-        background: getComputedStyle(f).backgroundColor, font: getComputedStyle(f).fontFamily}))""")
+    quotes = page.evaluate("""[...document.querySelectorAll('figure.paper-quote')]
+        .map(f => ({
+            caption: (f.querySelector('figcaption') || {textContent: ''})
+                .textContent.trim(),
+            background: getComputedStyle(f).backgroundColor,
+            font: getComputedStyle(f).fontFamily}))""")
     loose = page.evaluate("""[...document.querySelectorAll('blockquote')]
         .filter(q => !q.closest('figure.paper-quote')).length""")
-    prose = page.evaluate("""(() => { const p = document.querySelector('main section > p');
+    prose = page.evaluate("""(() => {
+        const p = document.querySelector('main section > p');
         const s = getComputedStyle(p);
         return {background: s.backgroundColor, font: s.fontFamily}; })()""")
     assert len(quotes) == attributions(NB) and loose == 0
@@ -321,7 +339,8 @@ def test_the_papers_words_stand_apart_from_our_commentary(wide):
         q["caption"] for q in quotes
     ]
     assert all(
-        q["background"] != prose["background"] and q["font"] != prose["font"] for q in quotes
+        q["background"] != prose["background"] and q["font"] != prose["font"]
+        for q in quotes
     )
 
 
@@ -331,7 +350,8 @@ def test_no_prompts_progress_bars_warnings_or_escaped_text(wide):
     assert not re.search(r"\d+%\|", text), "progress bar"
     assert not re.search(r"\w*Warning:", text)
     outputs = wide.page.evaluate(
-        "[...document.querySelectorAll('pre.output')].map(p => p.textContent).join('\\n')"
+        "[...document.querySelectorAll('pre.output')]"
+        ".map(p => p.textContent).join('\\n')"
     )
     assert not re.search(r"&(apos|quot|amp|lt|gt|#\d+);", outputs)
 
@@ -343,7 +363,7 @@ def test_text_outputs_are_detokenized(fixture_wide):
     assert outputs == ['it \'s "ok"\n']
 
 
-# --- Code fits -----------------------------------------------------------------------------
+# --- Code fits ------------------------------------------------------------------------
 
 
 def long_lines(text: str, columns: int = 88) -> bool:
@@ -361,10 +381,10 @@ def test_no_code_block_scrolls_sideways_on_a_desktop(fresh, width):
     over = [b for b in blocks if b["over"]]
     wider = [b for b in blocks if b["code"] and long_lines(b["text"])]
     print(
-        f"\n{width} px: {len(blocks)} code and output blocks, {len(over)} scroll sideways; "
-        f"{len(wider)} code blocks have lines over 88 columns"
+        f"\n{width} px: {len(blocks)} code and output blocks, {len(over)} scroll "
+        f"sideways; {len(wider)} code blocks have lines over 88 columns"
     )
-    # Every block of lines up to 88 columns fits; wider ones fit as far as the column goes.
+    # Every block of lines up to 88 columns fits; wider ones as far as the column goes.
     assert [b["text"][:60] for b in over if not long_lines(b["text"])] == []
     assert [b["text"][:60] for b in over if not long_lines(b["text"], 110)] == []
 
@@ -378,7 +398,8 @@ def test_88_columns_of_code_fit_at_1280_px(wide):
         const need = probe.getBoundingClientRect().width;
         probe.remove();
         const s = getComputedStyle(pre);
-        return pre.clientWidth - parseFloat(s.paddingLeft) - parseFloat(s.paddingRight) - need;
+        return pre.clientWidth - parseFloat(s.paddingLeft)
+            - parseFloat(s.paddingRight) - need;
     }""")
     assert columns >= 0
 
@@ -386,10 +407,12 @@ def test_88_columns_of_code_fit_at_1280_px(wide):
 def test_on_a_phone_code_scrolls_and_a_switch_wraps_it(fresh):
     page = fresh(390).page
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
-    clipped = page.evaluate("""[...document.querySelectorAll('pre, .katex-display, table')]
+    clipped = page.evaluate("""[...document.querySelectorAll(
+            'pre, .katex-display, table')]
         .filter(e => e.scrollWidth > e.clientWidth + 1
-                && !['auto', 'scroll'].includes(getComputedStyle(e).overflowX)
-                && !['auto', 'scroll'].includes(getComputedStyle(e.parentElement).overflowX))
+            && !['auto', 'scroll'].includes(getComputedStyle(e).overflowX)
+            && !['auto', 'scroll'].includes(
+                getComputedStyle(e.parentElement).overflowX))
         .map(e => e.textContent.slice(0, 60))""")
     assert clipped == []
     wrap = page.locator(".wrap-button")
@@ -410,18 +433,22 @@ def test_printing_wraps_code_and_opens_every_collapsed_part(fresh):
     spaces = page.evaluate("""[...new Set([...document.querySelectorAll('main pre')]
         .map(p => getComputedStyle(p).whiteSpace))]""")
     assert spaces == ["pre-wrap"]
-    assert page.evaluate("getComputedStyle(document.querySelector('nav.toc')).display") == "none"
+    assert (
+        page.evaluate("getComputedStyle(document.querySelector('nav.toc')).display")
+        == "none"
+    )
     page.evaluate("window.dispatchEvent(new Event('afterprint'))")
     assert page.evaluate("document.querySelectorAll('details:not([open])').length") > 0
 
 
-# --- A short path to the results -----------------------------------------------------------
+# --- A short path to the results ------------------------------------------------------
 
 
 def test_the_page_is_short_and_part_4_comes_early(wide):
     screens, part4 = wide.page.evaluate(f"""[
         document.documentElement.scrollHeight / {HEIGHT},
-        (document.getElementById('part-4').getBoundingClientRect().top + scrollY) / {HEIGHT}]""")
+        (document.getElementById('part-4').getBoundingClientRect().top + scrollY)
+            / {HEIGHT}]""")
     print(f"\nat 1280 px: {screens:.1f} screens; Part 4 begins at screen {part4:.1f}")
     assert screens <= 70
     assert part4 < 55
@@ -429,11 +456,13 @@ def test_the_page_is_short_and_part_4_comes_early(wide):
 
 def test_asides_are_collapsed_and_open_for_a_link_into_them(fresh, fixture_site):
     page = fresh(1280, fixture_site).page
-    asides = page.evaluate("""[...document.querySelectorAll('details.skippable')].map(d => ({
-        open: d.open, heading: d.querySelector('summary :is(h1, h2, h3)').textContent}))""")
+    asides = page.evaluate("""[...document.querySelectorAll('details.skippable')]
+        .map(d => ({open: d.open,
+            heading: d.querySelector('summary :is(h1, h2, h3)').textContent}))""")
     assert asides and all(not a["open"] and "Aside" in a["heading"] for a in asides)
     page.click('a[href="#part-1-inner-detail"]')
-    landed = page.evaluate("""(() => { const h = document.getElementById(location.hash.slice(1));
+    landed = page.evaluate("""(() => {
+        const h = document.getElementById(location.hash.slice(1));
         const r = h.getBoundingClientRect();
         return {open: h.closest('details').open, top: r.top, height: r.height}; })()""")
     assert landed["open"] and landed["height"] > 0 and 0 <= landed["top"] < HEIGHT
@@ -444,7 +473,8 @@ def test_on_the_real_page_asides_and_long_code_are_collapsed(wide):
         [...document.querySelectorAll('main :is(h1, h2, h3)')]
             .filter(h => /\\bAside\\b/.test(h.textContent)).length,
         [...document.querySelectorAll('main :is(h1, h2, h3)')]
-            .filter(h => /\\bAside\\b/.test(h.textContent) && h.closest('summary')).length,
+            .filter(h => /\\bAside\\b/.test(h.textContent) && h.closest('summary'))
+            .length,
         document.querySelectorAll('details.code-rest:not([open])').length]""")
     assert counts[0] == counts[1]
     assert counts[2] > 0
@@ -457,10 +487,10 @@ def test_every_skip_to_is_a_link(fixture_wide, wide):
                 NodeFilter.SHOW_TEXT);
             const bare = [];
             for (let n = walker.nextNode(); n; n = walker.nextNode()) {
-                if (!/skip to\\s*$/i.test(n.textContent) && !/skip to \\S/i.test(n.textContent))
-                    continue;
+                const t = n.textContent;
+                if (!/skip to\\s*$/i.test(t) && !/skip to \\S/i.test(t)) continue;
                 const next = n.nextSibling;
-                if (/skip to\\s*$/i.test(n.textContent) && next && next.nodeName === 'A') continue;
+                if (/skip to\\s*$/i.test(t) && next && next.nodeName === 'A') continue;
                 if (n.parentElement.closest('a, code, pre')) continue;
                 bare.push(n.textContent.slice(-60));
             }
@@ -468,13 +498,14 @@ def test_every_skip_to_is_a_link(fixture_wide, wide):
         assert bare == []
 
 
-# --- Navigation ----------------------------------------------------------------------------
+# --- Navigation -----------------------------------------------------------------------
 
 
 def test_the_contents_mark_and_show_the_section_being_read(fresh):
     page = fresh(1280).page
     page.evaluate("""window.scrollTo(0,
-        document.getElementById('part-4').getBoundingClientRect().top + scrollY - 10)""")
+        document.getElementById('part-4').getBoundingClientRect().top
+        + scrollY - 10)""")
     page.wait_for_timeout(200)
     state = page.evaluate("""(() => {
         const a = document.querySelector('.toc-list a[aria-current]');
@@ -494,7 +525,10 @@ def test_on_a_phone_the_contents_stay_in_reach(fresh):
     box = button.bounding_box()
     assert box and 0 <= box["y"] < HEIGHT
     assert button.evaluate("b => getComputedStyle(b.parentElement).position") == "fixed"
-    assert not page.locator("nav.toc").is_visible() or not page.locator(".toc-list").is_visible()
+    assert (
+        not page.locator("nav.toc").is_visible()
+        or not page.locator(".toc-list").is_visible()
+    )
     button.click()
     assert button.get_attribute("aria-expanded") == "true"
     page.wait_for_timeout(300)  # the panel slides in
@@ -512,16 +546,19 @@ def test_every_contents_link_lands_on_a_heading(fresh):
     hrefs = page.evaluate(
         "[...document.querySelectorAll('.toc-list a')].map(a => a.getAttribute('href'))"
     )
-    headings = page.evaluate("""[...document.querySelectorAll('main h1, main h2, main h3')]
-        .map(h => [h.id, h.tagName, h.textContent])""")
+    headings = page.evaluate("""[...document.querySelectorAll(
+        'main h1, main h2, main h3')].map(h => [h.id, h.tagName, h.textContent])""")
     parts_and_sections = [
-        i for i, tag, text in headings if i != "title" and (tag == "H1" or text.startswith("§"))
+        i
+        for i, tag, text in headings
+        if i != "title" and (tag == "H1" or text.startswith("§"))
     ]
     assert parts_and_sections and {"#" + i for i in parts_and_sections} <= set(hrefs)
     for href in hrefs:
         page.click(f'.toc-list a[href="{href}"]')
         landed = page.evaluate("""() => {
-            const el = document.getElementById(decodeURIComponent(location.hash.slice(1)));
+            const id = decodeURIComponent(location.hash.slice(1));
+            const el = document.getElementById(id);
             return el && {tag: el.tagName, top: el.getBoundingClientRect().top};
         }""")
         assert landed is not None, f"{href} leads nowhere"
@@ -537,7 +574,9 @@ def test_every_internal_link_lands_on_an_existing_id(wide, fixture_wide):
             .map(a => a.getAttribute('href'))
             .filter(h => !document.getElementById(decodeURIComponent(h.slice(1))))""")
         assert missing == []
-        ids = visit.page.evaluate("[...document.querySelectorAll('[id]')].map(e => e.id)")
+        ids = visit.page.evaluate(
+            "[...document.querySelectorAll('[id]')].map(e => e.id)"
+        )
         assert len(ids) == len(set(ids)), "duplicate ids"
 
 
@@ -560,13 +599,14 @@ def test_headings_have_short_ascii_ids_and_a_permalink_that_shows_on_focus(fresh
 
 def test_mentions_in_prose_link_to_what_they_name(wide, fixture_wide):
     for visit in (wide, fixture_wide):
-        links = visit.page.evaluate("""[...document.querySelectorAll('main a.xref')].map(a => {
-            const t = document.getElementById(a.getAttribute('href').slice(1));
-            return [a.textContent, t.tagName,
-                    t.matches('h1, h2, h3') ? t.textContent
-                        : t.querySelector('figcaption') ? t.querySelector('figcaption').textContent
-                        : t.getAttribute('alt') || ''];
-        })""")
+        links = visit.page.evaluate("""[...document.querySelectorAll('main a.xref')]
+            .map(a => {
+                const t = document.getElementById(a.getAttribute('href').slice(1));
+                const caption = t.querySelector('figcaption');
+                return [a.textContent, t.tagName,
+                        t.matches('h1, h2, h3') ? t.textContent
+                        : caption ? caption.textContent : t.getAttribute('alt') || ''];
+            })""")
         assert links
         for text, tag, target in links:
             name = text.replace("\u00a0", " ")
@@ -582,7 +622,8 @@ def test_mentions_in_prose_link_to_what_they_name(wide, fixture_wide):
             const out = [];
             for (let n = walker.nextNode(); n; n = walker.nextNode()) {
                 if (n.parentElement.closest(
-                    'a, code, pre, h1, h2, h3, figcaption, summary, .katex, .output, svg'))
+                    'a, code, pre, h1, h2, h3, figcaption, summary, .katex, .output, '
+                    + 'svg'))
                     continue;
                 out.push(n.textContent);
             }
@@ -614,7 +655,8 @@ def test_mentions_in_prose_link_to_what_they_name(wide, fixture_wide):
 def test_each_part_ends_with_a_link_to_the_next(wide):
     ends = wide.page.evaluate("""[...document.querySelectorAll('section.level-1')]
         .map(s => [s.querySelector('h1').id,
-                   [...s.querySelectorAll('.next-part a')].map(a => a.getAttribute('href'))])""")
+                   [...s.querySelectorAll('.next-part a')]
+                       .map(a => a.getAttribute('href'))])""")
     parts = [pid for pid, _ in ends]
     for i, (pid, links) in enumerate(ends):
         assert len(links) == 1, pid
@@ -629,9 +671,11 @@ def test_the_title_block_links_the_paper_repository_colab_and_citation(wide):
     repo = build.REPOSITORY
     assert "https://arxiv.org/abs/1706.03762" in hrefs and repo in hrefs
     assert re.match(r"https://github\.com/[\w.-]+/[\w.-]+$", repo)
-    colab = "https://colab.research.google.com/github/" + repo.removeprefix(
-        "https://github.com/"
-    ) + "/blob/main/annotated_transformer.ipynb"
+    colab = (
+        "https://colab.research.google.com/github/"
+        + repo.removeprefix("https://github.com/")
+        + "/blob/main/annotated_transformer.ipynb"
+    )
     assert colab in hrefs
     cite = next(h for t, h in links if "cite" in t.lower())
     text = wide.page.evaluate(
@@ -668,21 +712,27 @@ def test_search_finds_label_smoothing(fresh):
     assert "label smoothing" in text or "label-smoothing" in text
 
 
-# --- Figures -------------------------------------------------------------------------------
+# --- Figures --------------------------------------------------------------------------
+
+
+FIGURES = """[...document.querySelectorAll('main figure.plot img')].map(i => ({
+    natural: i.naturalWidth, shown: i.getBoundingClientRect().width,
+    button: i.parentElement.matches('button.zoom')}))"""
 
 
 def test_figures_larger_than_shown_open_from_the_keyboard(fresh):
     page = fresh(390).page
-    state = page.evaluate("""[...document.querySelectorAll('main figure.plot img')].map(i => ({
-        natural: i.naturalWidth, shown: i.getBoundingClientRect().width,
-        button: i.parentElement.matches('button.zoom')}))""")
-    assert state and all(s["button"] == (s["natural"] > s["shown"] * 1.1) for s in state)
+    state = page.evaluate(FIGURES)
+    assert state and all(
+        s["button"] == (s["natural"] > s["shown"] * 1.1) for s in state
+    )
     button = page.locator("main figure.plot button.zoom").last
     button.scroll_into_view_if_needed()
     natural = button.evaluate("b => b.querySelector('img').naturalWidth")
     button.focus()
     page.keyboard.press("Enter")
-    large = page.evaluate("""(() => { const i = document.querySelector('.zoom-view img');
+    large = page.evaluate("""(() => {
+        const i = document.querySelector('.zoom-view img');
         return i && [i.getBoundingClientRect().width, i.naturalWidth, i.alt]; })()""")
     assert large is not None and large[0] == large[1] == natural and large[2]
     page.keyboard.press("Escape")
@@ -692,9 +742,7 @@ def test_figures_larger_than_shown_open_from_the_keyboard(fresh):
 
 def test_a_figure_shown_whole_has_no_enlarge_button(fresh):
     page = fresh(1920).page
-    state = page.evaluate("""[...document.querySelectorAll('main figure.plot img')].map(i => ({
-        natural: i.naturalWidth, shown: i.getBoundingClientRect().width,
-        button: i.parentElement.matches('button.zoom')}))""")
+    state = page.evaluate(FIGURES)
     assert all(s["button"] == (s["natural"] > s["shown"] * 1.1) for s in state)
 
 
@@ -706,7 +754,8 @@ def test_the_attention_maps_can_be_explored(fresh, explorer_site):
 
     def fills():
         return figure.evaluate(
-            "f => [...f.querySelectorAll('rect[data-q]')].map(r => r.getAttribute('fill'))"
+            "f => [...f.querySelectorAll('rect[data-q]')]"
+            ".map(r => r.getAttribute('fill'))"
         )
 
     before = fills()
@@ -725,14 +774,18 @@ def test_the_attention_maps_can_be_explored(fresh, explorer_site):
     figure.locator("rect[data-q]").nth(3).hover()
     readout = figure.locator(".ae-readout").text_content()
     assert re.search(r"weight \d\.\d{3}", readout), readout
-    labels = figure.evaluate("f => [...f.querySelectorAll('svg text')].map(t => t.textContent)")
+    labels = figure.evaluate(
+        "f => [...f.querySelectorAll('svg text')].map(t => t.textContent)"
+    )
     assert labels and not any("▁" in t for t in labels)
     kind = figure.locator('select[data-role="kind"]')
     assert len(kind.evaluate("s => [...s.options].map(o => o.value)")) == 3
     figure.locator(".ae-map").focus()
 
     def column():
-        return int(re.search(r"column (\d+)", figure.locator(".ae-readout").text_content())[1])
+        return int(
+            re.search(r"column (\d+)", figure.locator(".ae-readout").text_content())[1]
+        )
 
     page.keyboard.press("ArrowLeft")
     before = column()
@@ -749,7 +802,7 @@ def test_the_attention_maps_have_a_static_image_without_script(fresh, explorer_s
     assert not figure.locator(".ae-controls").is_visible()
 
 
-# --- Colour --------------------------------------------------------------------------------
+# --- Colour ---------------------------------------------------------------------------
 
 
 def luminance(rgb) -> float:
@@ -789,7 +842,10 @@ def test_every_code_colour_passes_aa(fresh, scheme):
         }
         return [...pairs]; })()""")
     ratios = {p: contrast(rgb(p.split("|")[0]), rgb(p.split("|")[1])) for p in pairs}
-    print(f"\n{scheme}: {len(ratios)} code colours, lowest contrast {min(ratios.values()):.2f}")
+    print(
+        f"\n{scheme}: {len(ratios)} code colours, "
+        f"lowest contrast {min(ratios.values()):.2f}"
+    )
     assert len(ratios) >= 6
     assert {p: round(r, 2) for p, r in ratios.items() if r < 4.5} == {}
 
@@ -815,7 +871,7 @@ def test_quotations_prose_and_figures_are_legible_in_both_schemes(fresh, scheme)
     assert dark == (scheme == "dark")
 
 
-# --- For a person --------------------------------------------------------------------------
+# --- For a person ---------------------------------------------------------------------
 
 
 SCROLL_TO = {  # screenshot name → script that scrolls to what it shows
@@ -824,7 +880,8 @@ SCROLL_TO = {  # screenshot name → script that scrolls to what it shows
         const count = h => { let n = 0;
             for (let e = h.nextElementSibling; e && !/^H[1-3]$/.test(e.tagName);
                  e = e.nextElementSibling)
-                n += e.querySelectorAll('.katex').length + e.classList.contains('katex');
+                n += e.querySelectorAll('.katex').length
+                    + e.classList.contains('katex');
             return n; };
         const hs = [...document.querySelectorAll('main h2, main h3')];
         hs.reduce((a, b) => count(b) > count(a) ? b : a).scrollIntoView(); })()""",
@@ -834,7 +891,7 @@ SCROLL_TO = {  # screenshot name → script that scrolls to what it shows
         const f = document.querySelector('figure.attention-explorer') || (h &&
             [...document.querySelectorAll('main figure.plot')].find(
                 f => h.compareDocumentPosition(f) & Node.DOCUMENT_POSITION_FOLLOWING));
-        (f || document.body).scrollIntoView(); })()""",
+        (f || h || document.body).scrollIntoView(); })()""",
     "part-4": "document.getElementById('part-4').scrollIntoView()",
 }
 

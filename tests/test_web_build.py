@@ -1,4 +1,5 @@
 """The parts of the web page's build (web/build.py) that need no browser."""
+
 import importlib.util
 import shutil
 from pathlib import Path
@@ -10,7 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def load_build():
     """web/build.py as a module (under a name no installed package uses)."""
-    spec = importlib.util.spec_from_file_location("web_page_build", ROOT / "web" / "build.py")
+    spec = importlib.util.spec_from_file_location(
+        "web_page_build", ROOT / "web" / "build.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -21,7 +24,9 @@ build = load_build()
 
 @pytest.mark.parametrize("missing", ["node", "npm"])
 def test_a_missing_tool_is_named_in_one_line(monkeypatch, tmp_path, missing):
-    monkeypatch.setattr(shutil, "which", lambda name: None if name == missing else f"/usr/bin/{name}")
+    monkeypatch.setattr(
+        shutil, "which", lambda name: None if name == missing else f"/usr/bin/{name}"
+    )
     monkeypatch.setattr(build, "KATEX", tmp_path / "katex")  # not installed yet
     with pytest.raises(build.MissingTool) as err:
         build.ensure_katex()
@@ -32,46 +37,293 @@ def test_a_missing_tool_is_named_in_one_line(monkeypatch, tmp_path, missing):
 def test_printed_text_is_shown_as_a_terminal_leaves_it():
     bar = "epoch 1:  10%|#         | 1/10\r" + "epoch 1: 100%|##########| 10/10\r\n"
     assert build.tidy_stream("\x1b[32mgreen\x1b[0m\n" + bar + "done\n") == (
-        "green\nepoch 1: 100%|##########| 10/10\ndone\n")
+        "green\nepoch 1: 100%|##########| 10/10\ndone\n"
+    )
 
 
 def test_figure_alt_text_comes_from_titles_and_labels_else_the_prose_before():
-    code = 'ax.set_title("Eq. 3")\nax.set_xlabel("the\\nstep")\nax.set_title(f"head {h}")'
+    code = (
+        'ax.set_title("Eq. 3")\nax.set_xlabel("the\\nstep")\nax.set_title(f"head {h}")'
+    )
     assert build.figure_alt(code, "anything") == "Plot: Eq. 3; x axis: the step"
-    assert build.figure_alt("display(img)", "First.\n\nThe training `curve` of $N$ steps:") == (
-        "Figure: The training curve of N steps:")
+    assert build.figure_alt(
+        "display(img)", "First.\n\nThe training `curve` of $N$ steps:"
+    ) == ("Figure: The training curve of N steps:")
 
 
 def test_every_image_output_gets_alt_text_and_its_own_is_kept():
     import nbformat
 
-    nb = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_markdown_cell("A plot of the schedule:"),
-        nbformat.v4.new_code_cell("plt.show()", outputs=[
-            nbformat.v4.new_output("display_data", data={"image/png": "iVBOR"}),
-            nbformat.v4.new_output("display_data", data={"image/png": "iVBOR"},
-                                   metadata={"image/png": {"alt": "its own words"}})])])
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_markdown_cell("A plot of the schedule:"),
+            nbformat.v4.new_code_cell(
+                "plt.show()",
+                outputs=[
+                    nbformat.v4.new_output("display_data", data={"image/png": "iVBOR"}),
+                    nbformat.v4.new_output(
+                        "display_data",
+                        data={"image/png": "iVBOR"},
+                        metadata={"image/png": {"alt": "its own words"}},
+                    ),
+                ],
+            ),
+        ]
+    )
     outputs = build.with_alt_text(nb).cells[1].outputs
     assert outputs[0].metadata["image/png"]["alt"] == "Figure: A plot of the schedule:"
     assert outputs[1].metadata["image/png"]["alt"] == "its own words"
-    assert "metadata" not in nb.cells[1].outputs[0] or not nb.cells[1].outputs[0].metadata  # input untouched
+    assert (
+        "metadata" not in nb.cells[1].outputs[0] or not nb.cells[1].outputs[0].metadata
+    )  # input untouched
 
 
 def test_prompts_warnings_and_progress_bars_stay_out_of_the_page():
     import nbformat
 
     formulas = []
-    nb = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_markdown_cell("Training, with $x^2$:"),
-        nbformat.v4.new_code_cell("train()", execution_count=7, outputs=[
-            nbformat.v4.new_output("stream", name="stderr", text="UserWarning: something\n"),
-            nbformat.v4.new_output("display_data", data={
-                "application/vnd.jupyter.widget-view+json": {"model_id": "abc", "version_major": 2, "version_minor": 0},
-                "text/plain": "epoch 1:  40%|####      | 4/10"}),
-            nbformat.v4.new_output("stream", name="stdout", text="loss 2.5\r\nloss 1.9\n"),
-            nbformat.v4.new_output("execute_result", data={"text/plain": "42"}, execution_count=7)])])
-    html, _ = build.make_exporter(formulas).from_notebook_node(nb, resources={"page_css": "", "page_js": ""})
-    assert "loss 2.5" in html and "loss 1.9" in html and "42" in html  # printed output and results stay
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_markdown_cell("Training, with $x^2$:"),
+            nbformat.v4.new_code_cell(
+                "train()",
+                execution_count=7,
+                outputs=[
+                    nbformat.v4.new_output(
+                        "stream", name="stderr", text="UserWarning: something\n"
+                    ),
+                    nbformat.v4.new_output(
+                        "display_data",
+                        data={
+                            "application/vnd.jupyter.widget-view+json": {
+                                "model_id": "abc",
+                                "version_major": 2,
+                                "version_minor": 0,
+                            },
+                            "text/plain": "epoch 1:  40%|####      | 4/10",
+                        },
+                    ),
+                    nbformat.v4.new_output(
+                        "stream", name="stdout", text="loss 2.5\r\nloss 1.9\n"
+                    ),
+                    nbformat.v4.new_output(
+                        "execute_result", data={"text/plain": "42"}, execution_count=7
+                    ),
+                ],
+            ),
+        ]
+    )
+    html, _ = build.make_exporter(formulas).from_notebook_node(
+        nb, resources={"page_css": "", "page_js": ""}
+    )
+    assert (
+        "loss 2.5" in html and "loss 1.9" in html and "42" in html
+    )  # printed output and results stay
     for debris in ("Warning", "40%|", "In [7]", "In&nbsp;[7]", "Out[7]", "$x^2$"):
         assert debris not in html, debris
     assert formulas == [{"tex": "x^2", "display": False}]
+
+
+def headings_of(markdown: str):
+    """The h1–h3 headings of Markdown rendered as nbconvert renders it."""
+    from bs4 import BeautifulSoup
+    from nbconvert.filters.markdown_mistune import markdown2html_mistune
+
+    soup = BeautifulSoup(markdown2html_mistune(markdown), "html.parser")
+    return soup, soup.find_all(["h1", "h2", "h3"])
+
+
+def test_heading_ids_are_short_ascii_from_the_notebooks_structure():
+    _, headings = headings_of(
+        "# The title\n\n## Prelude\n\n# Part 3 — Decoding (§6.1)\n\n"
+        "## A first run: greedy decoding\n\n### Incremental decoding with a cache\n\n"
+        "# Part 2 — Training\n\n## §5.4 Regularization\n\n### Label smoothing\n\n"
+        "### §3.2.1 Scaled Dot-Product Attention\n\n## IWSLT14 German→English: Über\n\n"
+        "## Results\n\n## Label smoothing\n\n## Label smoothing"
+    )
+    ids = build.heading_ids(headings)
+    assert [ids[id(h)] for h in headings] == [
+        "title", "prelude", "part-3", "part-3-first-run-greedy",
+        "part-3-incremental-decoding-cache", "part-2", "s5-4", "s5-4-label-smoothing",
+        "s3-2-1", "part-2-iwslt14-german-english", "results", "part-2-label-smoothing",
+        "part-2-label-smoothing-2",
+    ]  # fmt: skip
+
+
+def test_mentions_link_to_what_carries_them_and_nothing_else():
+    soup, headings = headings_of(
+        "# T\n\n# Part 1 — The model (§3)\n\n## §3.2 Attention\n\n"
+        "## Table 3 at our scale (§6.2)\n\n"
+        "## Learned positions (§3.5, Table 3 row (E))\n\n"
+        "Part 1 and §3.2, §6.2, Table 3; but §3.5's heading, §9 and Table 1 are not "
+        "here, "
+        "and `§3.2` in code stays code."
+    )
+    ids = build.heading_ids(headings)
+    for h in headings:
+        h["id"] = ids[id(h)]
+    targets = build.mention_targets(soup, headings)
+    assert targets == {
+        "Part 1": "part-1", "§3": "part-1", "§3.2": "s3-2",
+        "Table 3": "part-1-table-3-scale", "§6.2": "part-1-table-3-scale",
+        "§3.5": "part-1-learned-positions",
+    }  # fmt: skip
+    assert build.link_mentions(soup, soup, targets) == 5
+    linked = [a.get_text() for a in soup.find_all("a", class_="xref")]
+    assert linked == ["Part\u00a01", "§3.2", "§6.2", "Table\u00a03", "§3.5"]
+    assert soup.find("code").get_text() == "§3.2"
+
+
+def test_sentencepiece_markers_in_alt_text_are_joined_into_words():
+    alt = (
+        "Heat map: rows are the tokens <s> ▁Ein ▁Bo st on ▁T err ier . </s>; "
+        "columns are the tokens <s> ▁Ein ▁Bo st on ▁T err ier . </s>"
+    )
+    assert build.join_pieces(alt) == (
+        "Heat map: rows and columns are the tokens Ein Boston Terrier."
+    )
+    assert build.join_pieces("no pieces here") == "no pieces here"
+
+
+def test_alt_text_from_a_comment_in_the_markdown_before_wins():
+    import nbformat
+
+    def image(**meta):
+        return nbformat.v4.new_output(
+            "display_data", data={"image/png": "iVBOR"}, metadata={"image/png": meta}
+        )
+
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_markdown_cell(
+                "Two figures.\n<!-- alt: the first -->\n<!-- alt: two -->"
+            ),
+            nbformat.v4.new_code_cell(
+                "ax.set_title('ignored')",
+                outputs=[image(alt="its own"), image(), image(alt="its own")],
+            ),
+        ]
+    )
+    outputs = build.prepare(nb).cells[1].outputs
+    assert [o.metadata["image/png"]["alt"] for o in outputs] == [
+        "the first",
+        "two",
+        "its own",
+    ]
+
+
+def png(width: int, height: int) -> str:
+    """A PNG's first bytes, base64, enough for its size to be read."""
+    import base64
+    import struct
+
+    head = (
+        b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\rIHDR" + struct.pack(">II", width, height)
+    )
+    return base64.b64encode(head + b"\x08\x06\x00\x00\x00").decode()
+
+
+def test_a_high_dpi_figure_is_shown_at_half_its_pixels():
+    def shown(width, height, meta=None):
+        output = {"data": {"image/png": png(width, height)}, "metadata": meta or {}}
+        return build.display_size(output, "image/png")
+
+    assert shown(1440, 800) == (720, 400)  # drawn at 2×
+    assert shown(700, 300) == (700, 300)  # drawn at 1×
+    assert shown(1440, 800, {"image/png": {"width": 480}}) == (
+        480,
+        267,
+    )  # IPython's retina
+
+
+def test_text_outputs_lose_moses_escapes():
+    assert build.unescape_moses(
+        "we &apos;re &quot;here&quot; &amp; &#91;there&#93;"
+    ) == ('we \'re "here" & [there]')
+
+
+def test_a_long_code_cell_folds_after_its_first_lines_and_never_inside_a_string():
+    body = "\n".join(f"    x{i} = {i}" for i in range(60))
+    source = 'def f():\n    """Doc\n' + "\n" * 25 + '    end of doc."""\n' + body
+    n = build.fold_line(source)
+    lines = source.split("\n")
+    assert n == 28  # the first line after the docstring (lines 1–27)
+    assert build.fold_line("x = 1\n" * 30) is None  # short cells stay whole
+    html = build.code_html(source)
+    assert html.count('class="highlight"') == 2 and "<details" in html
+    assert f"{len(lines) - n} more lines" in html
+
+
+def test_the_command_line_cell_and_empty_cells_are_left_out():
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell(""),
+        nbformat.v4.new_code_cell(
+            'if __name__ == "__main__" and not IN_NOTEBOOK:\n    main()'),
+    ])  # fmt: skip
+    assert [c.source for c in build.prepare(nb).cells] == ["x = 1"]
+
+
+def test_attention_maps_become_an_explorer_with_a_static_image():
+    import json
+    import re
+
+    blob = {
+        "sentence": {"src": ["▁Ein", "▁Hund", "</s>"], "tgt": ["<s>", "▁A", "▁dog"]},
+        "maps": {
+            "cross": [[[[0.2, 0.7, 0.1], [0.9, 0.05, 0.05], [0.3, 0.3, 0.4]]] * 2]
+        },
+    }
+    html = build.attention_explorer(blob)
+    data = json.loads(re.search(r'class="ae-data">(.*?)</script>', html).group(1))
+    assert data["maps"] == blob["maps"] and data["start"]["kind"] == "cross"
+    labels = re.findall(r"<text[^>]*>([^<]*)</text>", html)
+    assert sorted(labels) == sorted(
+        ["Ein", "Hund", "&lt;/s&gt;", "&lt;s&gt;", "A", "dog"]
+    )
+    assert html.count("<rect") == 9
+    assert build.attention_explorer({"maps": {}}) == ""
+
+
+def css_colours(scheme: str) -> dict:
+    """page.css's colour variables for a scheme."""
+    import re
+
+    css = (ROOT / "web" / "page.css").read_text()
+    light = re.search(r":root \{(.*?)\}", css, re.S).group(1)
+    dark = re.search(
+        r"prefers-color-scheme: dark\) \{\s*:root \{(.*?)\}", css, re.S
+    ).group(1)
+    found = dict(re.findall(r"--([\w-]+):\s*(#[0-9a-f]{6})", light))
+    if scheme == "dark":
+        found.update(re.findall(r"--([\w-]+):\s*(#[0-9a-f]{6})", dark))
+    return found
+
+
+def contrast(a: str, b: str) -> float:
+    def lum(colour):
+        rgb = [int(colour[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+        rgb = [c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in rgb]
+        return 0.2126 * rgb[0] + 0.7152 * rgb[1] + 0.0722 * rgb[2]
+
+    hi, lo = sorted((lum(a), lum(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_every_code_colour_is_at_least_4_5_to_1_on_the_code_background(scheme):
+    colours = css_colours(scheme)
+    roles = [k for k in colours if k.startswith("code-") and k != "code-bg"]
+    assert len(roles) >= 8
+    low = {r: round(contrast(colours[r], colours["code-bg"]), 2) for r in roles}
+    assert {r: c for r, c in low.items() if c < 4.5} == {}
+    for role in ("function", "comment", "number", "string", "keyword"):
+        assert f"var(--code-{role})" in build.code_css()
+
+
+def test_colab_opens_the_notebook_from_the_repository():
+    assert build.colab_url("https://github.com/someone/thing") == (
+        "https://colab.research.google.com/github/someone/thing/blob/main/"
+        "annotated_transformer.ipynb"
+    )
