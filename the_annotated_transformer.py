@@ -571,7 +571,7 @@ def per_head(mask):
 
 
 # %% [markdown]
-# The module:
+# The module of §3.2.2:
 
 
 # %%
@@ -1843,10 +1843,10 @@ class IncrementalDecoder:
     def __init__(self, model: EncoderDecoder, memory, src_mask):
         self.model = model
         self.src_mask = src_mask  # (batch, 1, src_len)
-        # per layer: (k, v), each (batch, h, src_len, d_k)
-        self.cross = [
-            x.src_attn.project_kv(memory, memory) for x in model.decoder.layers
-        ]
+        layers = (
+            model.decoder.layers
+        )  # per layer: (k, v), each (batch, h, src_len, d_k)
+        self.cross = [x.src_attn.project_kv(memory, memory) for x in layers]
         # per layer: (k, v), (batch, h, t, d_k)
         self.self_kv: list = [None] * len(model.decoder.layers)
         self.length = 0  # positions fed so far
@@ -1854,9 +1854,8 @@ class IncrementalDecoder:
     def step(self, tokens):
         """tokens (batch,) at position ``self.length`` → log-probs (batch, vocab)."""
         embed, posenc = self.model.tgt_embed
-        x = posenc(
-            embed(tokens.unsqueeze(1)), offset=self.length
-        )  # (batch, 1, d_model)
+        x = embed(tokens.unsqueeze(1))  # (batch, 1, d_model)
+        x = posenc(x, offset=self.length)
         for i, layer in enumerate(self.model.decoder.layers):
             x = layer.sublayer[0](
                 x, lambda y, i=i, a=layer.self_attn: self._self_attn(i, a, y)
@@ -2063,35 +2062,29 @@ def beam_search(
 ) -> list[list[int]]:
     r"""Beam search with the GNMT length penalty and early termination — §6.1.
 
-    ``src`` (batch, src_len); ``max_new_tokens`` an int or (batch,) tensor: tokens
-    allowed after ``start_symbol``, counting ``end_symbol``. Returns each sentence's
-    best hypothesis under $\log P / lp$ (see :func:`length_penalty`): the generated ids,
-    ending with ``end_symbol`` unless cut by the limit. ``start_symbol`` and ``banned``
-    are never generated.
-    """
+    ``src`` (batch, src_len); ``max_new_tokens`` an int or (batch,) tensor counting
+    ``end_symbol``. Returns each sentence's best hypothesis under $\log P / lp$, without
+    ``start_symbol``; neither it nor ``banned`` is ever generated."""
     if alpha < 0:
         raise ValueError("early termination needs alpha >= 0")
     batch, k, device = src.size(0), beam_size, src.device
     limits = torch.as_tensor(max_new_tokens, device=device).expand(batch)  # (batch,)
     state = _beam_init(model, src, src_mask, k, cached)
     banned = [start_symbol, *banned]
-    # log P of live hypotheses
-    scores = torch.full((batch, k), float("-inf"), dtype=torch.float64, device=device)
-    scores[:, 0] = 0.0  # one live hypothesis, <s>, to begin with
-    # (batch, k, t + 1)
-    tokens = torch.full((batch, k, 1), start_symbol, dtype=torch.long, device=device)
-    best_score = torch.full((batch,), float("-inf"), dtype=torch.float64, device=device)
+    # log P of the live hypotheses (batch, k): one, <s>, to begin with
+    scores = torch.full((batch, k), -math.inf, dtype=torch.float64, device=device)
+    scores[:, 0] = 0.0
+    tokens = torch.full((batch, k, 1), start_symbol, device=device)  # (batch, k, t + 1)
+    best_score = torch.full((batch,), -math.inf, dtype=torch.float64, device=device)
     best: list[list[int]] = [[] for _ in range(batch)]
-    done = limits <= 0
+    done, t = limits <= 0, 0  # t: tokens after <s> in every candidate
     rank = torch.arange(2 * k, device=device)  # candidate rank, best first
     # (batch, 1): first row of each sentence
     offset = (torch.arange(batch, device=device) * k).unsqueeze(1)
-    t = 0
     while not bool(done.all()):
-        # (batch·k,): the newest token of every hypothesis
-        last = tokens[:, :, -1].reshape(-1)
+        last = tokens[:, :, -1].reshape(-1)  # (batch·k,): the newest tokens
         log_probs = ban_tokens(state.step(last), banned)  # (batch·k, V)
-        t += 1  # length of every candidate (tokens after <s>)
+        t += 1
         top, origin, tok = _best_extensions(scores, log_probs, done, k)  # (batch, 2k)
         n = top.size(1)
         ends, valid = tok == end_symbol, top > float("-inf")
@@ -2103,10 +2096,9 @@ def beam_search(
             best_score[b] = m[b]
             best[b] = tokens[b, origin[b, j[b]], 1:].tolist() + [int(tok[b, j[b]])]
         live = valid & ~ends & ~at_limit  # (batch, 2k)
-        # first k live candidates
+        # (batch, k): the first k live candidates
         order = torch.where(live, rank[:n], rank[:n] + n).argsort(dim=-1)[:, :k]
-        # (batch, k)
-        scores = torch.where(live.gather(1, order), top.gather(1, order), float("-inf"))
+        scores = torch.where(live.gather(1, order), top.gather(1, order), -math.inf)
         rows = (offset + origin.gather(1, order)).reshape(-1)  # (batch·k,)
         state.reorder(rows)
         kept = tokens.view(batch * k, -1)[rows].view(batch, k, -1)  # (batch, k, t + 1)
@@ -2124,11 +2116,6 @@ def beam_search(
 # whenever the model is an `EncoderDecoder`. The result does not depend on how sentences
 # are batched. Decoding runs on the device it is asked for: the model is moved there
 # first.
-
-
-# %% [markdown]
-# `translate` itself: batches of similar length, each decoded greedily or by beam
-# search.
 
 
 # %%

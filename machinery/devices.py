@@ -11,8 +11,10 @@ import os
 import platform
 import random
 import signal
+import statistics
 import sys
 import threading
+import time
 from types import MappingProxyType
 from typing import Optional, Sequence
 
@@ -22,19 +24,24 @@ import torch.nn as nn
 
 
 def resolve_attention(
-    setting: str, device: Optional[torch.device] = None
+    setting: str, device: Optional[torch.device] = None, times: Optional[dict] = None
 ) -> tuple[str, str]:
     """Decide ``ModelConfig.attention`` ("auto" | "readable" | "fast") for ``device``:
     (path, a line for the log).
 
-    ``auto``: the fused path on CUDA, where SDPA has fused kernels; the readable one
-    elsewhere
-    (on a CPU it is as fast or faster at our sentence lengths — measured in the aside).
+    ``auto`` with ``times`` (seconds per training pass of each path, measured on the
+    device — what a training run does): the fast path when it is at least
+    ``CLEAR_WIN`` times the readable one's speed. Without them (decoding): the fused
+    path on CUDA, where SDPA has fused kernels; the readable one elsewhere (on a CPU it
+    is as fast or faster at our sentence lengths — measured in the aside).
     """
     if setting not in ("auto", "readable", "fast"):
         raise ValueError(f"attention must be auto, readable or fast, not {setting!r}")
     if setting != "auto":
         return setting, f"attention: {setting} path (asked for)"
+    if times is not None:
+        path, speed = pick_faster(times, "readable", ["fast"])
+        return path, f"attention: {path} path (auto: {_measured('readable', speed)})"
     kind = (
         "cpu" if device is None else torch.device(device).type
     )  # make_model builds on the CPU
@@ -94,8 +101,7 @@ def resolve_device(name: str) -> torch.device:
 # and an update whose gradients overflowed is skipped while the factor shrinks. So
 # `precision="auto"` (the default) picks bf16 where it is native, fp16 with the scaler
 # on older GPUs with fast fp16, float32 elsewhere, and the run log says which and why;
-# `fp32`, `bf16` and `fp16` override it (the former `bf16` switch still works and maps
-# onto them). The loss is summed in float32 under either autocast, and masked attention
+# `fp32`, `bf16` and `fp16` override it. The loss is summed in float32 under either autocast, and masked attention
 # scores are $-\infty$, which fp16 represents, so masks stay exact.
 
 
@@ -151,26 +157,99 @@ def fast_fp16(device: torch.device) -> tuple[bool, str]:
     return False, f"the GPU (compute capability {major}.{minor}) computes fp16 slowly"
 
 
-def resolve_precision(setting: str, device: torch.device) -> tuple[str, str]:
+def precision_candidates(device: torch.device) -> tuple[list[str], str]:
+    """The precisions ``auto`` times on ``device``, float32 first, and why the others
+    are left out (our addition).
+
+    bf16 where the device has it natively, else fp16 (with its scaler) on GPUs where it
+    is fast; where neither is, float32 is the answer and nothing is measured.
+    """
+    bf16, why_bf16 = native_bf16(device)
+    if bf16:
+        return ["fp32", "bf16"], why_bf16
+    fp16, why_fp16 = fast_fp16(device)
+    if fp16:
+        return ["fp32", "fp16"], f"{why_bf16}; {why_fp16}"
+    return ["fp32"], why_bf16
+
+
+# **`auto` is measured, not assumed.** Whether bf16 pays on a CPU is not written in its
+# flags: an AMD EPYC with AVX-512 BF16 trains 2.4× faster in bf16, an Intel Xeon with
+# the same flag but no AMX 1.56× *slower*. So `auto` times a few forward and backward
+# passes of the run's own model, in each candidate precision and attention path, on
+# the run's device (`time_calls`, about two seconds), and leaves float32 and the
+# readable path only for a clear win — at least `CLEAR_WIN` times their speed — so
+# that near-ties give the same answer run after run. The times are taken inside
+# `torch.random.fork_rng`: the run's random streams, and so its numbers, do not change.
+
+CLEAR_WIN = 1.10  # leave float32 / the readable path only for ≥ 10% more speed
+NAMES = {"fp32": "float32", "bf16": "bf16", "fp16": "fp16", "readable": "readable",
+         "fast": "fast"}
+
+
+def time_calls(
+    calls: dict, device: torch.device, budget_s: float = 1.6, rounds: int = 7
+) -> dict:
+    """Median seconds per call of each of ``calls`` (name → function), timed in
+    interleaved rounds after one round of warm-up, within about ``budget_s`` (our
+    addition)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    samples: dict = {name: [] for name in calls}
+    start = time.perf_counter()
+    for r in range(rounds + 1):  # round 0 warms up
+        for name, fn in calls.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            if r:
+                samples[name].append(time.perf_counter() - t0)
+        spent = time.perf_counter() - start
+        if r and spent * (r + 2) / (r + 1) > budget_s:  # the next round would not fit
+            break
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
+def pick_faster(times: dict, default: str, others: Sequence[str]) -> tuple[str, dict]:
+    """(the choice, each candidate's speed relative to ``default``): the fastest of
+    ``others`` when at least ``CLEAR_WIN`` times ``default``'s speed, else ``default``
+    (our addition)."""
+    speed = {k: times[default] / times[k] for k in others}
+    best = max(others, key=lambda k: speed[k], default=None)
+    return (best if best and speed[best] >= CLEAR_WIN else default), speed
+
+
+def _measured(default: str, speed: dict) -> str:
+    return "; ".join(
+        f"{NAMES[k]} measured {v:.2f}× {NAMES[default]}'s speed here"
+        for k, v in speed.items()
+    )
+
+
+def resolve_precision(
+    setting: str, device: torch.device, times: Optional[dict] = None
+) -> tuple[str, str]:
     """Decide ``Config.precision`` for ``device`` (our addition): ("fp32" | "bf16" |
     "fp16", a line for the log).
 
-    ``auto``: bf16 where the device computes it natively, else fp16 (with a gradient
-    scaler)
-    on GPUs where fp16 is fast, else fp32. Anything else is obeyed, with a note when
-    slow.
+    ``auto``: float32 where it is the only candidate (`precision_candidates`), else the
+    candidate ``times`` (seconds per pass, measured on ``device``) show at least
+    ``CLEAR_WIN`` times float32's speed, else float32. Anything else is obeyed, with a
+    note when slow.
     """
     if setting == "auto":
-        bf16, why_bf16 = native_bf16(device)
-        if bf16:
-            return "bf16", f"precision: bf16 autocast (auto: {why_bf16})"
-        fp16, why_fp16 = fast_fp16(device)
-        if fp16:
-            return (
-                "fp16",
-                f"precision: fp16 autocast with a gradient scaler (auto: {why_bf16}; {why_fp16})",
-            )
-        return "fp32", f"precision: float32 (auto: {why_bf16})"
+        candidates, why = precision_candidates(device)
+        if len(candidates) == 1:
+            return "fp32", f"precision: float32 (auto: {why})"
+        if times is None:
+            raise ValueError("precision auto on this device needs measured times")
+        choice, speed = pick_faster(times, "fp32", candidates[1:])
+        said = {
+            "fp32": "float32",
+            "bf16": "bf16 autocast",
+            "fp16": "fp16 autocast with a gradient scaler",
+        }[choice]
+        return choice, f"precision: {said} (auto: {_measured('fp32', speed)})"
     if setting == "bf16":
         on, why = native_bf16(device)
         return "bf16", "precision: bf16 autocast (asked for" + (
@@ -179,6 +258,28 @@ def resolve_precision(setting: str, device: torch.device) -> tuple[str, str]:
     if setting == "fp16":
         return "fp16", "precision: fp16 autocast with a gradient scaler (asked for)"
     return "fp32", "precision: float32 (asked for)"
+
+
+def measured_ratio(line: str) -> str:
+    """The "(auto: …)" part of a decision's line, for results.json (our addition)."""
+    return line.partition("(auto: ")[2].rstrip(")")
+
+
+# **TF32.** On CUDA GPUs from Ampere on, float32 matrix products can run on the tensor
+# cores in TF32 (a 10-bit mantissa, float32's range), several times faster; PyTorch
+# leaves it off by default. A float32 run turns it on, and says so in its log.
+
+
+def allow_tf32(device: torch.device) -> str:
+    """Let float32 matrix products on CUDA use TF32 (our addition); a line for the log,
+    "" off CUDA."""
+    if device.type != "cuda":
+        return ""
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    major, minor = torch.cuda.get_device_capability(device)
+    where = "tensor cores" if (major, minor) >= (8, 0) else "no effect before Ampere"
+    return f"float32 matrix products: TF32 allowed ({where})"
 
 
 # **Memory that is freed and asked for again.** On a CPU, PyTorch takes each tensor's
