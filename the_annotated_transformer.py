@@ -119,15 +119,11 @@ def example(demo: Callable[[], None]) -> None:
 # imported, keeping the host's own torch; anywhere else it does nothing.
 
 # %%
-if (
-    IN_NOTEBOOK
-    and not Path("machinery").is_dir()
-    and "ANNOTATED_TRANSFORMER_REPO" in os.environ
-):
+REPOSITORY = os.environ.get("ANNOTATED_TRANSFORMER_REPO", "")
+if IN_NOTEBOOK and REPOSITORY and not Path("machinery").is_dir():
     import subprocess
 
-    repository = os.environ["ANNOTATED_TRANSFORMER_REPO"]
-    subprocess.run(["git", "clone", "--depth=1", repository, "annotated-transformer"])
+    subprocess.run(["git", "clone", "--depth=1", REPOSITORY, "annotated-transformer"])
     os.chdir("annotated-transformer")
     sys.path.insert(0, os.getcwd())
 
@@ -137,12 +133,11 @@ from machinery import CORPORA, MODEL_PRESETS, ModelConfig  # noqa: E402
 if IN_NOTEBOOK:
     import importlib.util
 
+    def importable(name: str) -> bool:
+        return importlib.util.find_spec(name) is not None
+
     machinery.hosted_setup(
-        machinery.hosted_setup_plan(
-            os.environ,
-            sys.modules,
-            lambda name: importlib.util.find_spec(name) is not None,
-        )
+        machinery.hosted_setup_plan(os.environ, sys.modules, importable)
     )
 
 
@@ -1035,10 +1030,8 @@ def time_layer(fn, *args, repeats: int = 3) -> float:
 @example
 def _():
     d = 256
-    self_attn, lstm = (
-        MultiHeadedAttention(8, d, 0.0).eval(),
-        nn.LSTM(d, d, batch_first=True).eval(),
-    )
+    self_attn = MultiHeadedAttention(8, d, 0.0).eval()
+    lstm = nn.LSTM(d, d, batch_first=True).eval()
     print(" n   self-attention (ms)   LSTM (ms)")
     for n in (16, 64, 256):
         x = torch.randn(8, n, d)
@@ -1402,22 +1395,12 @@ def make_optimizer(model: nn.Module, cfg) -> tuple[torch.optim.Optimizer, Lambda
     is decoupled from the gradient, as fairseq's Adam applies it.
     """
     params = list(model.parameters())
-    fused = all(
-        p.device.type in ("cpu", "cuda") and p.dtype.is_floating_point for p in params
-    )
+    fused = all(p.device.type in ("cpu", "cuda") for p in params)  # one kernel for all
+    adam, decay = torch.optim.Adam, {}
     if cfg.weight_decay:
-        optimizer = torch.optim.AdamW(
-            params,
-            lr=1.0,
-            betas=tuple(cfg.betas),
-            eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
-            fused=fused,
-        )
-    else:
-        optimizer = torch.optim.Adam(
-            params, lr=1.0, betas=tuple(cfg.betas), eps=cfg.adam_eps, fused=fused
-        )
+        adam, decay = torch.optim.AdamW, {"weight_decay": cfg.weight_decay}
+    betas, eps = tuple(cfg.betas), cfg.adam_eps
+    optimizer = adam(params, lr=1.0, betas=betas, eps=eps, fused=fused, **decay)
     scheduler = LambdaLR(
         optimizer, lambda taken: rate(taken + 1, cfg.d_model, cfg.lr_factor, cfg.warmup)
     )
@@ -1429,14 +1412,9 @@ def _():
     fig, ax = plt.subplots(figsize=(7, 3.5))
     steps = range(1, 20000)
     for d_model, warmup in ((512, 4000), (512, 8000), (256, 4000)):
-        ax.plot(
-            steps,
-            [rate(s, d_model, 1.0, warmup) for s in steps],
-            label=f"d_model={d_model}, warmup={warmup}",
-        )
-    ax.set_xlabel("step")
-    ax.set_ylabel("learning rate")
-    ax.set_title("Eq. 3")
+        label = f"d_model={d_model}, warmup={warmup}"
+        ax.plot(steps, [rate(s, d_model, 1.0, warmup) for s in steps], label=label)
+    ax.set(xlabel="step", ylabel="learning rate", title="Eq. 3")
     ax.legend()
     plt.show()
 
@@ -1932,21 +1910,16 @@ def greedy_decode_cached(
 @example
 def _():
     torch.manual_seed(0)
-    timing_model = make_model(
-        1000, 1000, MODEL_PRESETS["tiny"], N=3, d_model=256, d_ff=1024, h=8
-    ).eval()
-    timing_src = torch.randint(4, 1000, (32, 20))
-    timing_mask = torch.ones(32, 1, 20, dtype=torch.bool)
+    cfg = MODEL_PRESETS["tiny"]
+    model = make_model(1000, 1000, cfg, N=3, d_model=256, d_ff=1024, h=8).eval()
+    src = torch.randint(4, 1000, (32, 20))
+    mask = torch.ones(32, 1, 20, dtype=torch.bool)
     print("output length   full recompute (s)   cached (s)   speed-up   same tokens")
     for length in (10, 25, 50, 100) if PROFILE == "full" else (10,):
         t0 = time.perf_counter()
-        full = greedy_decode(
-            timing_model, timing_src, timing_mask, length + 1, start_symbol=0
-        )
+        full = greedy_decode(model, src, mask, length + 1, start_symbol=0)
         t1 = time.perf_counter()
-        fast = greedy_decode_cached(
-            timing_model, timing_src, timing_mask, length + 1, start_symbol=0
-        )
+        fast = greedy_decode_cached(model, src, mask, length + 1, start_symbol=0)
         t2 = time.perf_counter()
         print(
             f"{length:13d}   {t1 - t0:18.3f}   {t2 - t1:10.3f}   "
