@@ -118,7 +118,7 @@ def fixture_notebook(path: Path) -> Path:
     src = ["▁Ein", "▁Hund", "▁läuft", "▁schnell", ".", "</s>"]
     tgt = ["<s>", "▁A", "▁dog", "▁runs", "▁fast", "."]
     blob = {
-        "sentence": {"src": src, "tgt": tgt},
+        "sentence": {"src": src, "tgt": tgt, "tgt_out": tgt[1:] + ["</s>"]},
         "maps": {
             "encoder": [[softmax_rows(6, 6, rng) for _ in range(4)] for _ in range(2)],
             "decoder": [
@@ -746,7 +746,7 @@ def test_a_figure_shown_whole_has_no_enlarge_button(fresh):
     assert all(s["button"] == (s["natural"] > s["shown"] * 1.1) for s in state)
 
 
-def test_the_attention_maps_can_be_explored(fresh, explorer_site):
+def test_the_attention_maps_can_be_explored(fresh, explorer_site, site):
     visit = fresh(1280, explorer_site)
     page = visit.page
     figure = page.locator("figure.attention-explorer").first
@@ -780,6 +780,13 @@ def test_the_attention_maps_can_be_explored(fresh, explorer_site):
     assert labels and not any("▁" in t for t in labels)
     kind = figure.locator('select[data-role="kind"]')
     assert len(kind.evaluate("s => [...s.options].map(o => o.value)")) == 3
+    if explorer_site != site:  # the fixture's tokens: rows predict, columns are read
+        kind.select_option("decoder")
+        first = figure.evaluate(
+            "f => [f.querySelector('text[data-row=\"0\"]').textContent,"
+            " f.querySelector('text[data-col=\"0\"]').textContent]"
+        )
+        assert first == ["A", "<s>"]
     figure.locator(".ae-map").focus()
 
     def column():

@@ -48,15 +48,18 @@ Conventions a notebook cell can use for the page:
   arrow keys read a weight) with a static SVG of one head for print and no-script. The
   blob::
 
-      {"sentence": {"src": ["▁Ein", "▁Hund", ...], "tgt": ["<s>", "▁A", "▁dog", ...]},
+      {"sentence": {"src": ["▁Ein", "▁Hund", ...], "tgt": ["<s>", "▁A", "▁dog", ...],
+                    "tgt_out": ["▁A", "▁dog", ..., "</s>"]},  # optional
        "maps": {"encoder": [layer][head][query][key],   # src × src
                 "decoder": [layer][head][query][key],   # tgt × tgt (masked)
                 "cross":   [layer][head][query][key]},  # tgt × src (encoder-decoder)
        "title": "optional caption"}
 
-  weights rounded to 3 decimals; rows (queries) are target tokens for "decoder" and
-  "cross", source tokens for "encoder"; "tgt" is what the decoder reads (as many as its
-  rows). A kind may be left out. Token labels are shown without ``▁``.
+  weights rounded to 3 decimals; rows are queries, columns keys. "tgt" is what the
+  decoder reads, one token per position: the columns of "decoder", and its rows and the
+  rows of "cross" unless "tgt_out" (the token each position predicts) labels them. A
+  kind may be left out. Token labels are shown without ``▁``. From the notebook:
+  ``{k: torch.round(w, decimals=3).tolist() for k, w in maps.items()}``.
 * Text outputs are shown detokenized: Moses' escapes (``&apos;``, ``&quot;``,
   ``&amp;`` …) become the characters they stand for.
 """
@@ -391,7 +394,8 @@ def token_label(token: str) -> str:
 def axes_of(kind: str, sentence: dict) -> tuple[list[str], list[str]]:
     """(row labels, column labels) of a kind of attention map."""
     src, tgt = sentence.get("src", []), sentence.get("tgt", [])
-    return {"encoder": (src, src), "decoder": (tgt, tgt), "cross": (tgt, src)}[kind]
+    out = sentence.get("tgt_out") or tgt  # the token each decoder position predicts
+    return {"encoder": (src, src), "decoder": (out, tgt), "cross": (out, src)}[kind]
 
 
 def attention_svg(weights: list, rows: list[str], cols: list[str]) -> str:
@@ -411,12 +415,13 @@ def attention_svg(weights: list, rows: list[str], cols: list[str]) -> str:
     for i, t in enumerate(rows):
         parts.append(
             f'<text x="{left - 6}" y="{top + cell * i + cell / 2 + 4}" '
-            f'text-anchor="end">{esc(t)}</text>'
+            f'text-anchor="end" data-row="{i}">{esc(t)}</text>'
         )
     for j, t in enumerate(cols):
         x, y = left + cell * j + cell / 2 + 4, top - 6
         parts.append(
-            f'<text x="{x}" y="{y}" transform="rotate(-90 {x} {y})">{esc(t)}</text>'
+            f'<text x="{x}" y="{y}" transform="rotate(-90 {x} {y})" '
+            f'data-col="{j}">{esc(t)}</text>'
         )
     for i, row in enumerate(weights):
         for j, w in enumerate(row):

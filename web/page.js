@@ -325,7 +325,8 @@
     }
     function axes() {
       const s = data.sentence || {};
-      return { encoder: [s.src, s.src], decoder: [s.tgt, s.tgt], cross: [s.tgt, s.src] }[state.kind]
+      const out = s.tgt_out || s.tgt; // the token each decoder position predicts
+      return { encoder: [s.src, s.src], decoder: [out, s.tgt], cross: [out, s.src] }[state.kind]
         .map((t) => t || []);
     }
     function weights() {
