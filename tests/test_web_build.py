@@ -327,3 +327,20 @@ def test_colab_opens_the_notebook_from_the_repository():
         "https://colab.research.google.com/github/someone/thing/blob/main/"
         "annotated_transformer.ipynb"
     )
+
+
+def test_the_pages_own_files_fit_88_columns():
+    files = [
+        "page.js",
+        "page.css",
+        "render_math.js",
+        "article/index.html.j2",
+        "package.json",
+    ]
+    long = [
+        f"{name}:{n}"
+        for name in files
+        for n, line in enumerate((ROOT / "web" / name).read_text().splitlines(), 1)
+        if len(line) > 88
+    ]
+    assert long == []

@@ -1,7 +1,7 @@
 // The article's only script (make html); the page reads fine without it. It marks the
-// section being read in the contents, puts the contents behind a button on narrow screens,
-// opens skippable sections that a link or printing needs, enlarges figures, searches the
-// page, and draws the attention maps to explore.
+// section being read in the contents, puts the contents behind a button on narrow
+// screens, opens skippable sections that a link or printing needs, enlarges figures,
+// searches the page, and draws the attention maps to explore.
 "use strict";
 (function () {
   const root = document.documentElement;
@@ -12,7 +12,7 @@
   const toc = $("nav.toc");
   const tocButton = $(".toc-button");
 
-  // Collapsed sections open for whatever lands in them: a link, a search result, printing.
+  // Collapsed sections open for what lands in them: a link, a search result, printing.
   function byHash(hash) {
     try {
       return document.getElementById(decodeURIComponent(hash.slice(1)));
@@ -57,7 +57,7 @@
     closedForPrint = [];
   });
 
-  // Narrow screens: the contents behind a button that stays in reach; a switch wraps code.
+  // Narrow screens: the contents behind a button always in reach; a switch wraps code.
   $(".toolbar").hidden = false;
   function setContents(open) {
     document.body.classList.toggle("toc-open", open);
@@ -78,7 +78,8 @@
   });
 
   // The section being read: marked in the contents, which scroll to keep it in view.
-  const entries = new Map($$(".toc-list a").map((a) => [a.getAttribute("href").slice(1), a]));
+  const entries = new Map(
+    $$(".toc-list a").map((a) => [a.getAttribute("href").slice(1), a]));
   const headings = $$("main :is(h1, h2, h3)[id]").filter((h) => entries.has(h.id));
   let current = null;
   let pending = false;
@@ -108,7 +109,8 @@
       found = h;
     }
     if (window.innerHeight + window.scrollY >= root.scrollHeight - 2) {
-      found = headings.filter((h) => h.getBoundingClientRect().height > 0).pop() || found;
+      const shown = headings.filter((h) => h.getBoundingClientRect().height > 0);
+      found = shown.pop() || found;
     }
     const a = found && entries.get(found.id);
     if (!a || a === current) {
@@ -131,7 +133,7 @@
   }, { passive: true });
   mark();
 
-  // Figures larger than shown open at full size from a button; Escape or a click closes.
+  // Figures larger than shown open at full size from a button; Escape or a click close.
   let opener = null;
   function closeZoom() {
     const view = $(".zoom-view");
@@ -166,7 +168,8 @@
     $$("main img").forEach(function (img) {
       const shown = img.getBoundingClientRect().width;
       const larger = shown > 0 && img.naturalWidth > shown * 1.1;
-      const wrapper = img.parentElement.classList.contains("zoom") ? img.parentElement : null;
+      const parent = img.parentElement;
+      const wrapper = parent.classList.contains("zoom") ? parent : null;
       if (larger && !wrapper) {
         const button = document.createElement("button");
         button.type = "button";
@@ -245,9 +248,10 @@
       const strong = document.createElement("strong");
       strong.textContent = hit.title;
       a.append(strong);
-      const at = hit.x.indexOf(query) >= 0 ? hit.x.indexOf(query) : hit.x.indexOf(words[0]);
+      const whole = hit.x.indexOf(query) >= 0;
+      const at = whole ? hit.x.indexOf(query) : hit.x.indexOf(words[0]);
       if (at >= 0) {
-        a.append(snippet(hit.text, at, hit.x.indexOf(query) >= 0 ? query.length : words[0].length));
+        a.append(snippet(hit.text, at, whole ? query.length : words[0].length));
       }
       li.append(a);
       list.append(li);
@@ -262,8 +266,11 @@
   // Attention maps to explore: kind, layer and head; hover or arrow keys read a weight.
   const BLUES = [[0, [247, 251, 255]], [0.25, [198, 219, 239]], [0.5, [107, 174, 214]],
     [0.75, [33, 113, 181]], [1, [8, 48, 107]]]; // as web/build.py's BLUES
-  const KINDS = { encoder: "Encoder self-attention", decoder: "Decoder self-attention (masked)",
-    cross: "Decoder–encoder attention" };
+  const KINDS = {
+    encoder: "Encoder self-attention",
+    decoder: "Decoder self-attention (masked)",
+    cross: "Decoder–encoder attention",
+  };
   function blue(w) {
     w = Math.min(1, Math.max(0, w));
     for (let i = 1; i < BLUES.length; i++) {
@@ -277,32 +284,41 @@
     }
     return "#08306b";
   }
-  const esc = (s) => s.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+  const esc = (s) => s.replace(/&/g, "&amp;").replace(/</g, "&lt;")
+    .replace(/>/g, "&gt;");
   const label = (t) => t.replace(/▁/g, "") || "␣";
-  function heatMap(weights, rows, cols) { // the same drawing as build.py's attention_svg
+  function heatMap(weights, rows, cols) { // drawn as build.py's attention_svg draws it
     const nq = weights.length;
     const nk = nq ? weights[0].length : 0;
-    rows = Array.from({ length: nq }, (_, i) => (i < rows.length ? label(rows[i]) : ""));
-    cols = Array.from({ length: nk }, (_, j) => (j < cols.length ? label(cols[j]) : ""));
+    rows = Array.from({ length: nq },
+      (_, i) => (i < rows.length ? label(rows[i]) : ""));
+    cols = Array.from({ length: nk },
+      (_, j) => (j < cols.length ? label(cols[j]) : ""));
     const cell = Math.max(10, Math.min(26, Math.floor(560 / Math.max(nk, 1))));
     const left = 12 + 7 * Math.max(1, ...rows.map((t) => t.length));
     const top = 12 + 7 * Math.max(1, ...cols.map((t) => t.length));
     const width = left + cell * nk + 4;
     const height = top + cell * nq + 4;
-    const out = [`<svg class="ae-svg" viewBox="0 0 ${width} ${height}" width="${width}" ` +
-      `height="${height}" role="img" aria-label="attention weights heat map">`];
-    rows.forEach((t, i) => out.push(`<text x="${left - 6}" y="${top + cell * i + cell / 2 + 4}" ` +
-      `text-anchor="end" data-row="${i}">${esc(t)}</text>`));
+    const out = [`<svg class="ae-svg" viewBox="0 0 ${width} ${height}" ` +
+      `width="${width}" height="${height}" role="img" ` +
+      'aria-label="attention weights heat map">'];
+    rows.forEach(function (t, i) {
+      const y = top + cell * i + cell / 2 + 4;
+      out.push(`<text x="${left - 6}" y="${y}" text-anchor="end" data-row="${i}">` +
+        `${esc(t)}</text>`);
+    });
     cols.forEach(function (t, j) {
       const x = left + cell * j + cell / 2 + 4;
       const y = top - 6;
-      out.push(`<text x="${x}" y="${y}" transform="rotate(-90 ${x} ${y})" data-col="${j}">` +
-        `${esc(t)}</text>`);
+      out.push(`<text x="${x}" y="${y}" transform="rotate(-90 ${x} ${y})" ` +
+        `data-col="${j}">${esc(t)}</text>`);
     });
-    weights.forEach((row, i) => row.forEach((w, j) => out.push(`<rect x="${left + cell * j}" ` +
-      `y="${top + cell * i}" width="${cell}" height="${cell}" fill="${blue(w)}" ` +
-      `data-q="${i}" data-k="${j}"/>`)));
-    out.push(`<rect class="ae-focus" width="${cell}" height="${cell}" visibility="hidden"/>`);
+    weights.forEach((row, i) => row.forEach(function (w, j) {
+      out.push(`<rect x="${left + cell * j}" y="${top + cell * i}" width="${cell}" ` +
+        `height="${cell}" fill="${blue(w)}" data-q="${i}" data-k="${j}"/>`);
+    }));
+    out.push(`<rect class="ae-focus" width="${cell}" height="${cell}" ` +
+      'visibility="hidden"/>');
     return out.join("") + "</svg>";
   }
   $$("figure.attention-explorer").forEach(function (figure) {
@@ -315,7 +331,9 @@
     const map = $(".ae-map", figure);
     const shown = $(".ae-shown", figure);
     const readout = $(".ae-readout", figure);
-    Object.keys(data.maps).forEach((k) => select.kind.add(new Option(KINDS[k] || k, k)));
+    Object.keys(data.maps).forEach(function (k) {
+      select.kind.add(new Option(KINDS[k] || k, k));
+    });
     function numbers(sel, n, value) {
       sel.textContent = "";
       for (let i = 0; i < n; i++) {
@@ -326,8 +344,10 @@
     function axes() {
       const s = data.sentence || {};
       const out = s.tgt_out || s.tgt; // the token each decoder position predicts
-      return { encoder: [s.src, s.src], decoder: [out, s.tgt], cross: [out, s.src] }[state.kind]
-        .map((t) => t || []);
+      const axes = {
+        encoder: [s.src, s.src], decoder: [out, s.tgt], cross: [out, s.src],
+      };
+      return axes[state.kind].map((t) => t || []);
     }
     function weights() {
       return data.maps[state.kind][state.layer][state.head];
@@ -341,7 +361,8 @@
       numbers(select.head, layers[state.layer].length, state.head);
       const [rows, cols] = axes();
       map.innerHTML = heatMap(weights(), rows, cols);
-      shown.textContent = `${KINDS[state.kind]}, layer ${state.layer + 1}, head ${state.head + 1}`;
+      shown.textContent = `${KINDS[state.kind]}, layer ${state.layer + 1}, ` +
+        `head ${state.head + 1}`;
     }
     function read(q, k) {
       const w = weights();
@@ -358,13 +379,24 @@
       $(`text[data-col="${state.k}"]`, map).classList.add("ae-on");
       const who = state.kind === "encoder" ? ["source", "source"]
         : state.kind === "decoder" ? ["target", "target"] : ["target", "source"];
-      readout.textContent = `${who[0]} token “${label(rows[state.q] || "?")}” ` +
-        `(row ${state.q + 1}) attends to ${who[1]} token “${label(cols[state.k] || "?")}” ` +
-        `(column ${state.k + 1}) with weight ${w[state.q][state.k].toFixed(3)}`;
+      const row = label(rows[state.q] || "?");
+      const col = label(cols[state.k] || "?");
+      readout.textContent = `${who[0]} token “${row}” (row ${state.q + 1}) ` +
+        `attends to ${who[1]} token “${col}” (column ${state.k + 1}) with weight ` +
+        w[state.q][state.k].toFixed(3);
     }
-    select.kind.addEventListener("change", () => { state.kind = select.kind.value; draw(); });
-    select.layer.addEventListener("change", () => { state.layer = +select.layer.value; draw(); });
-    select.head.addEventListener("change", () => { state.head = +select.head.value; draw(); });
+    select.kind.addEventListener("change", function () {
+      state.kind = select.kind.value;
+      draw();
+    });
+    select.layer.addEventListener("change", function () {
+      state.layer = +select.layer.value;
+      draw();
+    });
+    select.head.addEventListener("change", function () {
+      state.head = +select.head.value;
+      draw();
+    });
     map.addEventListener("mouseover", function (event) {
       const cell = event.target.closest("rect[data-q]");
       if (cell) {
@@ -372,7 +404,9 @@
       }
     });
     map.addEventListener("keydown", function (event) {
-      const step = { ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1], ArrowRight: [0, 1] };
+      const step = {
+        ArrowUp: [-1, 0], ArrowDown: [1, 0], ArrowLeft: [0, -1], ArrowRight: [0, 1],
+      };
       if (step[event.key]) {
         event.preventDefault();
         read(state.q + step[event.key][0], state.k + step[event.key][1]);
