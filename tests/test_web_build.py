@@ -284,6 +284,11 @@ def test_attention_maps_become_an_explorer_with_a_static_image():
     )
     assert html.count("<rect") == 9
     assert build.attention_explorer({"maps": {}}) == ""
+    renamed = {
+        "sentence": blob["sentence"],
+        "maps": {"decoder_src": blob["maps"]["cross"]},
+    }
+    assert build.attention_explorer(renamed) == html  # the notebook's own names
 
 
 def css_colours(scheme: str) -> dict:

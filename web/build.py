@@ -58,8 +58,9 @@ Conventions a notebook cell can use for the page:
   weights rounded to 3 decimals; rows are queries, columns keys. "tgt" is what the
   decoder reads, one token per position: the columns of "decoder", and its rows and the
   rows of "cross" unless "tgt_out" (the token each position predicts) labels them. A
-  kind may be left out. Token labels are shown without ``▁``. From the notebook:
-  ``{k: torch.round(w, decimals=3).tolist() for k, w in maps.items()}``.
+  kind may be left out; "decoder_self" and "decoder_src" (the notebook's names) are
+  read as "decoder" and "cross". Token labels are shown without ``▁``. From the
+  notebook: ``{k: torch.round(w, decimals=3).tolist() for k, w in maps.items()}``.
 * Text outputs are shown detokenized: Moses' escapes (``&apos;``, ``&quot;``,
   ``&amp;`` …) become the characters they stand for.
 """
@@ -446,7 +447,12 @@ def sharpest(heads: list) -> int:
 
 def attention_explorer(blob: dict) -> str:
     """The HTML of the interactive attention figure for one attention-maps blob."""
-    maps = {k: v for k, v in blob.get("maps", {}).items() if k in KIND_NAMES and v}
+    aliases = {
+        "decoder_self": "decoder",
+        "decoder_src": "cross",
+    }  # the notebook's names
+    given = {aliases.get(k, k): v for k, v in blob.get("maps", {}).items()}
+    maps = {k: given[k] for k in KIND_NAMES if given.get(k)}
     if not maps:
         return ""
     kind = "cross" if "cross" in maps else next(iter(maps))
@@ -474,7 +480,8 @@ def attention_explorer(blob: dict) -> str:
         '<label>Layer <select data-role="layer"></select></label> '
         '<label>Head <select data-role="head"></select></label></div>'
         f'<p class="ae-shown">{htmllib.escape(shown)}</p>'
-        f'<div class="ae-map" tabindex="0">{svg}</div>'
+        '<div class="ae-map" tabindex="0" aria-label="Attention map: arrow keys move '
+        f'from cell to cell and read each weight">{svg}</div>'
         '<p class="ae-readout" aria-live="polite">Rows: the token attending (query); '
         "columns: "
         "the token attended to (key); darker is more weight.</p>"
