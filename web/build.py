@@ -987,6 +987,10 @@ def contents_nav(soup, headings) -> None:
 
 def search_index(main) -> list:
     """Each section's heading and prose (no code or formulas): [id, title, text]."""
+    from bs4 import NavigableString
+
+    skip_tags = {"pre", "script", "style", "svg", "h1", "h2", "h3", "summary"}
+    skip_classes = {"katex", "highlight", "output", "anchor-link"}
     entries = []
     for h in main.find_all(["h1", "h2", "h3"]):
         if not h.get("id"):
@@ -994,22 +998,17 @@ def search_index(main) -> list:
         words = []
         holder = h.find_parent("section")
         for el in holder.descendants if holder else []:
-            if getattr(el, "name", None) in ("section",) and el is not holder:
-                break
-            if (
-                isinstance(el, str)
-                and el.strip()
-                and not any(
-                    p.name
-                    in ("pre", "script", "style", "svg", "h1", "h2", "h3", "summary")
-                    or {"katex", "highlight", "output", "anchor-link"}
-                    & set(p.get("class") or [])
-                    for p in el.parents
-                    if p is not holder
-                )
+            if getattr(el, "name", None) == "section" and el is not holder:
+                break  # a subsection: its own entry
+            if type(el) is not NavigableString:  # not a tag, comment or doctype
+                continue
+            if not any(
+                p.name in skip_tags or skip_classes & set(p.get("class") or [])
+                for p in el.parents
+                if p is not holder
             ):
-                words.append(el.strip())
-        text = re.sub(r"\s+", " ", " ".join(words))
+                words.append(str(el))  # with its spaces and line breaks
+        text = re.sub(r"\s+", " ", "".join(words)).strip()
         entries.append([h["id"], heading_text(h), text])
     return entries
 
