@@ -1,28 +1,32 @@
 """Variants of the preset's training step, tried for speed, timed side by side.
 
-Run from the repository root (needs the Multi30k data; set ``DATA_MIRROR`` when offline)::
+Run from the repository root (needs the Multi30k data; set ``DATA_MIRROR`` when
+offline)::
 
-    python benchmarks/attention_variants.py                  # float32, and bf16 where the CPU has it natively
+    python benchmarks/attention_variants.py   # float32, and bf16 where the CPU has it
     python benchmarks/attention_variants.py --rounds 5 --batches 20
-    python benchmarks/attention_variants.py --rows readable,readable/scatter-loss --batches 8 --rounds 7
+    python benchmarks/attention_variants.py --rows readable,readable/short-softmax \\
+        --batches 8 --rounds 7
 
-Every row trains ``multi30k-small`` with full steps (``bench.train_step``: forward, the loss the
-presets train with, backward, clipping, fused Adam) on the same first ``--batches``
-length-bucketed batches; the rounds alternate between the rows and the median is printed, with
-the ratio to the preset's path and to nn.Transformer, and the median (quartiles) of the rounds'
-ratios to the preset's path ("pass by pass": each round's passes ran one after the other). These rows are not ``make bench``'s: other
-batches, so compare ratios within one run of this script, not its numbers with the bench's.
+Every row trains ``multi30k-small`` with full steps (``bench.train_step``: forward, the
+loss the presets train with, backward, clipping, fused Adam) on the same first
+``--batches`` length-bucketed batches; the rounds alternate between the rows and the
+median is printed, with the ratio to the preset's path and to nn.Transformer, and the
+median (quartiles) of the rounds' ratios to the preset's path ("pass by pass": each
+round's passes ran one after the other). These rows are not ``make bench``'s: other
+batches, so compare ratios within one run of this script, not its numbers with the
+bench's.
 
-* ``readable`` — the preset's model on this machine (readable Eq. 1, ``SameMaskDropout``).
-* ``readable/short-softmax`` — the same, with Eq. 1's softmax written out (``softmax_rows.written_out``)
-  where the rows are shorter than 16 keys, where PyTorch's CPU kernel is slow; it rounds differently.
-* ``fused-projections`` — ``FastMultiHeadedAttention``'s fused projections in front of the readable
-  Eq. 1 (with the written-out softmax), no SDPA.
-* ``readable/scatter-loss`` — the preset's model with ``loss_sum_one_pass``'s backward as it was before
-  it wrote the target entries by index: with ``scatter_`` (``scatter_loss_sum_one_pass``; the same bits).
-* ``.../FastDropout`` — any of these with ``FastDropout``; ``fast`` (fused projections and SDPA) and
-  ``torch`` (nn.Transformer) as in ``make bench``.
+* ``readable`` — the preset's model on this machine (readable Eq. 1).
+* ``readable/short-softmax`` — the same, with Eq. 1's softmax written out
+  (``softmax_rows.written_out``) where the rows are shorter than 16 keys, where
+  PyTorch's CPU kernel is slow; it rounds differently.
+* ``fused-projections`` — ``FastMultiHeadedAttention``'s fused projections in front of
+  the readable Eq. 1 (with the written-out softmax), no SDPA.
+* ``fast`` (fused projections and SDPA) and ``torch`` (nn.Transformer) as in ``make
+  bench``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,14 +43,17 @@ sys.path.insert(0, str(ROOT.parent))
 import torch  # noqa: E402
 
 import bench  # noqa: E402
+import machinery  # noqa: E402
 import softmax_rows  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
 
-SHORT = 16  # rows shorter than this take PyTorch's slow CPU softmax (benchmarks/softmax_rows.py)
+# rows shorter than this take PyTorch's slow CPU softmax (benchmarks/softmax_rows.py)
+SHORT = 16
 
 
 class _WrittenOutSoftmax(torch.autograd.Function):
-    r"""softmax over the last dimension (Eq. 1, §3.2.1), forward and backward written out in tensor operations."""
+    r"""softmax over the last dimension (Eq. 1, §3.2.1), forward and backward written
+    out in tensor operations."""
 
     @staticmethod
     def forward(ctx, x):
@@ -63,28 +70,34 @@ class _WrittenOutSoftmax(torch.autograd.Function):
 
 
 def short_row_softmax(scores: torch.Tensor) -> torch.Tensor:
-    """Eq. 1's softmax: written out for short rows on the CPU. Like PyTorch's kernel it computes in float32
-    and returns the scores' dtype (bf16 under CPU autocast)."""
+    """Eq. 1's softmax: written out for short rows on the CPU. Like PyTorch's kernel it
+    computes in float32 and returns the scores' dtype (bf16 under CPU autocast)."""
     if scores.device.type == "cpu" and scores.size(-1) < SHORT:
         return _WrittenOutSoftmax.apply(scores.float()).to(scores.dtype)
     return scores.softmax(dim=-1)
 
 
 def attention_short_softmax(query, key, value, mask=None, dropout=None):
-    r"""Scaled dot-product attention — §3.2.1, Eq. 1, as ``tat.attention`` with ``short_row_softmax``."""
-    scores = query @ key.transpose(-2, -1) / math.sqrt(query.size(-1))  # (..., len_q, len_k)
+    r"""Scaled dot-product attention — §3.2.1, Eq. 1, as ``tat.attention`` with
+    ``short_row_softmax``."""
+    scores = (
+        query @ key.transpose(-2, -1) / math.sqrt(query.size(-1))
+    )  # (..., len_q, len_k)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     p_attn = short_row_softmax(scores)
     if mask is not None:
-        p_attn = p_attn.masked_fill(~mask, 0.0)  # fully masked rows: zero weight, as tat.attention
+        p_attn = p_attn.masked_fill(
+            ~mask, 0.0
+        )  # fully masked rows: zero weight, as tat.attention
     if dropout is not None:
         p_attn = dropout(p_attn)
     return p_attn @ value
 
 
 class ShortSoftmaxAttention(tat.MultiHeadedAttention):
-    """Multi-head attention — §3.2.2, the readable class with ``short_row_softmax`` in Eq. 1."""
+    """Multi-head attention — §3.2.2, the readable class with ``short_row_softmax`` in
+    Eq. 1."""
 
     def attend(self, q, k, v, mask=None):
         """Eq. 1 on every head: (batch, h, len_q, d_k) → (batch, h, len_q, d_k)."""
@@ -92,59 +105,35 @@ class ShortSoftmaxAttention(tat.MultiHeadedAttention):
 
 
 class FusedProjectionsAttention(tat.FastMultiHeadedAttention):
-    """Multi-head attention — §3.2.2, the fused projections of the fast path in front of the readable Eq. 1."""
+    """Multi-head attention — §3.2.2, the fused projections of the fast path in front of
+    the readable Eq. 1."""
 
     def attend(self, q, k, v, mask=None):
         """Eq. 1 on every head: (batch, h, len_q, d_k) → (batch, h, len_q, d_k)."""
         return attention_short_softmax(q, k, v, mask, self.dropout)
 
 
-class _ScatterLossSumOnePass(tat._LossSumOnePass):
-    r"""``tat.loss_sum_one_pass``'s function (§5.4) with the backward as it was: the target entries by ``scatter_``."""
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        """The same per-row numbers as ``tat._LossSumOnePass.backward``, the target entries written by ``scatter_``.
-
-        A copy of that backward as it stood before the index write, kept whole on purpose: sharing its first
-        lines with the module would put a benchmark's seam into the notebook's loss cell."""
-        target, keep = ctx.saved_tensors
-        eps = ctx.eps_ls
-        w = grad_loss.expand(keep.shape) * keep  # (tokens,)
-        share = -(w * eps) / ctx.K  # (tokens,)
-        at_target = (0.0 + -(w * (1.0 - eps))) + share  # (tokens,)
-        grad = torch.empty((keep.size(0), ctx.K), dtype=ctx.dtype, device=keep.device)  # (tokens, K)
-        grad.copy_((0.0 + share).to(ctx.dtype).unsqueeze(1).expand(-1, ctx.K))
-        grad.scatter_(1, target.unsqueeze(1), at_target.to(ctx.dtype).unsqueeze(1))  # (tokens, 1) into (tokens, K)
-        return grad, None, None, None
+VARIANTS = {
+    "readable/short-softmax": ("readable", ShortSoftmaxAttention),
+    "fused-projections": ("fast", FusedProjectionsAttention),
+}
+ROWS = (
+    *VARIANTS,
+    "readable",
+    "fast",
+    "torch",
+)  # the variants, and ``bench.build_model``'s models
 
 
-def scatter_loss_sum_one_pass(log_probs, target, eps_ls: float, pad: int = tat.PAD) -> torch.Tensor:
-    r"""``tat.loss_sum_one_pass`` (§5.4) as it was before the index write: the same value and gradient bits."""
-    return _ScatterLossSumOnePass.apply(log_probs.reshape(-1, log_probs.size(-1)), target.reshape(-1),
-                                       float(eps_ls), pad)
-
-
-VARIANTS = {"readable/short-softmax": ("readable", ShortSoftmaxAttention),
-            "fused-projections": ("fast", FusedProjectionsAttention),
-            "readable/scatter-loss": ("readable", None)}
-LOSSES = {"readable/scatter-loss": scatter_loss_sum_one_pass}  # rows that train with another loss function
-
-
-def loss_of(kind: str):
-    """The loss a row trains with: ``LOSSES``' for its name, else ``bench.loss_of``'s."""
-    return LOSSES.get(kind.partition("/FastDropout")[0]) or bench.loss_of(kind)
-
-
-def build(kind: str, src_vocab: int, tgt_vocab: int, cfg: tat.Config) -> torch.nn.Module:
-    """A row's model with random weights: ``bench.build_model``'s, with the attention class swapped for a variant."""
-    name = kind.partition("/FastDropout")[0]
-    if name not in VARIANTS and name not in bench.MODEL_NAMES:
-        raise ValueError(f"unknown row {kind!r}: one of {', '.join([*VARIANTS, *bench.MODEL_NAMES])}, "
-                         "optionally followed by /FastDropout")
-    base, cls = VARIANTS.get(name, (name, None))
-    model = bench.build_model(base + ("/FastDropout" if kind.endswith("/FastDropout") else ""), src_vocab, tgt_vocab,
-                              cfg)
+def build(
+    kind: str, src_vocab: int, tgt_vocab: int, cfg: machinery.Config
+) -> torch.nn.Module:
+    """A row's model with random weights: ``bench.build_model``'s, with the attention
+    class swapped for a variant."""
+    if kind not in ROWS:
+        raise ValueError(f"unknown row {kind!r}: one of {', '.join(ROWS)}")
+    base, cls = VARIANTS.get(kind, (kind, None))
+    model = bench.build_model(base, src_vocab, tgt_vocab, cfg)
     if cls is not None:
         for module in model.modules():
             if isinstance(module, tat.MultiHeadedAttention):
@@ -155,24 +144,31 @@ def build(kind: str, src_vocab: int, tgt_vocab: int, cfg: tat.Config) -> torch.n
 def main(argv) -> int:
     """Time every row in alternating rounds and print a Markdown table per precision."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", default="readable,readable/short-softmax,fused-projections,fast,torch,"
-                                          "readable/FastDropout,readable/short-softmax/FastDropout,"
-                                          "fused-projections/FastDropout")
+    parser.add_argument(
+        "--rows", default="readable,readable/short-softmax,fused-projections,fast,torch"
+    )
     parser.add_argument("--batches", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
     rows = args.rows.split(",")
-    cfg = tat.get_config("multi30k-small")
-    data = tat.load_dataset(cfg, log=lambda *a: None)
+    cfg = machinery.get_config("multi30k-small")
+    data = machinery.load_dataset(cfg, log=lambda *a: None)
     pairs = data.splits["train"]
     lengths = [(len(s), len(t)) for s, t in pairs]
-    batches = [tat.make_batch(pairs, idx)
-               for idx in tat.length_batches(lengths, cfg.batch_tokens, seed=cfg.seed)[: args.batches]]
+    batches = [
+        tat.make_batch(pairs, idx)
+        for idx in tat.length_batches(lengths, cfg.batch_tokens, seed=cfg.seed)[
+            : args.batches
+        ]
+    ]
     tokens = sum(b.ntokens for b in batches)
-    native, _ = tat.native_bf16(torch.device("cpu"))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {len(batches)} batches, "
-          f"{tokens:,} target tokens, {args.rounds} rounds")
-    for bf16 in ([False, True] if native else [False]):
+    native, _ = machinery.native_bf16(torch.device("cpu"))
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, {len(batches)} "
+        "batches, "
+        f"{tokens:,} target tokens, {args.rounds} rounds"
+    )
+    for bf16 in [False, True] if native else [False]:
         models = {}
         for kind in rows:
             torch.manual_seed(1)
@@ -182,25 +178,38 @@ def main(argv) -> int:
         for _ in range(args.rounds):
             for kind in rows:
                 model, opt = models[kind]
-                loss = loss_of(kind)
                 for b in batches[:2]:  # warm-up
-                    bench.train_step(model, opt, b, cfg, bf16, loss=loss)
+                    bench.train_step(model, opt, b, cfg, bf16)
                 t0 = time.perf_counter()
                 for b in batches:
-                    bench.train_step(model, opt, b, cfg, bf16, loss=loss)
+                    bench.train_step(model, opt, b, cfg, bf16)
                 speeds[kind].append(tokens / (time.perf_counter() - t0))
         median = {kind: statistics.median(v) for kind, v in speeds.items()}
-        print(f"\n{'bf16' if bf16 else 'float32'}\n\n| row | target tokens/s (median) | vs readable | "
-              "vs readable, pass by pass | vs nn.Transformer |")
+        print(
+            f"\n{'bf16' if bf16 else 'float32'}\n\n| row | target tokens/s (median) | "
+            "vs readable | "
+            "vs readable, pass by pass | vs nn.Transformer |"
+        )
         print("|---|---|---|---|---|")
         for kind in rows:
-            vs_torch = f"{median[kind] / median['torch']:.3f}×" if "torch" in median else "—"
-            vs_readable = f"{median[kind] / median['readable']:.3f}×" if "readable" in median else "—"
+            vs_torch = (
+                f"{median[kind] / median['torch']:.3f}×" if "torch" in median else "—"
+            )
+            vs_readable = (
+                f"{median[kind] / median['readable']:.3f}×"
+                if "readable" in median
+                else "—"
+            )
             paired = "—"
             if "readable" in speeds:
-                p = bench.paired(speeds[kind], speeds["readable"])  # speeds, not times: this row's over readable's
+                p = bench.paired(
+                    speeds[kind], speeds["readable"]
+                )  # speeds, not times: this row's over readable's
                 paired = f"{p['median']:.3f}× ({p['q1']:.3f}–{p['q3']:.3f})"
-            print(f"| {kind} | {median[kind]:,.0f} | {vs_readable} | {paired} | {vs_torch} |")
+            print(
+                f"| {kind} | {median[kind]:,.0f} | {vs_readable} | {paired} | "
+                f"{vs_torch} |"
+            )
     return 0
 
 
