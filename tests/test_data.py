@@ -1,14 +1,17 @@
-"""Part 2 data pipeline: downloads, IWSLT14 preparation, locating, reading, vocabularies, batching.
+"""Part 2 data pipeline: downloads, IWSLT14 preparation, locating, reading
+(machinery/data.py), and the notebook's vocabularies and batching.
 
-Everything here runs offline: downloads use ``file://`` URLs to files the tests create under
-``tmp_path``, and the real data is read (never written) from the local mirror.
+Everything here runs offline: downloads use ``file://`` URLs to files the tests create
+under ``tmp_path``, and the real data is read (never written) from the local mirror.
 """
+
 import dataclasses
 import gzip
 import hashlib
 import io
 import json
 import random
+import sys
 import tarfile
 from collections import Counter
 from pathlib import Path
@@ -17,8 +20,10 @@ from types import MappingProxyType
 import pytest
 import torch
 
+import machinery
 import the_annotated_transformer as tat
-from the_annotated_transformer import BOS, EOS, PAD, SPECIALS, UNK, DataError
+from machinery import DataError
+from the_annotated_transformer import BOS, EOS, PAD, SPECIALS, UNK
 from conftest import quiet  # noqa: E402
 
 
@@ -28,6 +33,18 @@ def sha256_of(path: Path) -> str:
 
 def part_files(folder: Path) -> list:
     return [p for p in Path(folder).rglob("*") if p.name.endswith(".part")]
+
+
+def add_corpus(monkeypatch, record) -> None:
+    """``record`` in CORPORA for this test, as if written into machinery/data.py's
+    table: every module that holds the table (the package's modules and the notebook)
+    sees the one with the record."""
+    table = machinery.data.CORPORA
+    new = MappingProxyType({**table, record.name: record})
+    for module in list(sys.modules.values()):
+        if module is not None and vars(module).get("CORPORA") is table:
+            monkeypatch.setattr(module, "CORPORA", new)
+    assert machinery.data.CORPORA is new and tat.CORPORA is new
 
 
 @pytest.fixture
@@ -40,8 +57,13 @@ def offline(monkeypatch):
 # A tiny fake raw IWSLT14 archive (the layout of fairseq's de-en.tgz)
 # --------------------------------------------------------------------------------------
 
-TEST_SETS = ("IWSLT14.TED.dev2010", "IWSLT14.TEDX.dev2012", "IWSLT14.TED.tst2010",
-             "IWSLT14.TED.tst2011", "IWSLT14.TED.tst2012")
+TEST_SETS = (
+    "IWSLT14.TED.dev2010",
+    "IWSLT14.TEDX.dev2012",
+    "IWSLT14.TED.tst2010",
+    "IWSLT14.TED.tst2011",
+    "IWSLT14.TED.tst2012",
+)
 
 
 def _talk(talkid, title, description, sentences, lang):
@@ -65,38 +87,85 @@ def fake_iwslt_archive(path: Path, de_extra=(), en_extra=()):
     """
     sent_de = [f"Das ist Satz Nummer {i} hier." for i in range(50)]
     sent_en = [f"It's sentence number {i} here." for i in range(50)]
-    exp_sent = [(f"das ist satz nummer {i} hier .", f"it &apos;s sentence number {i} here .") for i in range(50)]
-    # Two pairs whose length ratio exceeds 1.5, one in each direction: both must be dropped.
-    bad_de = ["Ja.", "Nein, das ist eine sehr viel längere Antwort als die englische hier."]
+    exp_sent = [
+        (f"das ist satz nummer {i} hier .", f"it &apos;s sentence number {i} here .")
+        for i in range(50)
+    ]
+    # Two pairs whose length ratio exceeds 1.5, one in each direction: both must be
+    # dropped.
+    bad_de = [
+        "Ja.",
+        "Nein, das ist eine sehr viel längere Antwort als die englische hier.",
+    ]
     bad_en = ["Yes, this is a much longer answer than the German one here.", "No."]
 
-    de = (_talk(1, "Titel Eins", "Eine Beschreibung.", sent_de[:10] + bad_de + sent_de[10:25], "de")
-          + _talk(2, "Titel Zwei", "Noch eine Beschreibung.", sent_de[25:], "de") + list(de_extra))
-    en = (_talk(1, "Title One", "A description.", sent_en[:10] + bad_en + sent_en[10:25], "en")
-          + _talk(2, "Title Two", "Another description.", sent_en[25:], "en") + list(en_extra))
-    kept = ([("titel eins", "title one"), ("eine beschreibung .", "a description .")] + exp_sent[:25]
-            + [("titel zwei", "title two"), ("noch eine beschreibung .", "another description .")]
-            + exp_sent[25:])
+    de = (
+        _talk(
+            1,
+            "Titel Eins",
+            "Eine Beschreibung.",
+            sent_de[:10] + bad_de + sent_de[10:25],
+            "de",
+        )
+        + _talk(2, "Titel Zwei", "Noch eine Beschreibung.", sent_de[25:], "de")
+        + list(de_extra)
+    )
+    en = (
+        _talk(
+            1,
+            "Title One",
+            "A description.",
+            sent_en[:10] + bad_en + sent_en[10:25],
+            "en",
+        )
+        + _talk(2, "Title Two", "Another description.", sent_en[25:], "en")
+        + list(en_extra)
+    )
+    kept = (
+        [("titel eins", "title one"), ("eine beschreibung .", "a description .")]
+        + exp_sent[:25]
+        + [
+            ("titel zwei", "title two"),
+            ("noch eine beschreibung .", "another description ."),
+        ]
+        + exp_sent[25:]
+    )
 
     xml = {}
     expected_test = []
     for k, name in enumerate(TEST_SETS):
-        segs_de = [f"Test {k} Satz {j} hier." for j in (1, 2)] + [f"Es ist Test {k} jetzt."]
-        segs_en = [f"Test {k} sentence {j} here." for j in (1, 2)] + [f"It\u2019s test {k} now."]
-        expected_test += [(f"test {k} satz {j} hier .", f"test {k} sentence {j} here .") for j in (1, 2)]
+        segs_de = [f"Test {k} Satz {j} hier." for j in (1, 2)] + [
+            f"Es ist Test {k} jetzt."
+        ]
+        segs_en = [f"Test {k} sentence {j} here." for j in (1, 2)] + [
+            f"It\u2019s test {k} now."
+        ]
+        expected_test += [
+            (f"test {k} satz {j} hier .", f"test {k} sentence {j} here .")
+            for j in (1, 2)
+        ]
         expected_test += [(f"es ist test {k} jetzt .", f"it &apos;s test {k} now .")]
         for lang, segs in (("de", segs_de), ("en", segs_en)):
-            body = "\n".join(f'<seg id="{j}"> {s} </seg>' for j, s in enumerate(segs, start=1))
+            body = "\n".join(
+                f'<seg id="{j}"> {s} </seg>' for j, s in enumerate(segs, start=1)
+            )
             xml[f"{name}.de-en.{lang}.xml"] = (
                 '<?xml version="1.0" encoding="UTF-8"?>\n<mteval>\n'
-                f'<srcset setid="{name}" srclang="german">\n<doc docid="{k}" genre="lectures">\n'
+                f'<srcset setid="{name}" srclang="german">\n'
+                f'<doc docid="{k}" genre="lectures">\n'
                 f"<url>http://www.ted.com/talks/test_{k}.html</url>\n"
                 "<description>Xml metadescription</description>\n"
                 f"<talkid>{900 + k}</talkid>\n<title>Xml metatitle</title>\n"
-                f"{body}\n</doc>\n</srcset>\n</mteval>\n")
+                f"{body}\n</doc>\n</srcset>\n</mteval>\n"
+            )
 
-    members = {"train.tags.de-en.de": "\n".join(de) + "\n", "train.tags.de-en.en": "\n".join(en) + "\n"}
-    members.update(reversed(list(xml.items())))  # archive order must not decide the test order
+    members = {
+        "train.tags.de-en.de": "\n".join(de) + "\n",
+        "train.tags.de-en.en": "\n".join(en) + "\n",
+    }
+    members.update(
+        reversed(list(xml.items()))
+    )  # archive order must not decide the test order
     with tarfile.open(path, "w:gz") as tar:
         d = tarfile.TarInfo("de-en")
         d.type = tarfile.DIRTYPE
@@ -121,12 +190,13 @@ def read_split(folder: Path, split: str):
 # 1. download()
 # --------------------------------------------------------------------------------------
 
+
 def test_download_with_matching_sha256_writes_the_same_bytes(tmp_path):
     src = tmp_path / "src" / "blob.bin"
     src.parent.mkdir()
     src.write_bytes(random.Random(0).randbytes(2_500_000))  # more than one 1 MiB chunk
     dest = tmp_path / "out" / "blob.bin"
-    result = tat.download(src.as_uri(), dest, sha256_of(src))
+    result = machinery.download(src.as_uri(), dest, sha256_of(src))
     assert Path(result) == dest
     assert dest.read_bytes() == src.read_bytes()
     assert part_files(tmp_path / "out") == []
@@ -138,7 +208,7 @@ def test_download_with_wrong_sha256_leaves_nothing_behind(tmp_path):
     src.write_bytes(b"the real bytes\n" * 1000)
     out = tmp_path / "out"
     with pytest.raises(DataError, match="checksum"):
-        tat.download(src.as_uri(), out / "blob.bin", "0" * 64)
+        machinery.download(src.as_uri(), out / "blob.bin", "0" * 64)
     assert not (out / "blob.bin").exists()
     assert list(out.iterdir()) == []  # no dest, no leftover ".part" temporary
 
@@ -150,7 +220,7 @@ def test_download_failure_keeps_an_existing_file_untouched(tmp_path):
     dest.parent.mkdir()
     dest.write_bytes(b"old complete content")
     with pytest.raises(DataError):
-        tat.download(src.as_uri(), dest, "f" * 64)
+        machinery.download(src.as_uri(), dest, "f" * 64)
     assert dest.read_bytes() == b"old complete content"
     assert part_files(dest.parent) == []
 
@@ -159,12 +229,13 @@ def test_download_failure_keeps_an_existing_file_untouched(tmp_path):
 # 2. prepare_iwslt14()
 # --------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def prepared(tmp_path):
     archive = tmp_path / "de-en.tgz"
     expected = fake_iwslt_archive(archive)
     out = tmp_path / "prepared"
-    counts = tat.prepare_iwslt14(archive, out)
+    counts = machinery.prepare_iwslt14(archive, out)
     return out, counts, expected
 
 
@@ -179,7 +250,8 @@ def test_prepare_iwslt14_writes_aligned_files_for_every_split(prepared):
 
 
 def test_prepare_iwslt14_train_and_valid_follow_the_fairseq_recipe(prepared):
-    """Metadata dropped, titles kept, Moses tokens with &apos;, lowercased, ratio filter, every 23rd → valid."""
+    """Metadata dropped, titles kept, Moses tokens with &apos;, lowercased, ratio
+    filter, every 23rd → valid."""
     out, _, expected = prepared
     for split in ("train", "valid"):
         de, en = read_split(out, split)
@@ -188,9 +260,25 @@ def test_prepare_iwslt14_train_and_valid_follow_the_fairseq_recipe(prepared):
 
 def test_prepare_iwslt14_drops_metadata_and_the_ratio_filtered_pairs(prepared):
     out, _, _ = prepared
-    text = "\n".join("\n".join(read_split(out, s)[0] + read_split(out, s)[1]) for s in ("train", "valid", "test"))
-    for gone in ("<", ">", "http", "metaspeaker", "metareviewer", "metatranslator", "metadata",
-                 "metatitle", "metadescription", "ja .", "yes ,", "nein ,", "no ."):
+    text = "\n".join(
+        "\n".join(read_split(out, s)[0] + read_split(out, s)[1])
+        for s in ("train", "valid", "test")
+    )
+    for gone in (
+        "<",
+        ">",
+        "http",
+        "metaspeaker",
+        "metareviewer",
+        "metatranslator",
+        "metadata",
+        "metatitle",
+        "metadescription",
+        "ja .",
+        "yes ,",
+        "nein ,",
+        "no .",
+    ):
         assert gone not in text, gone
     assert text == text.lower()
     assert "it &apos;s sentence number 0 here ." in text
@@ -200,80 +288,125 @@ def test_prepare_iwslt14_drops_metadata_and_the_ratio_filtered_pairs(prepared):
 def test_prepare_iwslt14_test_set_is_the_five_xml_sets_in_order(prepared):
     out, _, expected = prepared
     de, en = read_split(out, "test")
-    assert list(zip(de, en)) == expected["test"]  # dev2010, dev2012, tst2010, tst2011, tst2012
+    assert (
+        list(zip(de, en)) == expected["test"]
+    )  # dev2010, dev2012, tst2010, tst2011, tst2012
 
 
 def test_prepare_iwslt14_keeps_pairs_aligned_across_unicode_line_separators(tmp_path):
-    """Lines are split on "\\n" only, as the fairseq recipe (grep/sed) and read_lines do.
+    """Lines are split on "\\n" only, as the fairseq recipe (grep/sed) and read_lines
+    do.
 
-    A U+2028 inside one side's sentence is whitespace to Moses, not a new line; splitting
-    on it (str.splitlines) shifts or breaks the alignment of the two languages.
+    A U+2028 inside one side's sentence is whitespace to Moses, not a new line;
+    splitting on it (str.splitlines) shifts or breaks the alignment of the two
+    languages.
     """
     archive = tmp_path / "de-en.tgz"
-    expected = fake_iwslt_archive(archive, de_extra=["Erste Zeile\u2028zweiter Teil."],
-                                  en_extra=["First line second part."])
+    expected = fake_iwslt_archive(
+        archive,
+        de_extra=["Erste Zeile\u2028zweiter Teil."],
+        en_extra=["First line second part."],
+    )
     out = tmp_path / "prepared"
-    tat.prepare_iwslt14(archive, out)
+    machinery.prepare_iwslt14(archive, out)
     de, en = read_split(out, "train")
     pairs = list(zip(de, en))
     assert pairs[: len(expected["train"])] == expected["train"]
-    assert pairs[len(expected["train"]):] == [("erste zeile zweiter teil .", "first line second part .")]
+    assert pairs[len(expected["train"]) :] == [
+        ("erste zeile zweiter teil .", "first line second part .")
+    ]
 
 
 # --------------------------------------------------------------------------------------
 # 3. locate_dataset() through the download path
 # --------------------------------------------------------------------------------------
 
+
 def test_locate_iwslt14_downloads_and_prepares_the_archive(tmp_path, offline):
     archive = tmp_path / "raw" / "de-en.tgz"
     archive.parent.mkdir()
     expected = fake_iwslt_archive(archive)
     data_dir = tmp_path / "data"
-    cfg = tat.get_config("tiny", dataset="iwslt14", data_mirror="", data_dir=str(data_dir))
-    source = tat.locate_dataset("iwslt14", cfg, url_base=archive.as_uri())
+    cfg = machinery.get_config(
+        "tiny", dataset="iwslt14", data_mirror="", data_dir=str(data_dir)
+    )
+    source = machinery.locate_dataset("iwslt14", cfg, url_base=archive.as_uri())
     assert set(source.files) == {"train", "valid", "test"}
     for split, (s, t) in source.files.items():
-        assert s == data_dir / "iwslt14" / f"{split}.de" and t == data_dir / "iwslt14" / f"{split}.en"
-        assert len(tat.read_lines(s)) == len(tat.read_lines(t)) == len(expected[split])
+        assert (
+            s == data_dir / "iwslt14" / f"{split}.de"
+            and t == data_dir / "iwslt14" / f"{split}.en"
+        )
+        assert (
+            len(machinery.read_lines(s))
+            == len(machinery.read_lines(t))
+            == len(expected[split])
+        )
     assert "downloaded" in source.origin
-    assert (data_dir / "downloads" / "iwslt14-de-en.tgz").read_bytes() == archive.read_bytes()
+    assert (
+        data_dir / "downloads" / "iwslt14-de-en.tgz"
+    ).read_bytes() == archive.read_bytes()
 
 
 def _fake_multi30k_source(folder: Path) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
-    for split, (de, en) in tat.CORPORA["multi30k"].files.items():
+    for split, (de, en) in machinery.CORPORA["multi30k"].files.items():
         for name, lang in ((de, "de"), (en, "en")):
             lines = [f"{split} {lang} satz {i}." for i in range(3)]
-            (folder / name).write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
-    return {name: sha256_of(folder / name) for pair in tat.CORPORA["multi30k"].files.values() for name in pair}
+            (folder / name).write_bytes(
+                gzip.compress(("\n".join(lines) + "\n").encode())
+            )
+    return {
+        name: sha256_of(folder / name)
+        for pair in machinery.CORPORA["multi30k"].files.values()
+        for name in pair
+    }
 
 
 def test_locate_multi30k_downloads_the_six_files(tmp_path, offline, monkeypatch):
     src = tmp_path / "remote"
-    sums = MappingProxyType(_fake_multi30k_source(src))  # the record's pins, for these stand-in files
-    record = dataclasses.replace(tat.CORPORA["multi30k"], sha256=sums)
-    monkeypatch.setattr(tat, "CORPORA", MappingProxyType({**tat.CORPORA, "multi30k": record}))
+    sums = MappingProxyType(
+        _fake_multi30k_source(src)
+    )  # the record's pins, for these stand-in files
+    record = dataclasses.replace(machinery.CORPORA["multi30k"], sha256=sums)
+    add_corpus(monkeypatch, record)
     data_dir = tmp_path / "data"
-    cfg = tat.get_config("tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir))
-    source = tat.locate_dataset("multi30k", cfg, url_base=src.as_uri() + "/")
+    cfg = machinery.get_config(
+        "tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir)
+    )
+    source = machinery.locate_dataset("multi30k", cfg, url_base=src.as_uri() + "/")
     assert set(source.files) == {"train", "valid", "test"}
     assert "downloaded" in source.origin
-    for split, (de, en) in tat.CORPORA["multi30k"].files.items():
-        assert source.files[split] == (data_dir / "multi30k" / de, data_dir / "multi30k" / en)
+    for split, (de, en) in machinery.CORPORA["multi30k"].files.items():
+        assert source.files[split] == (
+            data_dir / "multi30k" / de,
+            data_dir / "multi30k" / en,
+        )
         for name in (de, en):
-            assert (data_dir / "multi30k" / name).read_bytes() == (src / name).read_bytes()
-    # Once downloaded, the files are found in the data folder without going online again.
-    again = tat.locate_dataset("multi30k", cfg, url_base=(tmp_path / "nowhere").as_uri() + "/")
+            assert (data_dir / "multi30k" / name).read_bytes() == (
+                src / name
+            ).read_bytes()
+    # Once downloaded, the files are found in the data folder without going online
+    # again.
+    again = machinery.locate_dataset(
+        "multi30k", cfg, url_base=(tmp_path / "nowhere").as_uri() + "/"
+    )
     assert again.files == source.files and "data folder" in again.origin
 
 
-def test_locate_multi30k_rejects_files_that_do_not_match_the_pinned_sha256(tmp_path, offline):
+def test_locate_multi30k_rejects_files_that_do_not_match_the_pinned_sha256(
+    tmp_path, offline
+):
     src = tmp_path / "remote"
-    _fake_multi30k_source(src)  # not the real files: the pinned checksums must refuse them
+    _fake_multi30k_source(
+        src
+    )  # not the real files: the pinned checksums must refuse them
     data_dir = tmp_path / "data"
-    cfg = tat.get_config("tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir))
+    cfg = machinery.get_config(
+        "tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir)
+    )
     with pytest.raises(DataError, match="checksum"):
-        tat.locate_dataset("multi30k", cfg, url_base=src.as_uri() + "/")
+        machinery.locate_dataset("multi30k", cfg, url_base=src.as_uri() + "/")
     assert [p for p in data_dir.rglob("*") if p.is_file()] == []
 
 
@@ -281,15 +414,25 @@ def test_locate_multi30k_rejects_files_that_do_not_match_the_pinned_sha256(tmp_p
 # 4. Offline, no mirror, no download: one error naming both ways
 # --------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("name", ["multi30k", "iwslt14"])
 @pytest.mark.parametrize("how", ["download-disabled", "unreachable"])
-def test_missing_data_fails_once_naming_mirror_and_download(tmp_path, offline, name, how):
+def test_missing_data_fails_once_naming_mirror_and_download(
+    tmp_path, offline, name, how
+):
     data_dir = tmp_path / "data"
-    cfg = tat.get_config("tiny", dataset=name, data_mirror="", data_dir=str(data_dir),
-                       download=(how != "download-disabled"))
-    nowhere = (tmp_path / "no-such-server").as_uri() + ("/" if name == "multi30k" else "/de-en.tgz")
+    cfg = machinery.get_config(
+        "tiny",
+        dataset=name,
+        data_mirror="",
+        data_dir=str(data_dir),
+        download=(how != "download-disabled"),
+    )
+    nowhere = (tmp_path / "no-such-server").as_uri() + (
+        "/" if name == "multi30k" else "/de-en.tgz"
+    )
     with pytest.raises(DataError) as err:
-        tat.locate_dataset(name, cfg, url_base=nowhere)
+        machinery.locate_dataset(name, cfg, url_base=nowhere)
     msg = str(err.value)
     assert "DATA_MIRROR" in msg
     assert "online" in msg and "download" in msg
@@ -298,49 +441,66 @@ def test_missing_data_fails_once_naming_mirror_and_download(tmp_path, offline, n
 
 
 def test_unknown_dataset_name_is_a_data_error(tmp_path, offline):
-    cfg = tat.get_config("tiny", data_mirror="", data_dir=str(tmp_path))
+    cfg = machinery.get_config("tiny", data_mirror="", data_dir=str(tmp_path))
     with pytest.raises(DataError, match="unknown data set"):
-        tat.locate_dataset("wmt14", cfg)
+        machinery.locate_dataset("wmt14", cfg)
 
 
 # --------------------------------------------------------------------------------------
 # 5. The real mirror
 # --------------------------------------------------------------------------------------
 
+
 def mirror_cfg(mirror, tmp_path, dataset="iwslt14", **kw):
-    return tat.get_config("tiny", dataset=dataset, data_mirror=str(mirror), data_dir=str(tmp_path), **kw)
+    return machinery.get_config(
+        "tiny", dataset=dataset, data_mirror=str(mirror), data_dir=str(tmp_path), **kw
+    )
 
 
 def test_mirror_iwslt14_uses_the_training_sample_and_says_so(mirror, tmp_path):
-    source = tat.locate_dataset("iwslt14", mirror_cfg(mirror, tmp_path))
+    source = machinery.locate_dataset("iwslt14", mirror_cfg(mirror, tmp_path))
     folder = mirror / "iwslt14"
-    assert source.files["train"] == (folder / "train-sample.de", folder / "train-sample.en")
+    assert source.files["train"] == (
+        folder / "train-sample.de",
+        folder / "train-sample.en",
+    )
     assert source.files["valid"] == (folder / "valid.de", folder / "valid.en")
     assert source.files["test"] == (folder / "test.de", folder / "test.en")
     assert "sample" in source.origin and str(folder) in source.origin
 
 
 def test_mirror_multi30k_is_found(mirror, tmp_path):
-    source = tat.locate_dataset("multi30k", mirror_cfg(mirror, tmp_path, "multi30k"))
-    for split, (de, en) in tat.CORPORA["multi30k"].files.items():
-        assert source.files[split] == (mirror / "multi30k" / de, mirror / "multi30k" / en)
+    source = machinery.locate_dataset(
+        "multi30k", mirror_cfg(mirror, tmp_path, "multi30k")
+    )
+    for split, (de, en) in machinery.CORPORA["multi30k"].files.items():
+        assert source.files[split] == (
+            mirror / "multi30k" / de,
+            mirror / "multi30k" / en,
+        )
     assert "mirror" in source.origin
     assert list(tmp_path.iterdir()) == []  # nothing downloaded
 
 
 def test_mirror_iwslt14_vocab_is_built_from_train_only(mirror, tmp_path):
     cfg = mirror_cfg(mirror, tmp_path)
-    data = tat.load_dataset(cfg, log=quiet)
+    data = machinery.load_dataset(cfg, log=quiet)
     folder = mirror / "iwslt14"
-    train_counts = Counter(tok for f in ("train-sample.de", "train-sample.en")
-                           for line in tat.read_lines(folder / f) for tok in line.split())
+    train_counts = Counter(
+        tok
+        for f in ("train-sample.de", "train-sample.en")
+        for line in machinery.read_lines(folder / f)
+        for tok in line.split()
+    )
     vocab = data.src_vocab
-    assert all(train_counts[tok] >= cfg.min_freq for tok in vocab.itos[len(SPECIALS):])
+    assert all(train_counts[tok] >= cfg.min_freq for tok in vocab.itos[len(SPECIALS) :])
     # The most frequent German test token that never occurs in training must be <unk>.
-    test_de = [line.split() for line in tat.read_lines(folder / "test.de")]
+    test_de = [line.split() for line in machinery.read_lines(folder / "test.de")]
     test_only = Counter(t for sent in test_de for t in sent if t not in train_counts)
     token, n = test_only.most_common(1)[0]
-    assert n >= cfg.min_freq  # frequent enough that a vocab built with the test set would keep it
+    assert (
+        n >= cfg.min_freq
+    )  # frequent enough that a vocab built with the test set would keep it
     assert token not in vocab.stoi
     assert vocab([token]) == [UNK]
     i = next(i for i, sent in enumerate(test_de) if token in sent and sent)
@@ -349,7 +509,7 @@ def test_mirror_iwslt14_vocab_is_built_from_train_only(mirror, tmp_path):
 
 
 def test_mirror_iwslt14_specials_and_sentence_boundaries(mirror, tmp_path):
-    data = tat.load_dataset(mirror_cfg(mirror, tmp_path), log=quiet)
+    data = machinery.load_dataset(mirror_cfg(mirror, tmp_path), log=quiet)
     assert (BOS, EOS, PAD, UNK) == (0, 1, 2, 3)
     assert SPECIALS == ("<s>", "</s>", "<blank>", "<unk>")
     for vocab in (data.src_vocab, data.tgt_vocab):
@@ -365,28 +525,46 @@ def test_mirror_iwslt14_specials_and_sentence_boundaries(mirror, tmp_path):
 
 
 def test_mirror_iwslt14_shared_and_separate_vocabularies(mirror, tmp_path):
-    shared = tat.load_dataset(mirror_cfg(mirror, tmp_path, shared_vocab=True), log=quiet)
+    shared = machinery.load_dataset(
+        mirror_cfg(mirror, tmp_path, shared_vocab=True), log=quiet
+    )
     assert shared.src_vocab is shared.tgt_vocab
-    separate = tat.load_dataset(mirror_cfg(mirror, tmp_path, shared_vocab=False), log=quiet)
+    separate = machinery.load_dataset(
+        mirror_cfg(mirror, tmp_path, shared_vocab=False), log=quiet
+    )
     assert separate.src_vocab is not separate.tgt_vocab
     assert separate.src_vocab != separate.tgt_vocab
-    de_tokens = {t for line in tat.read_lines(mirror / "iwslt14" / "train-sample.de") for t in line.split()}
-    en_tokens = {t for line in tat.read_lines(mirror / "iwslt14" / "train-sample.en") for t in line.split()}
+    de_tokens = {
+        t
+        for line in machinery.read_lines(mirror / "iwslt14" / "train-sample.de")
+        for t in line.split()
+    }
+    en_tokens = {
+        t
+        for line in machinery.read_lines(mirror / "iwslt14" / "train-sample.en")
+        for t in line.split()
+    }
     assert set(separate.src_vocab.itos[4:]) <= de_tokens
     assert set(separate.tgt_vocab.itos[4:]) <= en_tokens
     # Counting both sides together only raises counts: the shared vocabulary holds both.
-    assert set(shared.src_vocab.itos) >= set(separate.src_vocab.itos) | set(separate.tgt_vocab.itos)
+    assert set(shared.src_vocab.itos) >= set(separate.src_vocab.itos) | set(
+        separate.tgt_vocab.itos
+    )
 
 
 def test_mirror_iwslt14_vocab_cache_is_reused_and_keyed_on_settings(mirror, tmp_path):
     cfg = mirror_cfg(mirror, tmp_path)
     cache = tmp_path / "cache"
-    first = tat.load_dataset(cfg, log=quiet)
+    first = machinery.load_dataset(cfg, log=quiet)
     files = sorted(cache.iterdir())
-    assert len(files) == 1 and files[0].name.startswith("vocab-") and files[0].suffix == ".json"
+    assert (
+        len(files) == 1
+        and files[0].name.startswith("vocab-")
+        and files[0].suffix == ".json"
+    )
     stamp = files[0].stat().st_mtime_ns
 
-    second = tat.load_dataset(cfg, log=quiet)
+    second = machinery.load_dataset(cfg, log=quiet)
     assert sorted(cache.iterdir()) == files and files[0].stat().st_mtime_ns == stamp
     assert second.src_vocab == first.src_vocab
 
@@ -394,62 +572,29 @@ def test_mirror_iwslt14_vocab_cache_is_reused_and_keyed_on_settings(mirror, tmp_
     saved = json.loads(files[0].read_text(encoding="utf-8"))
     saved["src"] = saved["src"][:10]
     files[0].write_text(json.dumps(saved), encoding="utf-8")
-    assert tat.load_dataset(cfg, log=quiet).src_vocab.itos == first.src_vocab.itos[:10]
+    assert (
+        machinery.load_dataset(cfg, log=quiet).src_vocab.itos
+        == first.src_vocab.itos[:10]
+    )
 
-    other = tat.load_dataset(dataclasses.replace(cfg, min_freq=cfg.min_freq + 1), log=quiet)
+    other = machinery.load_dataset(
+        dataclasses.replace(cfg, min_freq=cfg.min_freq + 1), log=quiet
+    )
     assert len(list(cache.iterdir())) == 2
     assert other.src_vocab != first.src_vocab
-
-
-def test_mirror_iwslt14_rest_of_validation_trains_and_the_first_pairs_stay_held_out(mirror, tmp_path):
-    held = 50
-    plain = tat.load_dataset(mirror_cfg(mirror, tmp_path), log=quiet)
-    cfg = mirror_cfg(mirror, tmp_path, max_valid_sentences=held, train_on_valid_rest=True)
-    data = tat.load_dataset(cfg, log=quiet)
-    folder = mirror / "iwslt14"
-    valid_de, valid_en = tat.read_lines(folder / "valid.de"), tat.read_lines(folder / "valid.en")
-    # Validation is the first pairs, as before (numbered with the new vocabulary); the test set is all there.
-    assert len(data.splits["valid"]) == held
-    for (src, tgt), de, en in zip(data.splits["valid"], valid_de, valid_en):
-        assert src[1:-1] == data.src_vocab(de.split()) and tgt[1:-1] == data.tgt_vocab(en.split())
-    assert len(data.splits["test"]) == len(plain.splits["test"]) and data.test_refs == plain.test_refs
-    assert data.stats["valid_pairs"] == held and data.stats["valid_pairs_trained_on"] == len(valid_de) - held
-    # Every other validation pair is a training pair now (before filtering of over-long ones).
-    trained = data.stats["train_pairs"] + data.stats["train_too_long_filtered"]
-    assert trained == plain.stats["train_pairs"] + plain.stats["train_too_long_filtered"] + len(valid_de) - held
-    # The vocabulary is counted from them too (those the length filter keeps), never from the held-out pairs.
-    def counts(de_lines, en_lines):
-        kept = [(d.split(), e.split()) for d, e in zip(de_lines, en_lines)]
-        return Counter(t for d, e in kept if max(len(d), len(e)) <= cfg.max_tokens for t in d + e)
-
-    train_words = counts(tat.read_lines(folder / "train-sample.de"), tat.read_lines(folder / "train-sample.en"))
-    rest_words = counts(valid_de[held:], valid_en[held:])
-    held_words = {t for line in valid_de[:held] + valid_en[:held] for t in line.split()}
-    learnt = {t for t, n in (train_words + rest_words).items() if n >= cfg.min_freq and not train_words[t]}
-    assert learnt and learnt <= set(data.src_vocab.itos) and not learnt & set(plain.src_vocab.itos)
-    unseen = held_words - set(train_words) - set(rest_words)
-    assert unseen and not unseen & set(data.src_vocab.itos)
-    # The two vocabularies are cached under different keys.
-    assert len(list((tmp_path / "cache").iterdir())) == 2
-
-
-@pytest.mark.parametrize("overrides", [dict(dataset="multi30k", max_valid_sentences=100),
-                                       dict(dataset="iwslt14", max_valid_sentences=0)])
-def test_training_on_the_rest_of_validation_needs_held_out_pairs_from_training_talks(overrides):
-    with pytest.raises(ValueError, match="train_on_valid_rest needs max_valid_sentences > 0"):
-        tat.get_config("tiny", train_on_valid_rest=True, **overrides)
 
 
 # --------------------------------------------------------------------------------------
 # 6. Bad data
 # --------------------------------------------------------------------------------------
 
+
 def test_misaligned_parallel_files_name_both_files_and_counts(tmp_path):
     a, b = tmp_path / "x.de", tmp_path / "x.en"
     a.write_text("eins\nzwei\ndrei\n", encoding="utf-8")
     b.write_text("one\ntwo\n", encoding="utf-8")
     with pytest.raises(DataError) as err:
-        tat.read_parallel(a, b)
+        machinery.read_parallel(a, b)
     msg = str(err.value)
     assert str(a) in msg and str(b) in msg
     assert "3 lines" in msg and "2 lines" in msg
@@ -461,7 +606,7 @@ def test_invalid_utf8_names_file_and_line(tmp_path, gz):
     path = tmp_path / ("bad.de.gz" if gz else "bad.de")
     path.write_bytes(gzip.compress(raw) if gz else raw)
     with pytest.raises(DataError) as err:
-        tat.read_lines(path)
+        machinery.read_lines(path)
     assert str(path) in str(err.value) and "line 3" in str(err.value)
 
 
@@ -469,7 +614,7 @@ def test_empty_lines_are_skipped_and_counted(tmp_path):
     a, b = tmp_path / "x.de", tmp_path / "x.en"
     a.write_text("a\n\nc\nd\ne\n", encoding="utf-8")
     b.write_text("v\nw\n  \nx\ny\n", encoding="utf-8")
-    pairs, skipped = tat.read_parallel(a, b)
+    pairs, skipped = machinery.read_parallel(a, b)
     assert pairs == [("a", "v"), ("d", "x"), ("e", "y")]
     assert skipped == 2
 
@@ -481,28 +626,46 @@ def _write_gz(path: Path, lines):
 def test_overlong_training_pairs_are_filtered_and_counted_but_test_is_kept(tmp_path):
     folder = tmp_path / "mirror" / "multi30k"
     folder.mkdir(parents=True)
-    train = [("Ein Hund läuft.", "A dog runs."),
-             ("Eine Katze schläft.", "A cat sleeps."),
-             ("Ein sehr großer brauner Hund läuft schnell über die grüne Wiese.", "A dog runs."),
-             ("Ein Mann singt.", "A man with a red hat sings a very long song in the park."),
-             ("", ""),
-             ("Ein Kind lacht.", "A child laughs.")]
+    train = [
+        ("Ein Hund läuft.", "A dog runs."),
+        ("Eine Katze schläft.", "A cat sleeps."),
+        (
+            "Ein sehr großer brauner Hund läuft schnell über die grüne Wiese.",
+            "A dog runs.",
+        ),
+        ("Ein Mann singt.", "A man with a red hat sings a very long song in the park."),
+        ("", ""),
+        ("Ein Kind lacht.", "A child laughs."),
+    ]
     valid = [("Ein Hund.", "A dog."), ("Eine Katze.", "A cat.")]
-    test = [("Ein Hund läuft.", "A dog runs."),
-            ("Ein sehr großer brauner Hund läuft schnell über die grüne Wiese.",
-             "A very big brown dog runs fast across the green meadow."),
-            ("Ein Kind.", "A child.")]
+    test = [
+        ("Ein Hund läuft.", "A dog runs."),
+        (
+            "Ein sehr großer brauner Hund läuft schnell über die grüne Wiese.",
+            "A very big brown dog runs fast across the green meadow.",
+        ),
+        ("Ein Kind.", "A child."),
+    ]
     for split, pairs in (("train", train), ("valid", valid), ("test", test)):
-        de, en = tat.CORPORA["multi30k"].files[split]
+        de, en = machinery.CORPORA["multi30k"].files[split]
         _write_gz(folder / de, [p[0] for p in pairs])
         _write_gz(folder / en, [p[1] for p in pairs])
-    cfg = tat.get_config("tiny", dataset="multi30k", data_mirror=str(tmp_path / "mirror"),
-                       data_dir=str(tmp_path / "data"), max_tokens=5, min_freq=1)
-    data = tat.load_dataset(cfg, log=quiet)
+    cfg = machinery.get_config(
+        "tiny",
+        dataset="multi30k",
+        data_mirror=str(tmp_path / "mirror"),
+        data_dir=str(tmp_path / "data"),
+        max_tokens=5,
+        min_freq=1,
+    )
+    data = machinery.load_dataset(cfg, log=quiet)
     assert data.stats["train_empty_skipped"] == 1
     assert data.stats["train_too_long_filtered"] == 2
     assert data.stats["train_pairs"] == len(data.splits["train"]) == 3
-    assert all(len(s) <= cfg.max_tokens + 2 and len(t) <= cfg.max_tokens + 2 for s, t in data.splits["train"])
+    assert all(
+        len(s) <= cfg.max_tokens + 2 and len(t) <= cfg.max_tokens + 2
+        for s, t in data.splits["train"]
+    )
     assert len(data.splits["test"]) == 3 and data.test_refs == [p[1] for p in test]
     assert max(len(s) for s, _ in data.splits["test"]) > cfg.max_tokens + 2
     assert len(data.splits["valid"]) == 2
@@ -512,10 +675,16 @@ def test_overlong_training_pairs_are_filtered_and_counted_but_test_is_kept(tmp_p
 # 7. Vocab
 # --------------------------------------------------------------------------------------
 
+
 def test_vocab_respects_min_freq_and_orders_by_frequency():
     sents = [["a", "b", "a", "c"], ["b", "a", "d", "<unk>"], ["e", "e", "c"]]
     v = tat.Vocab.build(sents, min_freq=2)
-    assert v.itos == list(SPECIALS) + ["a", "b", "c", "e"]  # a:3, then ties alphabetical
+    assert v.itos == list(SPECIALS) + [
+        "a",
+        "b",
+        "c",
+        "e",
+    ]  # a:3, then ties alphabetical
     assert "d" not in v.stoi
     assert tat.Vocab.build(sents, min_freq=1).itos[-1] == "d"
     assert len(tat.Vocab.build(sents, min_freq=4)) == len(SPECIALS)
@@ -541,10 +710,14 @@ def test_vocab_must_start_with_the_specials():
 # 8. length_batches
 # --------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def lengths():
     rng = random.Random(0)
-    return [(rng.randint(1, 60), rng.randint(1, 60)) for _ in range(500)] + [(300, 5), (4, 400)]
+    return [(rng.randint(1, 60), rng.randint(1, 60)) for _ in range(500)] + [
+        (300, 5),
+        (4, 400),
+    ]
 
 
 def test_length_batches_cover_every_index_once_within_the_token_budget(lengths):
@@ -569,7 +742,9 @@ def test_length_batches_are_reproducible_per_seed_and_epoch(lengths):
     assert tat.length_batches(lengths, 256, seed=4, epoch=1) != a
 
 
-@pytest.mark.parametrize("n", [502, 501])  # an even and an odd number of batches overall
+@pytest.mark.parametrize(
+    "n", [502, 501]
+)  # an even and an odd number of batches overall
 def test_length_batches_split_disjointly_between_ranks(lengths, n):
     lengths = lengths[:n]
     full = tat.length_batches(lengths, 256, seed=5, epoch=0)
@@ -585,10 +760,13 @@ def test_length_batches_split_disjointly_between_ranks(lengths, n):
 # 9. Batch
 # --------------------------------------------------------------------------------------
 
+
 def test_batch_masks_offsets_and_token_count():
-    pairs = [([BOS, 5, 6, 7, EOS], [BOS, 8, 9, EOS]),
-             ([BOS, 5, EOS], [BOS, 8, 9, 10, 11, EOS]),
-             ([BOS, 6, 7, EOS], [BOS, 9, EOS])]
+    pairs = [
+        ([BOS, 5, 6, 7, EOS], [BOS, 8, 9, EOS]),
+        ([BOS, 5, EOS], [BOS, 8, 9, 10, 11, EOS]),
+        ([BOS, 6, 7, EOS], [BOS, 9, EOS]),
+    ]
     b = tat.make_batch(pairs, [0, 1, 2])
     src_len = [len(p[0]) for p in pairs]
     tgt_full = [len(p[1]) for p in pairs]
@@ -608,7 +786,11 @@ def test_batch_masks_offsets_and_token_count():
     for i in range(B):
         for q in range(L):
             for k in range(L):
-                assert bool(b.tgt_mask[i, q, k]) == (k <= q and k < tgt_full[i]), (i, q, k)
+                assert bool(b.tgt_mask[i, q, k]) == (k <= q and k < tgt_full[i]), (
+                    i,
+                    q,
+                    k,
+                )
     assert b.ntokens == sum(n - 1 for n in tgt_full) == int((b.tgt_y != PAD).sum())
 
 
@@ -616,83 +798,166 @@ def test_batch_masks_offsets_and_token_count():
 # 10. Tokenizers
 # --------------------------------------------------------------------------------------
 
+
 def test_multi30k_tokenizer_splits_punctuation():
-    de = tat.make_tokenizer("multi30k", "de")
+    de = machinery.make_tokenizer("multi30k", "de")
     [tokens] = de(["Ein Hund, der läuft."])
     assert tokens == ["Ein", "Hund", ",", "der", "läuft", "."]
-    en = tat.make_tokenizer("multi30k", "en")
-    assert en(["A dog runs.", "Two  cats!"]) == [["A", "dog", "runs", "."], ["Two", "cats", "!"]]
+    en = machinery.make_tokenizer("multi30k", "en")
+    assert en(["A dog runs.", "Two  cats!"]) == [
+        ["A", "dog", "runs", "."],
+        ["Two", "cats", "!"],
+    ]
 
 
 def test_iwslt14_tokenizer_splits_on_whitespace_only():
-    tok = tat.make_tokenizer("iwslt14", "de")
+    tok = machinery.make_tokenizer("iwslt14", "de")
     assert tok(["ein hund , der läuft .", "it &apos;s  don't"]) == [
-        ["ein", "hund", ",", "der", "läuft", "."], ["it", "&apos;s", "don't"]]
+        ["ein", "hund", ",", "der", "läuft", "."],
+        ["it", "&apos;s", "don't"],
+    ]
 
 
-def test_multi30k_extra_test_sets_are_found_or_downloaded_without_a_pin(tmp_path, offline):
+def test_multi30k_extra_test_sets_are_found_or_downloaded_without_a_pin(
+    tmp_path, offline
+):
     remote, mirror = tmp_path / "remote", tmp_path / "mirror" / "multi30k"
     remote.mkdir()
     mirror.mkdir(parents=True)
-    for split, names in tat.CORPORA["multi30k"].extra_tests.items():
+    for split, names in machinery.CORPORA["multi30k"].extra_tests.items():
         for name in names:
-            (remote / name).write_bytes(gzip.compress(f"{split} {name} remote\n".encode()))
+            (remote / name).write_bytes(
+                gzip.compress(f"{split} {name} remote\n".encode())
+            )
     data_dir = tmp_path / "data"
-    cfg = tat.get_config("tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir))
-    de, en = tat.locate_test_split("multi30k", "test_2017_flickr", cfg, url_base=remote.as_uri() + "/")
-    assert (de, en) == (data_dir / "multi30k" / "test_2017_flickr.de.gz", data_dir / "multi30k" / "test_2017_flickr.en.gz")
-    assert tat.read_lines(en) == ["test_2017_flickr test_2017_flickr.en.gz remote"]
+    cfg = machinery.get_config(
+        "tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir)
+    )
+    de, en = machinery.locate_test_split(
+        "multi30k", "test_2017_flickr", cfg, url_base=remote.as_uri() + "/"
+    )
+    assert (de, en) == (
+        data_dir / "multi30k" / "test_2017_flickr.de.gz",
+        data_dir / "multi30k" / "test_2017_flickr.en.gz",
+    )
+    assert machinery.read_lines(en) == [
+        "test_2017_flickr test_2017_flickr.en.gz remote"
+    ]
     # a mirror holding the files wins over the data folder and the network
-    for name in tat.CORPORA["multi30k"].extra_tests["test_2018_flickr"]:
+    for name in machinery.CORPORA["multi30k"].extra_tests["test_2018_flickr"]:
         (mirror / name).write_bytes(gzip.compress(b"mirror\n"))
     cfg_m = dataclasses.replace(cfg, data_mirror=str(tmp_path / "mirror"))
-    de, en = tat.locate_test_split("multi30k", "test_2018_flickr", cfg_m, url_base=(tmp_path / "nowhere").as_uri() + "/")
-    assert de.parent == mirror and tat.read_lines(de) == ["mirror"]
-    with pytest.raises(DataError, match="has no split 'test_2099' here \\(known: test, valid, test_2017"):
-        tat.locate_test_split("multi30k", "test_2099", cfg)
+    de, en = machinery.locate_test_split(
+        "multi30k",
+        "test_2018_flickr",
+        cfg_m,
+        url_base=(tmp_path / "nowhere").as_uri() + "/",
+    )
+    assert de.parent == mirror and machinery.read_lines(de) == ["mirror"]
+    with pytest.raises(
+        DataError,
+        match="has no split 'test_2099' here \\(known: test, valid, test_2017",
+    ):
+        machinery.locate_test_split("multi30k", "test_2099", cfg)
     with pytest.raises(DataError, match="downloading is off"):
-        tat.locate_test_split("multi30k", "test_2018_flickr", dataclasses.replace(cfg, download=False))
+        machinery.locate_test_split(
+            "multi30k", "test_2018_flickr", dataclasses.replace(cfg, download=False)
+        )
     with pytest.raises(DataError, match="could not download"):
-        tat.locate_test_split("multi30k", "test_2018_flickr", cfg, url_base=(tmp_path / "nowhere").as_uri() + "/")
+        machinery.locate_test_split(
+            "multi30k",
+            "test_2018_flickr",
+            cfg,
+            url_base=(tmp_path / "nowhere").as_uri() + "/",
+        )
 
 
 def test_evaluate_finds_the_validation_split_where_training_does(mirror, tmp_path):
     for name in ("multi30k", "iwslt14"):
-        cfg = tat.get_config("tiny", dataset=name, data_mirror=str(mirror), data_dir=str(tmp_path), download=False)
-        assert tat.locate_test_split(name, "valid", cfg) == tat.locate_dataset(name, cfg).files["valid"]
-        assert tat.locate_test_split(name, "valid", cfg)[0].parent == mirror / name
+        cfg = machinery.get_config(
+            "tiny",
+            dataset=name,
+            data_mirror=str(mirror),
+            data_dir=str(tmp_path),
+            download=False,
+        )
+        assert (
+            machinery.locate_test_split(name, "valid", cfg)
+            == machinery.locate_dataset(name, cfg).files["valid"]
+        )
+        assert (
+            machinery.locate_test_split(name, "valid", cfg)[0].parent == mirror / name
+        )
 
 
 # --------------------------------------------------------------------------------------
 # A data set is one record: a new one needs nothing but its entry in CORPORA
 # --------------------------------------------------------------------------------------
 
+
 def test_a_new_data_set_is_one_record(tmp_path, offline, monkeypatch):
     remote, mirror = tmp_path / "remote", tmp_path / "mirror" / "toy-fr-en"
     mirror.mkdir(parents=True)
     remote.mkdir()
-    sentences = {"fr": ["Le chat dort.", "Un homme lit un livre.", "Les enfants jouent dehors."],
-                 "en": ["The cat sleeps.", "A man reads a book.", "The children play outside."]}
-    files = {"train": ("train.fr", "train.en"), "valid": ("dev.fr", "dev.en"), "test": ("test.fr", "test.en")}
+    sentences = {
+        "fr": ["Le chat dort.", "Un homme lit un livre.", "Les enfants jouent dehors."],
+        "en": ["The cat sleeps.", "A man reads a book.", "The children play outside."],
+    }
+    files = {
+        "train": ("train.fr", "train.en"),
+        "valid": ("dev.fr", "dev.en"),
+        "test": ("test.fr", "test.en"),
+    }
     for split, (fr, en) in files.items():
         (mirror / fr).write_text("\n".join(sentences["fr"]) + "\n", encoding="utf-8")
         (mirror / en).write_text("\n".join(sentences["en"]) + "\n", encoding="utf-8")
     (remote / "test_2020.fr").write_text("Le chien court.\n", encoding="utf-8")
     (remote / "test_2020.en").write_text("The dog runs.\n", encoding="utf-8")
-    record = tat.Corpus("toy-fr-en", src="fr", tgt="en", files=MappingProxyType(files), url=remote.as_uri() + "/",
-                        extra_tests=MappingProxyType({"test_2020": ("test_2020.fr", "test_2020.en")}),
-                        words="spacy", detokenize="moses", bleu_tokenize="13a")
-    monkeypatch.setattr(tat, "CORPORA", MappingProxyType({**tat.CORPORA, record.name: record}))
-    cfg = tat.get_config("tiny", dataset="toy-fr-en", vocab="words", min_freq=1, data_mirror=str(mirror.parent),
-                         data_dir=str(tmp_path / "data"))
-    data = tat.load_dataset(cfg, log=lambda *a: None)
+    record = machinery.Corpus(
+        "toy-fr-en",
+        src="fr",
+        tgt="en",
+        files=MappingProxyType(files),
+        url=remote.as_uri() + "/",
+        extra_tests=MappingProxyType({"test_2020": ("test_2020.fr", "test_2020.en")}),
+        words="spacy",
+        detokenize="moses",
+        bleu_tokenize="13a",
+    )
+    add_corpus(monkeypatch, record)
+    cfg = machinery.get_config(
+        "tiny",
+        dataset="toy-fr-en",
+        vocab="words",
+        min_freq=1,
+        data_mirror=str(mirror.parent),
+        data_dir=str(tmp_path / "data"),
+    )
+    data = machinery.load_dataset(cfg, log=lambda *a: None)
     assert data.name == "toy-fr-en" and data.test_refs == sentences["en"]
-    assert "chat" in data.src_vocab.stoi and "." in data.src_vocab.stoi  # spaCy's French rules split the period
-    # the way back and the score follow the record: Moses detokenization, then sacreBLEU's 13a, cased
+    assert (
+        "chat" in data.src_vocab.stoi and "." in data.src_vocab.stoi
+    )  # spaCy's French rules split the period
+    # the way back and the score follow the record: Moses detokenization, then
+    # sacreBLEU's 13a, cased
     words = [data.tgt_vocab.lookup_tokens(t[1:-1]) for _, t in data.splits["test"]]
     assert tat.detokenize(words, "toy-fr-en") == sentences["en"]
-    assert tat.bleu(sentences["en"], sentences["en"], "toy-fr-en").signature.count("tok:13a") == 1
-    assert tat.bleu([s.lower() for s in sentences["en"]], sentences["en"], "toy-fr-en").score < 100
-    # an extra test split: looked for in the mirror and the data folder, then downloaded from the record's url
-    fr, en = tat.locate_test_split("toy-fr-en", "test_2020", cfg)
-    assert tat.read_lines(en) == ["The dog runs."] and fr.parent == tmp_path / "data" / "toy-fr-en"
+    assert (
+        tat.bleu(sentences["en"], sentences["en"], "toy-fr-en").signature.count(
+            "tok:13a"
+        )
+        == 1
+    )
+    assert (
+        tat.bleu(
+            [s.lower() for s in sentences["en"]], sentences["en"], "toy-fr-en"
+        ).score
+        < 100
+    )
+    # an extra test split: looked for in the mirror and the data folder, then downloaded
+    # from the record's url
+    fr, en = machinery.locate_test_split("toy-fr-en", "test_2020", cfg)
+    assert (
+        machinery.read_lines(en) == ["The dog runs."]
+        and fr.parent == tmp_path / "data" / "toy-fr-en"
+    )
