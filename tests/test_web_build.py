@@ -349,3 +349,16 @@ def test_the_pages_own_files_fit_88_columns():
         if len(line) > 88
     ]
     assert long == []
+
+
+def test_skip_to_a_sections_name_links_it():
+    soup, headings = headings_of(
+        "# T\n\n# Part 1 — The model\n\n## Results at a glance\n\n"
+        "On a first reading, skip to the results at a glance. Or skip to nowhere."
+    )
+    ids = build.heading_ids(headings)
+    for h in headings:
+        h["id"] = ids[id(h)]
+    assert build.link_skip_to(soup, soup, headings) == 1
+    link = soup.find("a", class_="xref")
+    assert link.get_text() == "results at a glance" and link["href"] == "#results-glance"

@@ -825,6 +825,34 @@ def link_mentions(soup, main, targets: dict) -> int:
     return count
 
 
+SKIP_TO = re.compile(r"\b(skip(?: it| them)? to (?:the )?)([^.,;:()\n]+)", re.I)
+
+
+def link_skip_to(soup, main, headings) -> int:
+    """ "skip to <a heading's name>" links the name to that heading (a mention such as
+    "skip to Part 4" is linked already); returns how many."""
+    names = {heading_text(h).lower(): h["id"] for h in headings[1:]}
+    count = 0
+    for text in list(main.find_all(string=SKIP_TO)):
+        if any(p.name in NO_LINKS for p in text.parents if p is not main and p.name):
+            continue
+        m = SKIP_TO.search(str(text))
+        phrase = m.group(2).strip()
+        target = next(
+            (i for name, i in names.items() if name.startswith(phrase.lower())), None
+        )
+        if target is None or not phrase:
+            continue
+        s, end = str(text), m.start(2) + len(phrase)
+        link = soup.new_tag("a", href="#" + target, attrs={"class": "xref"})
+        link.string = phrase
+        for piece in (s[: m.start(2)], link, s[end:]):
+            text.insert_before(piece)
+        text.extract()
+        count += 1
+    return count
+
+
 def add_next_links(soup, main) -> None:
     """Each Part ends with a link to the next Part (a skippable one passed over); the
     last Part, to the page's end."""
@@ -1052,6 +1080,7 @@ def arrange(html: str) -> str:
     into_sections(soup, main, headings)
     collapse_skippable(soup, main)
     link_mentions(soup, main, mention_targets(main, headings))
+    link_skip_to(soup, main, headings)
     add_ending(soup, main, headings)
     add_next_links(soup, main)
     contents_nav(soup, headings)
