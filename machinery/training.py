@@ -14,13 +14,15 @@ import dataclasses
 import json
 import math
 import os
+import queue
 import random
 import signal
 import sys
+import threading
 import time
 import warnings
-from contextlib import nullcontext
-from dataclasses import dataclass
+from contextlib import closing, nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
@@ -37,13 +39,17 @@ from .devices import (
     _barrier,
     _distributed,
     allocator_note,
+    allow_tf32,
     any_process,
+    measured_ratio,
     on_device,
+    precision_candidates,
     resolve_attention,
     resolve_device,
     resolve_precision,
     restore_rng,
     seed_process,
+    time_calls,
     unwrap,
 )
 from .figures import plot_curves
@@ -167,6 +173,10 @@ class Run(Trainer):
     rank: int  # this process's place among the `world` (0 writes the files)
     files: RunFiles
     log: Callable
+    # the checkpoint to resume from, (path, state), until `resume` takes it
+    found: list = field(default_factory=list)
+    # how precision and attention were decided: lines for the log and results.json
+    decided: dict = field(default_factory=dict)
 
 
 # Resuming: the newest checkpoint that can be read, with everything it recorded.
@@ -216,48 +226,86 @@ def newest_readable_checkpoint(
     return None
 
 
-# Resuming: the first process reads the checkpoint and hands it to the others (a
-# broadcast), so that processes on machines without a shared disk start where it does —
-# after DDP's own first broadcast of the weights, which saw only the fresh model. The
-# position is checked against the settings now in force (`resume_position`, above):
-# another number of processes or `accum_steps` continues the same global order of
-# batches; another `batch_tokens` inside an epoch cannot, and is refused in one line.
+# Resuming on several machines: each may hold checkpoints on its own disk, and which
+# machine is process 0 is not fixed (torchrun's c10d rendezvous ignores --node_rank).
+# So every process reports the newest checkpoint in its own run directory (one
+# `all_gather`), and the lowest-ranked process holding the newest reads it and hands it
+# to the others (a broadcast) — after DDP's own first broadcast of the weights, which
+# saw only the fresh model. The position is checked against the settings now in force
+# (`resume_position`, above): another number of processes or `accum_steps` continues
+# the same global order of batches; another `batch_tokens` inside an epoch cannot, and
+# is refused in one line.
+
+
+def _newest_step(run_dir: Path) -> int:
+    """The step of the newest checkpoint in ``run_dir`` by its name; -1 if none."""
+    paths = checkpoint_paths(run_dir)
+    return int(paths[-1].stem.split("-")[-1]) if paths else -1
+
+
+def find_checkpoint(
+    files: RunFiles,
+    cfg: Config,
+    data: Dataset,
+    rank: int,
+    world: int,
+    log: Callable = print,
+) -> Optional[tuple[Path, dict]]:
+    """(path, state) of the newest checkpoint any process holds, in every process; None
+    when no process holds one (our addition).
+
+    The holder's unreadable newer files are skipped as in
+    :func:`newest_readable_checkpoint`; an error there stops every process.
+    """
+    steps = [_newest_step(files.dir)]
+    if world > 1:
+        steps = [None] * world
+        dist.all_gather_object(steps, _newest_step(files.dir))
+    newest = max(steps)
+    if newest < 0:
+        return None
+    holder = steps.index(newest)
+    found, error = None, None
+    if rank == holder:
+        try:
+            found = newest_readable_checkpoint(
+                files.dir,
+                cfg,
+                data.src_vocab,
+                data.tgt_vocab,
+                data.subwords,
+                tidy=files.write,
+            )
+        except CheckpointError as e:
+            error = str(e)
+    if world > 1:
+        box = [found, error]
+        dist.broadcast_object_list(box, src=holder)
+        found, error = box
+        behind = [r for r, s in enumerate(steps) if s < newest]
+        if behind:
+            log(
+                f"resuming from the checkpoint of step {newest} that process {holder} "
+                f"holds; process(es) {', '.join(map(str, behind))} held "
+                + ", ".join("none" if steps[r] < 0 else f"step {steps[r]}" for r in behind)
+            )
+    if error:
+        raise CheckpointError(error)
+    return found
 
 
 def resume(run: Run) -> Position:
-    """Restore the newest checkpoint of the run directory (model, optimizer, schedule,
-    scaler, RNGs), if any.
+    """Restore the checkpoint ``setup`` found (the newest any process holds): model,
+    optimizer, schedule, scaler, RNGs; nothing if there is none.
 
-    The first process reads it and hands it to the others, so machines without a shared
-    disk
-    resume in step. Metrics logged after that checkpoint are dropped, so the resumed run
-    logs
-    no step twice.
+    Metrics logged after that checkpoint are dropped, so the resumed run logs no step
+    twice.
     """
-    state, path, error = None, None, None
-    if run.rank == 0:
-        try:
-            found = newest_readable_checkpoint(
-                run.files.dir,
-                run.cfg,
-                run.data.src_vocab,
-                run.data.tgt_vocab,
-                run.data.subwords,
-                tidy=run.files.write,
-            )
-        except CheckpointError as e:
-            found, error = None, e
-        if found is not None:
-            path, state = found
-    if run.world > 1:
-        box = [state, path, str(error) if error else None]
-        dist.broadcast_object_list(box, src=0)
-        state, path, error = box[0], box[1], box[2] and CheckpointError(box[2])
-    if error:
-        raise error
-    if state is None:
+    found = run.found.pop() if run.found else None
+    if found is None:
         run.files.repair_metrics(0)
         return Position()
+    path, state = found
     pos, layout = resume_position(state, run.cfg, path)
     run.model.load_state_dict(state["model"])
     run.optimizer.load_state_dict(state["optimizer"])
@@ -399,6 +447,56 @@ def plan_run(
     return max(total - step, 0), lines
 
 
+# ### Batches ahead of the device
+#
+# On a GPU an update is a few milliseconds of kernels; building its batches and copying
+# them there must not wait for it. So a GPU run builds the batches of the next updates
+# in a background thread (`prefetched`), pinned and copied with `non_blocking`
+# (`Batch.to`), while the device computes the current one. On a CPU there is nothing to
+# overlap (the update computes on the same cores), and the batches are built in turn.
+
+PREFETCH = {"cuda": 2}  # updates built ahead, by the device's kind (none elsewhere)
+
+
+def prefetched(make: Callable[[int], object], count: int, depth: int):
+    """``make(0)``, …, ``make(count - 1)`` in order; with ``depth`` > 0 built in a
+    background thread up to ``depth`` ahead (our addition). Its errors are raised here;
+    closing the generator stops the thread."""
+    if depth <= 0:
+        yield from (make(k) for k in range(count))
+        return
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item) -> None:
+        while not stop.is_set():
+            try:
+                return ready.put(item, timeout=0.05)
+            except queue.Full:
+                continue
+
+    def work() -> None:
+        try:
+            for k in range(count):
+                if stop.is_set():
+                    return
+                put((make(k), None))
+        except BaseException as e:  # handed to the consumer
+            put((None, e))
+
+    worker = threading.Thread(target=work, name="batches", daemon=True)
+    worker.start()
+    try:
+        for _ in range(count):
+            item, error = ready.get()
+            if error is not None:
+                raise error
+            yield item
+    finally:
+        stop.set()
+        worker.join()
+
+
 # ### One epoch
 #
 # The batches of an epoch are a function of (seed, epoch), so `train_epoch` can start at
@@ -439,12 +537,15 @@ def train_epoch(
     run.train_model.train()
     seen, t0, loss_acc, tok_acc = 0, time.time(), 0.0, 0
     finished = False
-    with bar:
-        for u, micro in enumerate(updates):
+    ahead = prefetched(
+        lambda u: [nb.make_batch(pairs, idx).to(run.device) for idx in updates[u]],
+        len(updates),
+        PREFETCH.get(run.device.type, 0),
+    )
+    with bar, closing(ahead):
+        for u, micro in enumerate(ahead):
             try:
-                loss, tokens, lr = update(
-                    run, [nb.make_batch(pairs, idx).to(run.device) for idx in micro]
-                )
+                loss, tokens, lr = update(run, micro)
             except TrainingDiverged as e:
                 last = checkpoint_paths(run.files.dir)
                 raise TrainingDiverged(
@@ -510,9 +611,131 @@ def train_epoch(
 
 # ### Setting up, scoring, and `train`
 #
-# `setup` builds a run's objects: the model (the same initial weights in every process),
-# the optimizer and its schedule, the precision, DDP when several processes train, and
-# the run directory.
+# `setup` builds a run's objects: the run directory and the checkpoint to resume from,
+# the precision and attention path (kept from that checkpoint, or asked for, or
+# measured: A.2), the model (the same initial weights in every process), the optimizer
+# and its schedule, DDP when several processes train, and `torch.compile` last —
+# PyTorch's documented order, compiling the DDP module so that its gradient
+# communication overlaps the backward pass.
+
+
+def probe_batch(pairs: Sequence, tokens: int) -> Batch:
+    """Real training pairs around the median target length, at most ``tokens`` padded
+    tokens a side: what `auto` times (our addition)."""
+    nb = notebook()
+    order = sorted(range(len(pairs)), key=lambda i: (len(pairs[i][1]), i))
+    mid = order[len(order) // 2]
+    longest = max(len(pairs[mid][0]), len(pairs[mid][1]))
+    n = max(1, min(tokens // max(longest, 1), len(order)))
+    start = max(0, min(len(order) // 2 - n // 2, len(order) - n))
+    return nb.make_batch(pairs, order[start : start + n])
+
+
+PROBE_TOKENS = {"cuda": 0, "cpu": 256}  # per side; 0: the run's batch_tokens
+
+
+def measure_compute(
+    cfg: Config,
+    data: Dataset,
+    device: torch.device,
+    precisions: Sequence[str],
+    paths: Sequence[str],
+    timer: Optional[Callable] = None,
+) -> dict:
+    """Seconds per forward and backward pass of the run's model, for each (precision,
+    attention path), on a real batch on ``device`` — A.2 (our addition).
+
+    Inside ``fork_rng``: the run's random streams are as they were. ``timer`` is
+    :func:`time_calls` unless given (tests give fake times).
+    """
+    nb = notebook()
+    timer = timer or time_calls
+    tokens = PROBE_TOKENS.get(device.type, 0) or cfg.batch_tokens
+    batch = probe_batch(data.splits["train"], min(tokens, cfg.batch_tokens))
+    batch = batch.to(device)
+    gpus = [device] if device.type == "cuda" else []
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    python_state = random.getstate()
+    with torch.random.fork_rng(devices=gpus, device_type=device.type):
+        models = {
+            a: nb.make_model(
+                len(data.src_vocab), len(data.tgt_vocab), cfg, attention=a
+            ).to(device)
+            for a in paths
+        }
+
+        def one_pass(precision: str, path: str) -> Callable:
+            model, dtype = models[path], dtypes.get(precision)
+            cast = (
+                (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
+            )
+
+            def run_pass():
+                with cast():
+                    loss = nb.batch_loss(model, batch, cfg.eps_ls)
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+
+            return run_pass
+
+        calls = {(p, a): one_pass(p, a) for p in precisions for a in paths}
+        times = timer(calls, device)
+    random.setstate(python_state)
+    del models
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return times
+
+
+def decide_compute(
+    cfg: Config,
+    data: Dataset,
+    device: torch.device,
+    saved: Optional[dict],
+    world: int,
+) -> tuple[str, str, dict]:
+    """(precision, attention path, {"precision": line, "attention": line}) of a run:
+    what its checkpoint recorded, else what was asked for, else measured here — A.2 (our
+    addition). In a distributed run process 0's measurement decides for all."""
+    precisions, attention_paths = [cfg.precision], [cfg.attention]
+    lines: dict = {}
+    if saved and cfg.precision == "auto" and saved.get("precision", "auto") != "auto":
+        precisions = [saved["precision"]]
+        lines["precision"] = (
+            resolve_precision(saved["precision"], device)[1].replace(
+                "(asked for", "(auto: kept from the checkpoint"
+            )
+        )
+    if saved and cfg.attention == "auto" and saved.get("attention", "auto") != "auto":
+        attention_paths = [saved["attention"]]
+        lines["attention"] = f"attention: {saved['attention']} path (auto: kept from "
+        lines["attention"] += "the checkpoint)"
+    if precisions == ["auto"]:
+        precisions = precision_candidates(device)[0]
+    if attention_paths == ["auto"]:
+        attention_paths = ["readable", "fast"]
+    times = None
+    if len(precisions) * len(attention_paths) > 1:
+        times = measure_compute(cfg, data, device, precisions, attention_paths)
+        if world > 1:  # every process follows process 0's measurement
+            box = [times]
+            dist.broadcast_object_list(box, src=0)
+            times = box[0]
+    best = None  # each precision's time at its better attention path
+    if times:
+        best = {p: min(t for (q, _), t in times.items() if q == p) for p in precisions}
+    if "precision" in lines:
+        precision = precisions[0]
+    else:
+        precision, lines["precision"] = resolve_precision(cfg.precision, device, best)
+    if "attention" in lines:
+        attention = attention_paths[0]
+    else:
+        at = {a: times[(precision, a)] for a in attention_paths} if times else None
+        attention, lines["attention"] = resolve_attention(cfg.attention, device, at)
+        if at and len(at) > 1 and precision != "fp32":
+            lines["attention"] = lines["attention"][:-1] + f", in {precision})"
+    return precision, attention, lines
 
 
 def setup(
@@ -523,47 +746,51 @@ def setup(
     world: int,
     log: Callable,
 ) -> Run:
-    """The model, optimizer, schedule, precision and run directory of a training run.
+    """The run directory, checkpoint to resume, model, optimizer, schedule and precision
+    of a training run.
 
     The model is initialised from ``cfg.seed`` in every process (the same weights); then
-    each
-    process switches to its own random stream, for dropout.
+    each process switches to its own random stream, for dropout. The run's ``cfg``
+    holds the precision and attention path decided (so its checkpoints record them).
     """
     nb = notebook()
-    attention, why_attention = resolve_attention(cfg.attention, device)
+    files = RunFiles(run_dir_for(cfg), cfg.keep_checkpoints, write=rank == 0)
+    found = find_checkpoint(files, cfg, data, rank, world, log)
+    saved = found[1]["config"] if found else None
+    tf32 = allow_tf32(device)  # before measuring: float32 runs use it
+    precision, attention, decided = decide_compute(cfg, data, device, saved, world)
+    cfg = dataclasses.replace(cfg, precision=precision, attention=attention)
     model = nb.make_model(
         len(data.src_vocab), len(data.tgt_vocab), cfg, attention=attention
     ).to(device)
     optimizer, scheduler = nb.make_optimizer(model, cfg)
-    train_model = torch.compile(model) if cfg.compile else model
-    if (
-        world > 1
-        # no buffer changes while training (the positional encodings are constant): none to
-        # broadcast
-    ):
+    train_model = model
+    if world > 1:
+        # no buffer changes while training (the positional encodings are constant): none
+        # to broadcast
         train_model = nn.parallel.DistributedDataParallel(
             train_model,
             device_ids=[device.index] if device.type == "cuda" else None,
             broadcast_buffers=False,
         )
         seed_process(cfg.seed, rank)
-    precision, why = resolve_precision(cfg.precision, device)
+    if cfg.compile:
+        train_model = torch.compile(train_model)  # after DDP, as PyTorch documents
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     autocast = (
         (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
     )
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    files = RunFiles(run_dir_for(cfg), cfg.keep_checkpoints, write=rank == 0)
     log(
         f"device: {device}"
         + (f" × {world} processes" if world > 1 else "")
         + f"; run directory: {files.dir}"
     )
-    log(why)
-    log(why_attention)
-    note = allocator_note(device)
-    if note:
-        log(note)
+    log(decided["precision"])
+    log(decided["attention"])
+    for note in (tf32, allocator_note(device)):
+        if note:
+            log(note)
     return Run(
         cfg=cfg,
         model=model,
@@ -578,6 +805,8 @@ def setup(
         rank=rank,
         files=files,
         log=log,
+        found=[found] if found else [],
+        decided=decided,
     )
 
 
@@ -762,7 +991,9 @@ def train(
         "train_minutes": (time.time() - t_start) / 60,
         "device": str(device),
         "world_size": world,
-        "precision": resolve_precision(cfg.precision, device)[0],
+        "precision": run.cfg.precision,
+        "attention": run.cfg.attention,
+        "auto": {k: measured_ratio(v) for k, v in run.decided.items()},
         "data": data.origin,
         "run_dir": str(run.files.dir),
     }

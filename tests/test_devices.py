@@ -25,6 +25,13 @@ from conftest import last_state, quiet, run, tiny_cfg  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+
+@pytest.fixture(autouse=True)
+def no_measuring(monkeypatch):
+    """`auto` precision and attention decided without timing: every candidate ties, so float32 and the readable
+    path (runs repeat exactly; tests of the measurement give their own timer)."""
+    monkeypatch.setattr(machinery.training, "time_calls", lambda calls, device: dict.fromkeys(calls, 1.0))
+
 CPU, CUDA, META = torch.device("cpu"), torch.device("cuda", 0), torch.device("meta")
 
 
@@ -53,34 +60,67 @@ def machine(monkeypatch):
     return set_
 
 
-@pytest.mark.parametrize("hardware, device, want, reason", [
-    (dict(kernels="AVX2"), CPU, "fp32", "no native bf16"),  # the common AVX2 CPU
-    (dict(kernels="AVX512", avx512_bf16=False), CPU, "fp32", "no native bf16"),  # AVX-512 without BF16
-    (dict(kernels="AVX2", avx512_bf16=True), CPU, "fp32", "kernels: AVX2"),  # ATEN_CPU_CAPABILITY=avx2
-    (dict(kernels="AVX512", avx512_bf16=True), CPU, "bf16", "AVX-512 BF16"),
-    (dict(kernels="AVX512", amx=True, avx512_bf16=True), CPU, "bf16", "AMX"),
-    (dict(capability=(6, 0)), CUDA, "fp16", "6.0"),  # P100: fast fp16, no bf16
-    (dict(capability=(6, 1)), CUDA, "fp32", "6.1"),  # consumer Pascal: fp16 at a fraction of fp32
-    (dict(capability=(7, 0)), CUDA, "fp16", "7.0"),  # V100
-    (dict(capability=(7, 5)), CUDA, "fp16", "7.5"),  # T4, the free hosted-notebook GPU
-    (dict(capability=(8, 0)), CUDA, "bf16", "8.0"),  # A100
-    (dict(capability=(9, 0)), CUDA, "bf16", "9.0"),  # H100
+@pytest.mark.parametrize("hardware, device, candidates, reason", [
+    (dict(kernels="AVX2"), CPU, ["fp32"], "no native bf16"),  # the common AVX2 CPU: nothing to measure
+    (dict(kernels="AVX512", avx512_bf16=False), CPU, ["fp32"], "no native bf16"),  # AVX-512 without BF16
+    (dict(kernels="AVX2", avx512_bf16=True), CPU, ["fp32"], "kernels: AVX2"),  # ATEN_CPU_CAPABILITY=avx2
+    (dict(kernels="AVX512", avx512_bf16=True), CPU, ["fp32", "bf16"], "AVX-512 BF16"),
+    (dict(kernels="AVX512", amx=True, avx512_bf16=True), CPU, ["fp32", "bf16"], "AMX"),
+    (dict(capability=(6, 0)), CUDA, ["fp32", "fp16"], "6.0"),  # P100: fast fp16, no bf16
+    (dict(capability=(6, 1)), CUDA, ["fp32"], "6.1"),  # consumer Pascal: fp16 at a fraction of fp32
+    (dict(capability=(7, 0)), CUDA, ["fp32", "fp16"], "7.0"),  # V100
+    (dict(capability=(7, 5)), CUDA, ["fp32", "fp16"], "7.5"),  # T4, the free hosted-notebook GPU
+    (dict(capability=(8, 0)), CUDA, ["fp32", "bf16"], "8.0"),  # A100
+    (dict(capability=(9, 0)), CUDA, ["fp32", "bf16"], "9.0"),  # H100
 ])
-def test_auto_precision_is_native_bf16_else_fast_fp16_else_float32(machine, hardware, device, want, reason):
+def test_auto_measures_only_the_precisions_the_hardware_has(machine, hardware, device, candidates, reason):
     machine(**hardware)
-    got, line = machinery.resolve_precision("auto", device)
-    assert got == want
-    assert line.startswith("precision: ") and "(auto: " in line and reason in line, line
-    if want == "fp16":
-        assert "gradient scaler" in line
+    got, why = machinery.precision_candidates(device)
+    assert got == candidates and reason in why
+    if candidates == ["fp32"]:  # no measurement: the answer cannot change
+        assert machinery.resolve_precision("auto", device) == ("fp32", f"precision: float32 (auto: {why})")
+    else:
+        with pytest.raises(ValueError, match="needs measured times"):
+            machinery.resolve_precision("auto", device)
+
+
+# the measurements of issue 37: seconds for 40 updates of multi30k-small, and the AMD EPYC's 2.4×
+@pytest.mark.parametrize("hardware, device, times, want, line", [
+    (dict(kernels="AVX512", avx512_bf16=True), CPU, {"fp32": 25.0, "bf16": 38.3}, "fp32",
+     "precision: float32 (auto: bf16 measured 0.65× float32's speed here)"),  # the Intel Xeon, no AMX
+    (dict(kernels="AVX512", avx512_bf16=True), CPU, {"fp32": 24.0, "bf16": 10.0}, "bf16",
+     "precision: bf16 autocast (auto: bf16 measured 2.40× float32's speed here)"),  # the AMD EPYC
+    (dict(kernels="AVX512", avx512_bf16=True), CPU, {"fp32": 1.0, "bf16": 0.95}, "fp32",
+     "precision: float32 (auto: bf16 measured 1.05× float32's speed here)"),  # a near-tie keeps float32
+    (dict(kernels="AVX512", avx512_bf16=True), CPU, {"fp32": 1.1, "bf16": 1.0}, "bf16",
+     "precision: bf16 autocast (auto: bf16 measured 1.10× float32's speed here)"),  # a clear win: 10%
+    (dict(capability=(7, 5)), CUDA, {"fp32": 3.0, "fp16": 1.0}, "fp16",
+     "precision: fp16 autocast with a gradient scaler (auto: fp16 measured 3.00× float32's speed here)"),
+    (dict(capability=(9, 0)), CUDA, {"fp32": 2.0, "bf16": 1.0}, "bf16",
+     "precision: bf16 autocast (auto: bf16 measured 2.00× float32's speed here)"),
+])
+def test_auto_precision_is_the_measured_faster_one_by_a_clear_margin(machine, hardware, device, times, want, line):
+    machine(**hardware)
+    assert machinery.resolve_precision("auto", device, times) == (want, line)
+
+
+@pytest.mark.parametrize("times, want", [
+    ({"readable": 24.4, "fast": 24.5}, "readable"),  # the Intel Xeon in float32: a tie
+    ({"readable": 1.0, "fast": 0.95}, "readable"),  # 5% is not a clear win
+    ({"readable": 1.0, "fast": 0.5}, "fast"),
+])
+def test_auto_attention_is_the_measured_faster_path_by_a_clear_margin(times, want):
+    path, line = machinery.resolve_attention("auto", CPU, times)
+    ratio = times["readable"] / times["fast"]
+    assert path == want and line == f"attention: {want} path (auto: fast measured {ratio:.2f}× readable's speed here)"
 
 
 def test_emulated_bf16_is_not_taken_for_native(machine):
-    # torch.cuda.is_bf16_supported() says yes on a T4 (it counts emulation): that must not turn bf16 on
+    # torch.cuda.is_bf16_supported() says yes on a T4 (it counts emulation): that must not make bf16 a candidate
     machine(capability=(7, 5))
     assert torch.cuda.is_bf16_supported() and not torch.cuda.is_bf16_supported(including_emulation=False)
     assert machinery.native_bf16(CUDA)[0] is False
-    assert machinery.resolve_precision("auto", CUDA)[0] == "fp16"
+    assert machinery.precision_candidates(CUDA)[0] == ["fp32", "fp16"]
 
 
 def test_asked_for_precisions_are_obeyed_and_said(machine):
@@ -93,6 +133,116 @@ def test_asked_for_precisions_are_obeyed_and_said(machine):
     assert machinery.resolve_precision("fp32", CPU) == ("fp32", "precision: float32 (asked for)")
 
 
+def test_time_calls_interleaves_warms_up_and_keeps_to_its_budget():
+    order = []
+
+    def call(name, seconds):
+        return lambda: order.append(name) or __import__("time").sleep(seconds)
+
+    t0 = __import__("time").perf_counter()
+    times = machinery.time_calls({"a": call("a", 0.02), "b": call("b", 0.06)}, CPU, budget_s=0.5)
+    spent = __import__("time").perf_counter() - t0
+    assert spent < 0.75, spent
+    assert order[:4] == ["a", "b", "a", "b"], "interleaved rounds, so a slow spell hits every candidate"
+    rounds = len(order) // 2
+    assert 2 <= rounds <= 8 and order == ["a", "b"] * rounds  # one warm-up round, then timed ones
+    assert 0.015 < times["a"] < 0.05 and 0.05 < times["b"] < 0.1, times
+
+
+class FakeTimer:
+    """Stands in for `time_calls`: seconds per pass for each (precision, attention path); notes what it was asked."""
+
+    def __init__(self, **seconds):
+        self.seconds, self.asked = seconds, []
+
+    def __call__(self, calls, device):
+        self.asked.append(sorted(calls))
+        return {(p, a): self.seconds.get(f"{p}_{a}", self.seconds.get(p, 1.0)) for p, a in calls}
+
+
+def auto_run(tmp_path, monkeypatch, timer, name="run", **overrides):
+    """Train the tiny config (auto precision and attention unless overridden); (log lines, summary)."""
+    monkeypatch.setattr(machinery.training, "time_calls", timer)
+    settings = dict(max_steps=2, precision="auto", attention="auto", P_drop=0.1)
+    cfg = tiny_cfg(tmp_path / name, **{**settings, **overrides})
+    logs = []
+    summary = machinery.train(cfg, data=tiny_data(cfg), log=logs.append, progress=False, evaluate=False)
+    return [str(line) for line in logs], summary
+
+
+def test_training_log_and_summary_say_what_auto_measured(tmp_path, monkeypatch, machine):
+    machine(kernels="AVX512", avx512_bf16=True)  # bf16 is a candidate: it is measured, and slower here
+    timer = FakeTimer(fp32=25.0, bf16=38.3, fp32_fast=26.0)
+    logs, summary = auto_run(tmp_path, monkeypatch, timer)
+    assert timer.asked == [[("bf16", "fast"), ("bf16", "readable"), ("fp32", "fast"), ("fp32", "readable")]]
+    assert "precision: float32 (auto: bf16 measured 0.65× float32's speed here)" in logs, logs
+    assert "attention: readable path (auto: fast measured 0.96× readable's speed here)" in logs, logs
+    assert (summary["precision"], summary["attention"]) == ("fp32", "readable")
+    assert summary["auto"] == {"precision": "bf16 measured 0.65× float32's speed here",
+                               "attention": "fast measured 0.96× readable's speed here"}
+    assert summary["config"]["precision"] == "auto", "the setting as given; what it became beside it"
+    state = last_state(tmp_path / "run")
+    assert (state["config"]["precision"], state["config"]["attention"]) == ("fp32", "readable")
+
+    machine(kernels="AVX2")  # no native bf16: float32 without measuring it; the attention paths still are
+    timer = FakeTimer(fp32=1.0, fp32_fast=0.5)
+    logs, summary = auto_run(tmp_path, monkeypatch, timer, name="avx2")
+    assert timer.asked == [[("fp32", "fast"), ("fp32", "readable")]]
+    assert any(line.startswith("precision: float32 (auto: the CPU has no native bf16") for line in logs), logs
+    assert "attention: fast path (auto: fast measured 2.00× readable's speed here)" in logs
+    assert summary["attention"] == "fast"
+
+
+def test_bf16_wins_where_it_measures_faster_and_the_attention_is_timed_in_it(tmp_path, monkeypatch, machine):
+    machine(kernels="AVX512", avx512_bf16=True)
+    timer = FakeTimer(fp32=2.4, bf16=1.0, bf16_fast=1.3, fp32_fast=0.5)
+    logs, summary = auto_run(tmp_path, monkeypatch, timer)
+    # float32 with the fast path would be faster still; precision compares each at its better path: 0.5 vs 1.0
+    assert summary["precision"] == "fp32" and summary["attention"] == "fast", logs
+    timer = FakeTimer(fp32=2.4, bf16=1.0, bf16_fast=1.3, fp32_fast=2.0)
+    logs, summary = auto_run(tmp_path, monkeypatch, timer, name="bf16")
+    assert (summary["precision"], summary["attention"]) == ("bf16", "readable"), logs
+    assert "attention: readable path (auto: fast measured 0.77× readable's speed here, in bf16)" in logs
+
+
+def test_asked_for_settings_and_a_resumed_run_measure_nothing(tmp_path, monkeypatch, machine):
+    machine(kernels="AVX512", avx512_bf16=True)
+
+    def no_timing(calls, device):
+        raise AssertionError(f"measured {sorted(calls)}")
+
+    logs, summary = auto_run(tmp_path, monkeypatch, no_timing, precision="bf16", attention="fast")
+    assert (summary["precision"], summary["attention"]) == ("bf16", "fast")
+    assert "attention: fast path (asked for)" in logs
+    # a run measured once keeps its choice when resumed, whatever a new measurement would say
+    auto_run(tmp_path, monkeypatch, FakeTimer(fp32=2.0, bf16=1.0, bf16_fast=0.5), name="resumed")
+    logs, summary = auto_run(tmp_path, monkeypatch, no_timing, name="resumed", max_steps=4)
+    assert (summary["steps"], summary["precision"], summary["attention"]) == (4, "bf16", "fast")
+    assert "precision: bf16 autocast (auto: kept from the checkpoint)" in logs, logs
+    assert "attention: fast path (auto: kept from the checkpoint)" in logs
+    assert summary["auto"] == {"precision": "kept from the checkpoint", "attention": "kept from the checkpoint"}
+
+
+def test_measuring_leaves_the_runs_random_streams_and_numbers_as_they_were(tmp_path, monkeypatch, machine):
+    # with dropout: a measurement that drew from the streams would change every update after it
+    machine(kernels="AVX512", avx512_bf16=True)
+    measured = []
+
+    def real_timer(calls, device):  # really runs the passes (they use dropout), then says bf16 + readable
+        measured.append(machinery.time_calls(calls, device, budget_s=0.2))
+        return {(p, a): 1.0 if p == "bf16" and a == "readable" else 3.0 for p, a in calls}
+
+    _, auto = auto_run(tmp_path, monkeypatch, real_timer, name="auto", max_steps=4)
+    _, asked = auto_run(tmp_path, monkeypatch, real_timer, name="asked", max_steps=4, precision="bf16",
+                        attention="readable")
+    assert len(measured) == 1 and len(measured[0]) == 4, "the auto run measured four ways, the other none"
+    assert (auto["precision"], auto["attention"]) == ("bf16", "readable")
+    a, b = last_state(tmp_path / "auto"), last_state(tmp_path / "asked")
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]) and a["rng"]["python"] == b["rng"]["python"]
+
+
 def test_precision_setting():
     assert machinery.Config().precision == "auto"
     assert all(cfg.precision == "auto" for cfg in machinery.PRESETS.values()), "presets must not hard-code precision"
@@ -101,15 +251,6 @@ def test_precision_setting():
     for precision in ("fp32", "bf16", "fp16"):
         _, cfg = machinery.config_from_args(["train", "--config", "copy", "--precision", precision])
         assert cfg.precision == precision
-
-
-def test_training_log_says_which_precision_and_why(tmp_path, machine):
-    machine(kernels="AVX2")
-    cfg = tiny_cfg(tmp_path / "run", max_steps=1, precision="auto")
-    logs = []
-    summary = machinery.train(cfg, data=tiny_data(cfg), log=logs.append, progress=False, evaluate=False)
-    assert any(str(line).startswith("precision: float32 (auto: the CPU has no native bf16") for line in logs), logs
-    assert summary["precision"] == "fp32"
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,7 +28,14 @@ from conftest import last_state, quiet  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MODEL = dict(N=1, d_model=32, d_ff=64, h=4, warmup=50, device="cpu", precision="fp32")
+
+@pytest.fixture(autouse=True)
+def no_measuring(monkeypatch):
+    """`auto` precision and attention decided without timing: every candidate ties, so float32 and the readable
+    path (runs repeat exactly; tests of the measurement give their own timer)."""
+    monkeypatch.setattr(machinery.training, "time_calls", lambda calls, device: dict.fromkeys(calls, 1.0))
+
+MODEL = dict(N=1, d_model=32, d_ff=64, h=4, warmup=50, device="cpu", precision="fp32", attention="readable")
 SETTINGS = dict(batch_tokens=120, epochs=1, eps_ls=0.1)  # 10 pairs a batch: 20 batches an epoch
 
 
@@ -101,11 +108,17 @@ import machinery.training
 import the_annotated_transformer as tat
 
 torch.set_num_threads(1)
-run_dir, out, settings, own_dirs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4] == "1"
+run_dir, out, settings, own_dirs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 rank = int(os.environ["RANK"])
-if own_dirs and rank:  # machines without a shared disk: only the first holds the run directory
+if own_dirs == "1" and rank:  # machines without a shared disk: only the first holds the run directory
+    run_dir = f"{run_dir}-rank{rank}"
+if own_dirs == "2" and not rank:  # ... only the second holds it (process 0 is whichever machine sorts first)
     run_dir = f"{run_dir}-rank{rank}"
 nan_in_rank = settings.pop("nan_in_rank", None)
+times = settings.pop("times_by_rank", None)  # what `auto`'s measurement says in each process
+if times:
+    machinery.training.time_calls = lambda calls, device: {
+        (p, a): times[rank].get(f"{p}_{a}", 1.0) for p, a in calls}
 cfg = machinery.get_config("copy", run_dir=run_dir, **settings)
 data = machinery.make_copy_data(cfg, sizes=(200, 40, 20))
 record = {"collective_devices": [], "train_batches": [], "rng_at_first_update": None}
@@ -142,6 +155,7 @@ def setup(*args, **kwargs):
     runs.append(real_setup(*args, **kwargs))
     record["device"] = str(runs[0].device)
     record["broadcast_buffers"] = runs[0].train_model.broadcast_buffers
+    record["attention"], record["precision"] = runs[0].cfg.attention, runs[0].cfg.precision
     return runs[0]
 
 def update(run, micro):
@@ -167,7 +181,7 @@ dist.destroy_process_group()
 """
 
 
-def torchrun(tmp_path, run_dir, settings: dict, own_dirs: bool = False) -> list[dict]:
+def torchrun(tmp_path, run_dir, settings: dict, own_dirs: str = "0") -> list[dict]:
     """Train ``copy`` with ``settings`` on two Gloo processes; what each process recorded."""
     script = tmp_path / "train_two.py"
     script.write_text(textwrap.dedent(SCRIPT))
@@ -180,7 +194,7 @@ def torchrun(tmp_path, run_dir, settings: dict, own_dirs: bool = False) -> list[
         env.pop(k, None)
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script),
-         str(run_dir), str(out), json.dumps({**MODEL, **settings}), "1" if own_dirs else "0"],
+         str(run_dir), str(out), json.dumps({**MODEL, **settings}), own_dirs],
         env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -274,7 +288,7 @@ def test_stopped_on_one_process_two_processes_without_a_shared_disk_continue_in_
     first, _ = batches_of_a_run(monkeypatch, cfg)
     assert len(first) == 5
     # the second process has an empty run directory of its own: it must take the first one's checkpoint
-    records = torchrun(tmp_path, tmp_path / "run", dict(SETTINGS, P_drop=0.1), own_dirs=True)
+    records = torchrun(tmp_path, tmp_path / "run", dict(SETTINGS, P_drop=0.1), own_dirs="1")
     assert_collectives_on_the_training_device(records)
     assert [r["steps"] for r in records] == [5 + 7, 5 + 7]
     assert records[0]["params"] == records[1]["params"], "both processes must hold the same resumed model"
@@ -286,6 +300,31 @@ def test_stopped_on_one_process_two_processes_without_a_shared_disk_continue_in_
     state = last_state(tmp_path / "run")
     assert (state["step"], state["epoch"], state["batch_in_epoch"]) == (12, 1, 0)
     assert not machinery.checkpoint_paths(Path(str(tmp_path / "run") + "-rank1")), "only the first process writes"
+
+
+def test_machines_without_a_shared_disk_resume_from_the_newest_checkpoint_whichever_holds_it(tmp_path, monkeypatch):
+    # torchrun's c10d rendezvous makes any machine process 0: here the one that held no checkpoint. Before issue 37
+    # only process 0 looked, found none, and both trained silently from step 0.
+    cfg = cfg_for(tmp_path / "run", P_drop=0.1, max_steps=5)
+    first, _ = batches_of_a_run(monkeypatch, cfg)
+    records = torchrun(tmp_path, tmp_path / "run", dict(SETTINGS, P_drop=0.1), own_dirs="2")
+    assert [r["steps"] for r in records] == [5 + 7, 5 + 7], "the run restarted from step 0"
+    assert records[0]["params"] == records[1]["params"]
+    mine = [[tuple(b) for b in r["train_batches"]] for r in records]
+    assert sorted(mine[0] + mine[1]) == sorted(global_batches(cfg)[5:19]) and not set(first) & set(mine[0] + mine[1])
+    # process 0 writes, into its own directory, the run continued
+    state = last_state(Path(str(tmp_path / "run") + "-rank0"))
+    assert (state["step"], state["epoch"], state["batch_in_epoch"]) == (12, 1, 0)
+
+
+def test_the_first_process_measures_for_all_and_every_process_follows_it(tmp_path):
+    # process 1's measurement would pick the fast path; process 0's, which decides, keeps the readable one
+    times = [{"fp32_readable": 1.0, "fp32_fast": 1.05}, {"fp32_readable": 1.0, "fp32_fast": 0.5}]
+    records = torchrun(tmp_path, tmp_path / "run", dict(SETTINGS, max_steps=2, attention="auto", times_by_rank=times))
+    assert [(r["precision"], r["attention"]) for r in records] == [("fp32", "readable")] * 2
+    times.reverse()
+    records = torchrun(tmp_path, tmp_path / "other", dict(SETTINGS, max_steps=2, attention="auto", times_by_rank=times))
+    assert [(r["precision"], r["attention"]) for r in records] == [("fp32", "fast")] * 2
 
 
 # --------------------------------------------------------------------------------------------

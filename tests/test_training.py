@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:  # normally done by conftest.py
     sys.path.insert(0, str(ROOT))
 
 import machinery  # noqa: E402
+import machinery.devices  # noqa: E402
 import machinery.parts  # noqa: E402
 import machinery.training  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
@@ -35,6 +36,13 @@ from the_annotated_transformer import BOS, EOS, PAD  # noqa: E402
 from conftest import last_state, quiet, run, tiny_cfg, tiny_data  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def no_measuring(monkeypatch):
+    """`auto` precision and attention decided without timing: every candidate ties, so float32 and the readable
+    path (runs repeat exactly; tests of the measurement give their own timer)."""
+    monkeypatch.setattr(machinery.training, "time_calls", lambda calls, device: dict.fromkeys(calls, 1.0))
 
 
 def varlen_data(cfg, n: int = 120, seed: int = 0) -> machinery.Dataset:
@@ -429,14 +437,19 @@ def test_accumulated_update_has_the_gradient_of_the_whole_batch(tmp_path, record
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_copy_preset_learns_to_copy(tmp_path, seed):
-    """Not one tuned seed: measured at BLEU 99.1–100 over seeds 1–8, so 90 leaves a wide margin."""
-    cfg = machinery.get_config("copy", device="cpu", seed=seed, run_dir=str(tmp_path / "copy"))
+    """Not one tuned seed: measured at BLEU 99.1–100 over seeds 1–8 in bf16, so 90 leaves a wide margin.
+
+    bf16 as asked for: `auto` measures float32 faster for this small model on an AMD EPYC (bf16 0.76×), and in
+    float32 seed 1 reaches only BLEU 69.8 after the preset's 16 epochs (seeds 2–8: 94.4–100) — noted for the
+    preset, not hidden by picking seeds."""
+    cfg = machinery.get_config("copy", device="cpu", seed=seed, run_dir=str(tmp_path / "copy"), precision="bf16")
     data = machinery.make_copy_data(cfg)
     t0, c0 = time.perf_counter(), time.process_time()
     summary = machinery.train(cfg, data=data, log=quiet, progress=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     print(f"\ncopy preset, seed {seed}: test BLEU {summary['bleu']:.2f} after {summary['steps']} updates in {wall:.1f} s "
-          f"wall, {cpu:.1f} s CPU ({torch.get_num_threads()} thread)")
+          f"wall, {cpu:.1f} s CPU ({torch.get_num_threads()} thread); {summary['precision']}, "
+          f"{summary['attention']} attention ({summary['auto']})")
     assert summary["bleu"] >= 90, f"copy preset reached only BLEU {summary['bleu']:.2f}"
 
 
