@@ -195,7 +195,9 @@ def attention_maps(model, src, tgt) -> dict:
         modules[("decoder_src", i)] = layer.src_attn
     inputs: dict = {}
     handles = [
-        m.register_forward_pre_hook(lambda _m, args, key=key: inputs.__setitem__(key, args))
+        m.register_forward_pre_hook(
+            lambda _m, args, key=key: inputs.__setitem__(key, args)
+        )
         for key, m in modules.items()
     ]
     try:
@@ -212,21 +214,24 @@ def attention_maps(model, src, tgt) -> dict:
         for i in range(len(stack.layers)):
             a, (query, key, _value, mask) = modules[(kind, i)], inputs[(kind, i)]
             q, (k, v) = a.project_q(query), a.project_kv(key, key)  # (1, h, len, d_k)
-            weights = nb.attention(q, k, v, nb.per_head(mask))[1][0]  # (h, len_q, len_k)
+            weights = nb.attention(q, k, v, nb.per_head(mask))[1][
+                0
+            ]  # (h, len_q, len_k)
             layers.append(weights)
         maps[kind] = torch.stack(layers)  # (layers of its stack, h, len_q, len_k)
     return maps
 
 
-def attention_maps_json(maps: dict, src: Sequence[str], out: Sequence[str],
-                        read: Sequence[str]) -> dict:
+def attention_maps_json(
+    maps: dict, src: Sequence[str], out: Sequence[str], read: Sequence[str]
+) -> dict:
     """The maps as the web page's interactive figure reads them (weights to 3 decimals):
-    ``{"sentence": {"src", "tgt", "tgt_in"}, "maps": {"encoder", "decoder", "cross"}}``,
-    each map [layer][head][query][key]; ``out`` is what each decoder position predicts,
-    ``read`` what it reads."""
+    ``{"sentence": {"src", "tgt", "tgt_out"}, "maps": {"encoder", "decoder",
+    "cross"}}``, each map [layer][head][query][key]; ``tgt`` is what each decoder
+    position reads, ``tgt_out`` what it predicts (web/build.py reads this)."""
     names = {"encoder": "encoder", "decoder_self": "decoder", "decoder_src": "cross"}
     return {
-        "sentence": {"src": list(src), "tgt": list(out), "tgt_in": list(read)},
+        "sentence": {"src": list(src), "tgt": list(read), "tgt_out": list(out)},
         "maps": {names[k]: maps[k].round(decimals=3).tolist() for k in ATTENTION_KINDS},
     }
 

@@ -175,7 +175,9 @@ def test_the_notebook_executes_top_to_bottom(tmp_path, mirror):
 
     nb = jupytext.read(PY)
     env = {"NOTEBOOK_PROFILE": "smoke", "NOTEBOOK_RUNS": str(tmp_path / "runs"), "DATA_MIRROR": str(mirror),
-           "ANNOTATED_TRANSFORMER_DATA": str(tmp_path / "data"), "MPLBACKEND": "Agg"}
+           "ANNOTATED_TRANSFORMER_DATA": str(tmp_path / "data"), "MPLBACKEND": "Agg",
+           # run elsewhere, the notebook still finds the package beside it
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel inherits this process's environment
     try:
