@@ -1573,7 +1573,9 @@ def batch_loss(
     ``forward`` runs the forward pass when it is not ``model`` itself (a compiled or
     distributed wrapper of it); the generator is always the model's own.
     """
-    out = (forward or model)(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
+    out = (model if forward is None else forward)(
+        batch.src, batch.tgt, batch.src_mask, batch.tgt_mask
+    )
     # out: (batch, len, d_model)
     return loss_sum(model.generator(out), batch.tgt_y, eps_ls)
 

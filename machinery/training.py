@@ -624,11 +624,14 @@ def probe_batch(pairs: Sequence, tokens: int) -> Batch:
     tokens a side: what `auto` times (our addition)."""
     nb = notebook()
     order = sorted(range(len(pairs)), key=lambda i: (len(pairs[i][1]), i))
-    mid = order[len(order) // 2]
-    longest = max(len(pairs[mid][0]), len(pairs[mid][1]))
-    n = max(1, min(tokens // max(longest, 1), len(order)))
-    start = max(0, min(len(order) // 2 - n // 2, len(order) - n))
-    return nb.make_batch(pairs, order[start : start + n])
+    n = len(order)
+    while True:  # fewer pairs until the longest of them fits
+        start = max(0, min(len(order) // 2 - n // 2, len(order) - n))
+        chosen = order[start : start + n]
+        longest = max(max(len(pairs[i][0]), len(pairs[i][1])) for i in chosen)
+        if longest * n <= tokens or n == 1:
+            return nb.make_batch(pairs, chosen)
+        n = max(1, min(n - 1, tokens // longest))
 
 
 PROBE_TOKENS = {"cuda": 0, "cpu": 256}  # per side; 0: the run's batch_tokens

@@ -519,3 +519,114 @@ def test_validation_takes_the_first_max_valid_sentences_pairs(tmp_path, monkeypa
     assert seen and all(pairs == data.splits["valid"][:expected] for pairs in seen)
     with pytest.raises(ValueError, match="max_valid_sentences must be 0"):
         tiny_cfg(tmp_path, max_valid_sentences=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# 6. Keeping a GPU busy, proven on the CPU: batches built ahead, and compiled training
+# --------------------------------------------------------------------------------------------
+
+def test_prefetched_yields_in_order_builds_ahead_and_hands_on_errors():
+    built = []
+
+    def make(k):
+        built.append(k)
+        return k * k
+
+    assert list(machinery.prefetched(make, 6, depth=2)) == [0, 1, 4, 9, 16, 25]
+    built.clear()
+    ahead = machinery.prefetched(make, 50, depth=2)
+    assert next(ahead) == 0
+    time.sleep(0.2)
+    assert 2 <= len(built) <= 4, f"built {built}: up to depth ahead of the one handed out"
+    ahead.close()  # stopping early (max_steps, a signal) stops the thread
+    time.sleep(0.1)
+    assert len(built) <= 4
+
+    def broken(k):
+        if k == 3:
+            raise ValueError("batch 3")
+        return k
+
+    with pytest.raises(ValueError, match="batch 3"):
+        list(machinery.prefetched(broken, 6, depth=2))
+    assert list(machinery.prefetched(make, 3, depth=0)) == [0, 1, 4]  # in turn, as a CPU run builds them
+
+
+def test_a_run_with_batches_built_ahead_ends_exactly_where_one_building_them_in_turn_does(tmp_path, monkeypatch):
+    cfg = tiny_cfg(tmp_path / "in-turn", max_steps=7, epochs=2, P_drop=0.1)
+    data = varlen_data(cfg)
+    run(cfg, data)
+    threads = []
+    real = machinery.training.prefetched
+    monkeypatch.setattr(machinery.training, "PREFETCH", {"cpu": 2})  # as on a GPU
+    monkeypatch.setattr(machinery.training, "prefetched",
+                        lambda make, count, depth: threads.append(depth) or real(make, count, depth))
+    run(dataclasses.replace(cfg, run_dir=str(tmp_path / "ahead")), data)
+    assert threads == [2, 2]  # one per epoch
+    a, b = last_state(tmp_path / "in-turn"), last_state(tmp_path / "ahead")
+    assert a["step"] == b["step"] == 7
+    for k in a["model"]:
+        assert torch.equal(a["model"][k], b["model"][k]), k
+
+
+def test_probe_batch_is_real_pairs_of_median_length_within_its_tokens():
+    cfg = tiny_cfg("unused")
+    pairs = varlen_data(cfg).splits["train"]
+    batch = machinery.probe_batch(pairs, 64)
+    assert batch.src.numel() <= 64 and batch.tgt.size(0) == batch.src.size(0) >= 2
+    median = sorted(len(t) for _, t in pairs)[len(pairs) // 2]
+    assert abs(batch.tgt.size(1) + 1 - median) <= 1  # tgt is the target less its last token
+
+
+def compile_count(monkeypatch, cfg, data, backend: str) -> tuple[dict, int, float]:
+    """Train ``cfg`` compiled with ``backend``; (summary, graphs dynamo compiled, seconds)."""
+    from torch._dynamo.utils import counters
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: real(model, backend=backend, **kw))
+    torch._dynamo.reset()
+    counters.clear()
+    t0 = time.perf_counter()
+    summary = run(cfg, data)
+    seconds = time.perf_counter() - t0
+    graphs = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    return summary, graphs, seconds
+
+
+def test_compiled_training_on_bucketed_batches_compiles_at_most_three_times_and_trains_as_eager(tmp_path,
+                                                                                               monkeypatch):
+    # dynamo and AOT autograd as `--compile` runs them; "aot_eager" leaves out only inductor's C++ code generation
+    # (the next test), which keeps this one to seconds. Batches of 1–10 symbols: shapes change every update.
+    cfg = tiny_cfg(tmp_path / "compiled", max_steps=8, epochs=2, compile=True)
+    data = varlen_data(cfg)
+    shapes = {tuple(tat.make_batch(data.splits["train"], idx).src.shape) for idx in tat.length_batches(
+        [(len(s), len(t)) for s, t in data.splits["train"]], cfg.batch_tokens, cfg.seed, 0)[:8]}
+    summary, graphs, seconds = compile_count(monkeypatch, cfg, data, "aot_eager")
+    print(f"\n--compile on {len(shapes)} batch shapes: {graphs} compilations, {seconds:.1f} s for 8 updates")
+    assert summary["steps"] == 8 and len(shapes) >= 5
+    # measured: 3 — the first shape, then one recompilation as each dimension (sentences, length) turns dynamic
+    assert graphs <= 3, f"{graphs} compilations for {len(shapes)} shapes: one per batch shape, not dynamic"
+    run(dataclasses.replace(cfg, compile=False, run_dir=str(tmp_path / "eager")), data)
+    a, b = last_state(tmp_path / "compiled"), last_state(tmp_path / "eager")
+    # the same training up to rounding — but for the key projections' biases, whose true gradient is zero (softmax
+    # ignores what they add to a query's every score): Adam scales their rounding noise to learning-rate steps
+    for k in a["model"]:
+        atol = 1e-2 if k.endswith("w_k.bias") else 1e-6
+        torch.testing.assert_close(a["model"][k], b["model"][k], rtol=0, atol=atol, msg=lambda m, k=k: f"{k}: {m}")
+    valid = [[json.loads(line)["valid_loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+              if "valid_loss" in line] for name in ("compiled", "eager")]
+    print(f"validation losses, compiled and eager: {valid}")
+    assert len(valid[0]) == 2 and valid[0] == pytest.approx(valid[1], rel=1e-2)
+
+
+def test_compiled_training_with_inductor_on_the_cpu(tmp_path, monkeypatch):
+    import shutil
+
+    if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        pytest.skip("torch.compile's default backend (inductor) needs a C++ compiler on a CPU; none on PATH")
+    cfg = tiny_cfg(tmp_path / "run", max_steps=2, compile=True)
+    summary, graphs, seconds = compile_count(monkeypatch, cfg, tiny_data(cfg), "inductor")
+    print(f"\n--compile with inductor: {graphs} compilation(s), {seconds:.1f} s for 2 updates of one shape")
+    assert summary["steps"] == 2 and graphs == 1
+    assert all(torch.isfinite(v).all() for v in last_state(tmp_path / "run")["model"].values())
