@@ -183,7 +183,8 @@ def load_for_inference(
             nb.Vocab(state["vocab"]["src"]),
             nb.Vocab(state["vocab"]["tgt"]),
         )
-        attention = resolve_attention(cfg.attention, torch.device(device))[0]
+        # the path for the device decoding runs on (the weights are the same for both)
+        attention = resolve_attention("auto", torch.device(device))[0]
         model = nb.make_model(len(src_vocab), len(tgt_vocab), cfg, attention=attention)
         model.load_state_dict(
             average_checkpoints(paths) if len(paths) > 1 else state["model"]

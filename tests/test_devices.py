@@ -413,6 +413,29 @@ def test_decoding_moves_a_model_that_is_elsewhere(monkeypatch):
     assert moved == [("EncoderDecoder", CPU)] * 2  # greedy, then beam search
 
 
+def test_decoding_takes_the_attention_path_of_the_device_it_runs_on(tmp_path, monkeypatch):
+    # the checkpoint records the path its training used (readable, on a CPU); decoding on CUDA takes the fused one
+    cfg = tiny_cfg(tmp_path / "run", max_steps=1, attention="readable")
+    run(cfg, tiny_data(cfg))
+    assert last_state(tmp_path / "run")["config"]["attention"] == "readable"
+    asked, real = [], tat.make_model
+
+    class Built(Exception):
+        """Stops load_for_inference once the model is built (there is no GPU to move it to)."""
+
+    def spy(*args, attention=None, **kwargs):
+        asked.append(attention)
+        if len(asked) > 1:
+            raise Built
+        return real(*args, attention=attention, **kwargs)
+
+    monkeypatch.setattr(tat, "make_model", spy)
+    machinery.load_for_inference(run_dir=tmp_path / "run", device="cpu")
+    with pytest.raises(Built):
+        machinery.load_for_inference(run_dir=tmp_path / "run", device="cuda")
+    assert asked == ["readable", "fast"]
+
+
 # --------------------------------------------------------------------------------------------
 # 4. Random-number states in checkpoints
 # --------------------------------------------------------------------------------------------
