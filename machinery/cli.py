@@ -492,11 +492,43 @@ def run_inference_command(command: str, argv: Sequence[str]) -> int:
 # interruption.
 
 
+COMMANDS = {
+    "train": "train a preset: --config NAME, any config field as --field value",
+    "translate": "translate sentences with a trained model (--run_dir or --checkpoint)",
+    "evaluate": "BLEU of a trained model on its test split, or on --src and --ref",
+}
+
+
+def usage() -> str:
+    """The top-level help: the three commands, one line each (our addition)."""
+    lines = [
+        "usage: the_annotated_transformer.py {train,translate,evaluate} [options]",
+        "",
+        "Train and evaluate the Transformer of Vaswani et al. (2017).",
+        "",
+        "commands:",
+        *(f"  {name:<10} {what}" for name, what in COMMANDS.items()),
+        "",
+        "the_annotated_transformer.py COMMAND --help lists a command's options.",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str]) -> int:
     """Entry point of the command line: ``train``, ``translate`` or ``evaluate``;
     returns the exit status."""
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
+    if not argv or argv[0] in ("-h", "--help"):  # no command: the three, and how
+        print(usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS and not argv[0].startswith("-"):
+        print(
+            f"the_annotated_transformer.py: error: unknown command {argv[0]!r} "
+            f"(choose from {', '.join(COMMANDS)}; --help lists them)",
+            file=sys.stderr,
+        )
+        return 2
     try:
         if argv and argv[0] in ("translate", "evaluate"):
             return run_inference_command(argv[0], argv[1:])

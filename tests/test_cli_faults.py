@@ -1,9 +1,11 @@
-"""The command line under abuse: every bad input or fault is one clear line and a non-zero status, and loses nothing.
+"""The command line under abuse: every bad input or fault is one clear line and a
+non-zero status, and loses nothing.
 
-Each row of a table is a bad input or a fault: the command, the exit status and words the
-message must hold, and what must be left intact. The rows run against the real ``main``, in
-this process; signals and locks use a second process.
+Each row of a table is a bad input or a fault: the command, the exit status and words
+the message must hold, and what must be left intact. The rows run against the real
+``main``, in this process; signals and locks use a second process.
 """
+
 import io
 import json
 import os
@@ -18,40 +20,73 @@ from typing import Callable, NamedTuple, Optional
 import pytest
 import torch
 
-import the_annotated_transformer as tat
+import machinery
 from conftest import quiet  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "the_annotated_transformer.py"
-MAX_LEN = 40  # the test model's positional encoding: short, so that over-long lines are cheap to make
-TRAIN = ["train", "--config", "copy", "--max_len", str(MAX_LEN), "--max_eval_sentences", "4", "--device", "cpu",
-         "--bf16", "false"]
+# the test model's positional encoding: short, so that over-long lines are cheap to make
+MAX_LEN = 40
+TRAIN = [
+    "train",
+    "--config",
+    "copy",
+    "--max_len",
+    str(MAX_LEN),
+    "--max_eval_sentences",
+    "4",
+    "--device",
+    "cpu",
+    "--precision",
+    "fp32",
+]
 NORMAL = ["1 2 3 4 5", "7 7 8", "9 10 1 2", "3"]
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    """A copy-task model with max_len=40 (one checkpoint), one of another size, and its translations of NORMAL."""
+    """A copy-task model with max_len=40 (one checkpoint), one of another size, and its
+    translations of NORMAL."""
     tmp = tmp_path_factory.mktemp("model")
     for name, extra in (("run", {}), ("small", {"d_model": 32, "d_ff": 64})):
-        cfg = tat.get_config("copy", max_len=MAX_LEN, max_steps=16, device="cpu", bf16="false",
-                             run_dir=str(tmp / name), **extra)
-        tat.train(cfg, log=quiet, progress=False, evaluate=False)
-    ck = tat.checkpoint_paths(tmp / "run")[-1]
+        cfg = machinery.get_config(
+            "copy",
+            max_len=MAX_LEN,
+            max_steps=16,
+            device="cpu",
+            precision="fp32",
+            run_dir=str(tmp / name),
+            **extra,
+        )
+        machinery.train(cfg, log=quiet, progress=False, evaluate=False)
+    ck = machinery.checkpoint_paths(tmp / "run")[-1]
     alone = {}
-    for line in NORMAL:  # each normal line translated on its own: what it must still give among bad ones
+    for line in (
+        NORMAL
+    ):  # each normal line translated on its own: what it must still give among bad ones
         out = io.StringIO()
         sys_stdout, sys.stdout = sys.stdout, out
         try:
-            assert tat.main(["translate", "--checkpoint", str(ck), "--beam", "1", line]) == 0
+            assert (
+                machinery.main(
+                    ["translate", "--checkpoint", str(ck), "--beam", "1", line]
+                )
+                == 0
+            )
         finally:
             sys.stdout = sys_stdout
         alone[line] = out.getvalue().rstrip("\n")
-    return SimpleNamespace(ck=ck, run=tmp / "run", small=tat.checkpoint_paths(tmp / "small")[-1], alone=alone)
+    return SimpleNamespace(
+        ck=ck,
+        run=tmp / "run",
+        small=machinery.checkpoint_paths(tmp / "small")[-1],
+        alone=alone,
+    )
 
 
 class Case(NamedTuple):
-    """One row: the command (built from the context), the exit status, words of stderr, and what must hold after."""
+    """One row: the command (built from the context), the exit status, words of stderr,
+    and what must hold after."""
 
     name: str
     argv: Callable
@@ -73,59 +108,155 @@ def translate(ctx, *more):
 
 
 def evaluate(ctx, src, ref):
-    return ["evaluate", "--checkpoint", str(ctx.ck), "--beam", "1", "--src", str(ctx.tmp / src),
-            "--ref", str(ctx.tmp / ref)]
+    return [
+        "evaluate",
+        "--checkpoint",
+        str(ctx.ck),
+        "--beam",
+        "1",
+        "--src",
+        str(ctx.tmp / src),
+        "--ref",
+        str(ctx.tmp / ref),
+    ]
 
 
 def lines_of(text: str) -> list:
     return text.split("\n")[:-1] if text else []
 
 
-# --- options, checked before any work ------------------------------------------------------------------------
+# --- options, checked before any work ------------------------------------------------
 
 OPTIONS = [
-    Case("beam 0", lambda c: translate(c, "--beam", "0", "1 2"), 2, ("--beam", "at least 1")),
-    Case("beam -2", lambda c: translate(c, "--beam", "-2", "1 2"), 2, ("--beam", "at least 1")),
-    Case("beam not a number", lambda c: translate(c, "--beam", "four", "1 2"), 2, ("--beam", "whole number")),
-    Case("alpha -1", lambda c: translate(c, "--alpha", "-1", "1 2"), 2, ("--alpha", "0 or more")),
-    Case("alpha nan", lambda c: translate(c, "--alpha", "nan", "1 2"), 2, ("--alpha", "finite")),
-    Case("alpha inf", lambda c: translate(c, "--alpha", "inf", "1 2"), 2, ("--alpha", "finite")),
-    Case("average_last 0", lambda c: ["translate", "--run_dir", str(c.run), "--average_last", "0", "1"], 2,
-         ("--average_last", "at least 1")),
-    Case("device absent (translate)", lambda c: translate(c, "--device", "cuda:99", "1 2"), 2, ("cuda:99",)),
-    Case("device not a name", lambda c: translate(c, "--device", "gpu0", "1 2"), 2, ("not a device name",)),
-    Case("evaluate beam 0", lambda c: evaluate(c, "s", "r") + ["--beam", "0"], 2, ("--beam",)),
-    *[Case(f"train {' '.join(opt)}", lambda c, opt=opt: [*TRAIN, *opt, "--run_dir", str(c.tmp / "run")], 2,
-           words, check=lambda c, r: not (c.tmp / "run").exists())
-      for opt, words in [
-          (["--beam_size", "0"], ("beam_size", "at least 1")),
-          (["--epochs", "-1"], ("epochs", "at least 1")),
-          (["--epochs", "0"], ("epochs", "at least 1")),
-          (["--warmup", "0"], ("warmup", "at least 1")),
-          (["--accum_steps", "0"], ("accum_steps",)),
-          (["--P_drop", "2"], ("P_drop", "[0, 1)")),
-          (["--d_model", "100", "--h", "3"], ("must divide d_model=100",)),
-          (["--d_model", "33", "--h", "3"], ("d_model", "even")),
-          (["--length_penalty_alpha", "nan"], ("length_penalty_alpha", "finite")),
-          (["--keep_checkpoints", "0"], ("keep_checkpoints",)),
-          (["--lr_factor", "-1"], ("lr_factor",)),
-          (["--batch_tokens", "0"], ("batch_tokens",)),
-          (["--max_steps", "ten"], ("--max_steps", "whole number")),
-          (["--betas", "0.9"], ("betas",)),
-          (["--device", "cuda:99"], ("cuda:99",)),
-          (["--dataset", "wmt"], ("dataset",)),
-          (["--no_such_field", "1"], ("unrecognized",)),
-      ]],
-    Case("unknown preset", lambda c: ["train", "--config", "huge"], 2, ("--config", "huge")),
-    Case("unknown command", lambda c: ["fly"], 2, ("invalid choice",)),
+    Case(
+        "beam 0",
+        lambda c: translate(c, "--beam", "0", "1 2"),
+        2,
+        ("--beam", "at least 1"),
+    ),
+    Case(
+        "beam -2",
+        lambda c: translate(c, "--beam", "-2", "1 2"),
+        2,
+        ("--beam", "at least 1"),
+    ),
+    Case(
+        "beam not a number",
+        lambda c: translate(c, "--beam", "four", "1 2"),
+        2,
+        ("--beam", "whole number"),
+    ),
+    Case(
+        "alpha -1",
+        lambda c: translate(c, "--alpha", "-1", "1 2"),
+        2,
+        ("--alpha", "0 or more"),
+    ),
+    Case(
+        "alpha nan",
+        lambda c: translate(c, "--alpha", "nan", "1 2"),
+        2,
+        ("--alpha", "finite"),
+    ),
+    Case(
+        "alpha inf",
+        lambda c: translate(c, "--alpha", "inf", "1 2"),
+        2,
+        ("--alpha", "finite"),
+    ),
+    Case(
+        "average_last 0",
+        lambda c: ["translate", "--run_dir", str(c.run), "--average_last", "0", "1"],
+        2,
+        ("--average_last", "at least 1"),
+    ),
+    Case(
+        "device absent (translate)",
+        lambda c: translate(c, "--device", "cuda:99", "1 2"),
+        2,
+        ("cuda:99",),
+    ),
+    Case(
+        "device not a name",
+        lambda c: translate(c, "--device", "gpu0", "1 2"),
+        2,
+        ("not a device name",),
+    ),
+    Case(
+        "evaluate beam 0",
+        lambda c: evaluate(c, "s", "r") + ["--beam", "0"],
+        2,
+        ("--beam",),
+    ),
+    *[
+        Case(
+            f"train {' '.join(opt)}",
+            lambda c, opt=opt: [*TRAIN, *opt, "--run_dir", str(c.tmp / "run")],
+            2,
+            words,
+            check=lambda c, r: not (c.tmp / "run").exists(),
+        )
+        for opt, words in [
+            (["--beam_size", "0"], ("beam_size", "from 1 (greedy) to 1000", "not 0")),
+            (["--beam_size", "1001"], ("beam_size", "to 1000", "not 1001")),
+            (["--epochs", "-1"], ("epochs", "at least 1")),
+            (["--epochs", "0"], ("epochs", "at least 1")),
+            (["--warmup", "0"], ("warmup", "at least 1")),
+            (["--accum_steps", "0"], ("accum_steps",)),
+            (["--P_drop", "2"], ("P_drop", "[0, 1)")),
+            (["--d_model", "100", "--h", "3"], ("must divide d_model=100",)),
+            (["--d_model", "33", "--h", "3"], ("d_model", "even")),
+            (
+                ["--length_penalty_alpha", "nan"],
+                ("length_penalty_alpha", "from 0 to 10", "not nan"),
+            ),
+            (["--keep_checkpoints", "0"], ("keep_checkpoints",)),
+            (["--lr_factor", "-1"], ("lr_factor",)),
+            (["--batch_tokens", "0"], ("batch_tokens",)),
+            (["--max_steps", "ten"], ("--max_steps", "whole number")),
+            (["--betas", "0.9"], ("betas",)),
+            (["--device", "cuda:99"], ("cuda:99",)),
+            (["--dataset", "wmt"], ("dataset",)),
+            (["--no_such_field", "1"], ("unrecognized",)),
+            (
+                ["--bf16", "false"],
+                ("unrecognized", "--bf16"),
+            ),  # removed options: refused like unknown ones
+            (["--fused_loss", "true"], ("unrecognized", "--fused_loss")),
+        ]
+    ],
+    Case(
+        "unknown preset",
+        lambda c: ["train", "--config", "huge"],
+        2,
+        ("--config", "huge"),
+    ),
+    Case(
+        "unknown command",
+        lambda c: ["fly"],
+        2,
+        ("unknown command", "'fly'", "train, translate, evaluate"),
+    ),
 ]
 if not torch.cuda.is_available():
-    OPTIONS.append(Case("train --device cuda on a CPU-only machine",
-                        lambda c: [*TRAIN, "--device", "cuda", "--run_dir", str(c.tmp / "run")], 2, ("no CUDA",)))
-    OPTIONS.append(Case("translate --device cuda on a CPU-only machine",
-                        lambda c: translate(c, "--device", "cuda", "1"), 2, ("no CUDA",)))
+    OPTIONS.append(
+        Case(
+            "train --device cuda on a CPU-only machine",
+            lambda c: [*TRAIN, "--device", "cuda", "--run_dir", str(c.tmp / "run")],
+            2,
+            ("no CUDA",),
+        )
+    )
+    OPTIONS.append(
+        Case(
+            "translate --device cuda on a CPU-only machine",
+            lambda c: translate(c, "--device", "cuda", "1"),
+            2,
+            ("no CUDA",),
+        )
+    )
 
-# --- files and checkpoints -----------------------------------------------------------------------------------
+# --- files and checkpoints -----------------------------------------------------------
 
 
 def two_sizes(c):
@@ -139,58 +270,172 @@ def half(c, name="half.pt"):
 
 
 FILES = [
-    Case("missing --input", lambda c: translate(c, "--input", str(c.tmp / "nope.txt")), 2,
-         ("cannot read", "nope.txt", "No such file")),
-    Case("--input a directory", lambda c: translate(c, "--input", str(c.tmp)), 2, ("cannot read", "directory")),
-    Case("--input not UTF-8", lambda c: translate(c, "--input", str(c.tmp / "in.txt")), 2,
-         ("in.txt, line 2", "invalid UTF-8"), setup=lambda c: write(c.tmp / "in.txt", b"1 2\n3 \xff 4\n5\n")),
-    Case("stdin not UTF-8", lambda c: translate(c), 2, ("standard input, line 2", "invalid UTF-8"),
-         stdin=b"1 2\n3 \xc3\x28 4\n5\n"),
-    Case("binary file on stdin", lambda c: translate(c), 2, ("standard input, line 2", "invalid UTF-8"),
-         stdin=bytes(range(256)) * 3),  # line 1: bytes 0-9; line 2 holds the first byte that is not UTF-8
-    Case("evaluate missing --src", lambda c: evaluate(c, "nope.txt", "ref.txt"), 2, ("cannot read", "nope.txt"),
-         setup=lambda c: write(c.tmp / "ref.txt", "1\n")),
-    Case("evaluate --src a directory", lambda c: evaluate(c, ".", "ref.txt"), 2, ("cannot read",),
-         setup=lambda c: write(c.tmp / "ref.txt", "1\n")),
-    Case("evaluate two empty files", lambda c: evaluate(c, "s.txt", "r.txt"), 2, ("nothing to score",),
-         setup=lambda c: (write(c.tmp / "s.txt", ""), write(c.tmp / "r.txt", ""))),
-    Case("evaluate misaligned", lambda c: evaluate(c, "s.txt", "r.txt"), 2, ("misaligned",),
-         setup=lambda c: (write(c.tmp / "s.txt", "1\n2\n"), write(c.tmp / "r.txt", "1\n"))),
-    Case("evaluate reference not UTF-8", lambda c: evaluate(c, "s.txt", "r.txt"), 2, ("r.txt, line 1", "UTF-8"),
-         setup=lambda c: (write(c.tmp / "s.txt", "1\n"), write(c.tmp / "r.txt", b"\xfe\n"))),
-    Case("missing checkpoint", lambda c: ["translate", "--checkpoint", str(c.tmp / "no.pt"), "1"], 2,
-         ("does not exist",)),
-    Case("checkpoint a directory", lambda c: ["translate", "--checkpoint", str(c.tmp), "1"], 2,
-         ("is a directory", "--run_dir")),
-    Case("checkpoint truncated at half its size", lambda c: ["translate", "--checkpoint", str(c.tmp / "half.pt"), "1"],
-         2, ("truncated",), setup=half),
-    Case("checkpoint a text file", lambda c: ["translate", "--checkpoint", str(c.tmp / "x.pt"), "1"], 2,
-         ("not a checkpoint",), setup=lambda c: write(c.tmp / "x.pt", "hello\n")),
-    Case("checkpoint without config", lambda c: ["translate", "--checkpoint", str(c.tmp / "x.pt"), "1"], 2,
-         ("lacks config",), setup=lambda c: torch.save({"format": 1, "model": {}, "vocab": {}}, c.tmp / "x.pt")),
-    Case("checkpoint of another program", lambda c: ["translate", "--checkpoint", str(c.tmp / "x.pt"), "1"], 2,
-         ("not a checkpoint written by this program",), setup=lambda c: torch.save({"w": torch.ones(2)},
-                                                                                   c.tmp / "x.pt")),
-    Case("missing run directory", lambda c: ["translate", "--run_dir", str(c.tmp / "none"), "1"], 2,
-         ("no checkpoint", "not a directory")),
-    Case("run directory is a file", lambda c: ["evaluate", "--run_dir", str(c.ck)], 2, ("no checkpoint",)),
-    Case("only a hand-made checkpoint-best.pt", lambda c: ["translate", "--run_dir", str(c.tmp / "best"), "1"], 2,
-         ("no checkpoint",), setup=lambda c: write(c.tmp / "best" / "checkpoint-best.pt", c.ck.read_bytes())),
-    Case("run directory with two model sizes", lambda c: ["translate", "--run_dir", str(c.tmp / "mixed"), "1"], 2,
-         ("different model", "--average_last 1"), setup=two_sizes),
-    Case("newest checkpoint truncated (translate)", lambda c: ["translate", "--run_dir", str(c.tmp / "r"), "1"], 2,
-         ("truncated",), setup=lambda c: (write(c.tmp / "r" / "checkpoint-00000016.pt", c.ck.read_bytes()),
-                                          half(c, "r/checkpoint-00000032.pt"))),
+    Case(
+        "missing --input",
+        lambda c: translate(c, "--input", str(c.tmp / "nope.txt")),
+        2,
+        ("cannot read", "nope.txt", "No such file"),
+    ),
+    Case(
+        "--input a directory",
+        lambda c: translate(c, "--input", str(c.tmp)),
+        2,
+        ("cannot read", "directory"),
+    ),
+    Case(
+        "--input not UTF-8",
+        lambda c: translate(c, "--input", str(c.tmp / "in.txt")),
+        2,
+        ("in.txt, line 2", "invalid UTF-8"),
+        setup=lambda c: write(c.tmp / "in.txt", b"1 2\n3 \xff 4\n5\n"),
+    ),
+    Case(
+        "stdin not UTF-8",
+        lambda c: translate(c),
+        2,
+        ("standard input, line 2", "invalid UTF-8"),
+        stdin=b"1 2\n3 \xc3\x28 4\n5\n",
+    ),
+    Case(
+        "binary file on stdin",
+        lambda c: translate(c),
+        2,
+        ("standard input, line 2", "invalid UTF-8"),
+        stdin=bytes(range(256)) * 3,
+    ),  # line 1: bytes 0-9; line 2 holds the first byte that is not UTF-8
+    Case(
+        "evaluate missing --src",
+        lambda c: evaluate(c, "nope.txt", "ref.txt"),
+        2,
+        ("cannot read", "nope.txt"),
+        setup=lambda c: write(c.tmp / "ref.txt", "1\n"),
+    ),
+    Case(
+        "evaluate --src a directory",
+        lambda c: evaluate(c, ".", "ref.txt"),
+        2,
+        ("cannot read",),
+        setup=lambda c: write(c.tmp / "ref.txt", "1\n"),
+    ),
+    Case(
+        "evaluate two empty files",
+        lambda c: evaluate(c, "s.txt", "r.txt"),
+        2,
+        ("nothing to score",),
+        setup=lambda c: (write(c.tmp / "s.txt", ""), write(c.tmp / "r.txt", "")),
+    ),
+    Case(
+        "evaluate misaligned",
+        lambda c: evaluate(c, "s.txt", "r.txt"),
+        2,
+        ("misaligned",),
+        setup=lambda c: (
+            write(c.tmp / "s.txt", "1\n2\n"),
+            write(c.tmp / "r.txt", "1\n"),
+        ),
+    ),
+    Case(
+        "evaluate reference not UTF-8",
+        lambda c: evaluate(c, "s.txt", "r.txt"),
+        2,
+        ("r.txt, line 1", "UTF-8"),
+        setup=lambda c: (
+            write(c.tmp / "s.txt", "1\n"),
+            write(c.tmp / "r.txt", b"\xfe\n"),
+        ),
+    ),
+    Case(
+        "missing checkpoint",
+        lambda c: ["translate", "--checkpoint", str(c.tmp / "no.pt"), "1"],
+        2,
+        ("does not exist",),
+    ),
+    Case(
+        "checkpoint a directory",
+        lambda c: ["translate", "--checkpoint", str(c.tmp), "1"],
+        2,
+        ("is a directory", "--run_dir"),
+    ),
+    Case(
+        "checkpoint truncated at half its size",
+        lambda c: ["translate", "--checkpoint", str(c.tmp / "half.pt"), "1"],
+        2,
+        ("truncated",),
+        setup=half,
+    ),
+    Case(
+        "checkpoint a text file",
+        lambda c: ["translate", "--checkpoint", str(c.tmp / "x.pt"), "1"],
+        2,
+        ("not a checkpoint",),
+        setup=lambda c: write(c.tmp / "x.pt", "hello\n"),
+    ),
+    Case(
+        "checkpoint without config",
+        lambda c: ["translate", "--checkpoint", str(c.tmp / "x.pt"), "1"],
+        2,
+        ("lacks config",),
+        setup=lambda c: torch.save(
+            {"format": 1, "model": {}, "vocab": {}}, c.tmp / "x.pt"
+        ),
+    ),
+    Case(
+        "checkpoint of another program",
+        lambda c: ["translate", "--checkpoint", str(c.tmp / "x.pt"), "1"],
+        2,
+        ("not a checkpoint written by this program",),
+        setup=lambda c: torch.save({"w": torch.ones(2)}, c.tmp / "x.pt"),
+    ),
+    Case(
+        "missing run directory",
+        lambda c: ["translate", "--run_dir", str(c.tmp / "none"), "1"],
+        2,
+        ("no checkpoint", "not a directory"),
+    ),
+    Case(
+        "run directory is a file",
+        lambda c: ["evaluate", "--run_dir", str(c.ck)],
+        2,
+        ("no checkpoint",),
+    ),
+    Case(
+        "only a hand-made checkpoint-best.pt",
+        lambda c: ["translate", "--run_dir", str(c.tmp / "best"), "1"],
+        2,
+        ("no checkpoint",),
+        setup=lambda c: write(c.tmp / "best" / "checkpoint-best.pt", c.ck.read_bytes()),
+    ),
+    Case(
+        "run directory with two model sizes",
+        lambda c: ["translate", "--run_dir", str(c.tmp / "mixed"), "1"],
+        2,
+        ("different model", "--average_last 1"),
+        setup=two_sizes,
+    ),
+    Case(
+        "newest checkpoint truncated (translate)",
+        lambda c: ["translate", "--run_dir", str(c.tmp / "r"), "1"],
+        2,
+        ("truncated",),
+        setup=lambda c: (
+            write(c.tmp / "r" / "checkpoint-00000016.pt", c.ck.read_bytes()),
+            half(c, "r/checkpoint-00000032.pt"),
+        ),
+    ),
 ]
 
 
-# --- input lines: one output line per input line ---------------------------------------------------------------
+# --- input lines: one output line per input line -------------------------------------
+
 
 def same_as_alone(positions):
-    """The normal lines at ``positions`` (output line → NORMAL index) translate as they do on their own."""
+    """The normal lines at ``positions`` (output line → NORMAL index) translate as they
+    do on their own."""
+
     def check(c, r):
         out = lines_of(r.out)
         return all(out[i] == c.alone[NORMAL[j]] for i, j in positions.items())
+
     return check
 
 
@@ -198,40 +443,114 @@ LONG = " ".join(["5"] * 1000)  # 1,000 words: more than MAX_LEN positions
 FITS = " ".join(["5"] * 30)  # fits the encoder, but n + 50 is beyond MAX_LEN
 
 LINES = [
-    Case("line separators inside lines", lambda c: translate(c), 0,
-         stdin=f"{NORMAL[0]}\n1 2\u20283 4\n5\x856\n7\x0c8\n9\r10\n{NORMAL[1]}\n".encode(),
-         check=lambda c, r: len(lines_of(r.out)) == 6 and same_as_alone({0: 0, 5: 1})(c, r)),
-    Case("CRLF line ends", lambda c: translate(c), 0, stdin=("\r\n".join(NORMAL) + "\r\n").encode(),
-         check=same_as_alone({i: i for i in range(4)})),
-    Case("a BOM before the first line", lambda c: translate(c), 0, stdin=("\ufeff" + "\n".join(NORMAL)).encode(),
-         check=lambda c, r: len(lines_of(r.out)) == 4 and same_as_alone({i: i for i in range(4)})(c, r)),
-    Case("empty and whitespace-only lines", lambda c: translate(c), 0,
-         stdin=f"{NORMAL[0]}\n\n \t \u3000\n{NORMAL[2]}\n".encode(),
-         check=lambda c, r: lines_of(r.out)[1:3] == ["", ""] and same_as_alone({0: 0, 3: 2})(c, r)),
-    Case("an empty file", lambda c: translate(c, "--input", str(write(c.tmp / "e.txt", b""))), 0,
-         check=lambda c, r: r.out == ""),
-    Case("only empty lines", lambda c: translate(c), 0, stdin=b"\n\n  \n\n",
-         check=lambda c, r: r.out == "\n\n\n\n"),
-    Case("control characters, valid UTF-8, 6 newlines", lambda c: translate(c), 0,
-         stdin=b"\x00\x01 2\n\x7f\n3\x1b[0m\n\x08\n\x00\n4\x00 5\n",
-         check=lambda c, r: len(lines_of(r.out)) == 6),
-    Case("a 1,000-word line among normal lines", lambda c: translate(c, "--input", str(c.tmp / "in.txt")), 1,
-         ("line 3 (1,000 tokens)", "max_len=40", "empty output line"),
-         setup=lambda c: write(c.tmp / "in.txt", "\n".join([*NORMAL[:2], LONG, *NORMAL[2:]]) + "\n"),
-         check=lambda c, r: lines_of(r.out)[2] == "" and same_as_alone({0: 0, 1: 1, 3: 2, 4: 3})(c, r)),
-    Case("a 1,000-word line, beam search", lambda c: translate(c, LONG, NORMAL[0], "--beam", "2"), 1, ("line 1",),
-         check=lambda c, r: len(lines_of(r.out)) == 2 and lines_of(r.out)[0] == ""),
-    Case("a line within max_len whose n + 50 is not", lambda c: translate(c, FITS, NORMAL[0]), 0,
-         check=lambda c, r: len(lines_of(r.out)[0].split()) <= MAX_LEN - 1 and same_as_alone({1: 0})(c, r)),
-    Case("the same line, beam search", lambda c: translate(c, FITS, "--beam", "2"), 0,
-         check=lambda c, r: len(lines_of(r.out)) == 1 and len(r.out.split()) <= MAX_LEN - 1),
-    Case("evaluate: BOM in the reference", lambda c: evaluate(c, "s.txt", "r.txt"), 0,
-         setup=lambda c: (write(c.tmp / "s.txt", "\n".join(NORMAL) + "\n"),
-                          write(c.tmp / "r.txt", "\ufeff" + "\n".join(c.alone[s] for s in NORMAL) + "\n")),
-         check=lambda c, r: r.out.startswith("BLEU = 100.00")),
-    Case("evaluate: a 1,000-word source line", lambda c: evaluate(c, "s.txt", "r.txt"), 1, ("line 2",),
-         setup=lambda c: (write(c.tmp / "s.txt", f"{NORMAL[0]}\n{LONG}\n"), write(c.tmp / "r.txt", "1\n5\n")),
-         check=lambda c, r: r.out.startswith("BLEU = ")),
+    Case(
+        "line separators inside lines",
+        lambda c: translate(c),
+        0,
+        stdin=(
+            f"{NORMAL[0]}\n1 2\u20283 4\n5\x856\n7\x0c8\n9\r10\n{NORMAL[1]}\n"
+        ).encode(),
+        check=lambda c, r: len(lines_of(r.out)) == 6
+        and same_as_alone({0: 0, 5: 1})(c, r),
+    ),
+    Case(
+        "CRLF line ends",
+        lambda c: translate(c),
+        0,
+        stdin=("\r\n".join(NORMAL) + "\r\n").encode(),
+        check=same_as_alone({i: i for i in range(4)}),
+    ),
+    Case(
+        "a BOM before the first line",
+        lambda c: translate(c),
+        0,
+        stdin=("\ufeff" + "\n".join(NORMAL)).encode(),
+        check=lambda c, r: len(lines_of(r.out)) == 4
+        and same_as_alone({i: i for i in range(4)})(c, r),
+    ),
+    Case(
+        "empty and whitespace-only lines",
+        lambda c: translate(c),
+        0,
+        stdin=f"{NORMAL[0]}\n\n \t \u3000\n{NORMAL[2]}\n".encode(),
+        check=lambda c, r: lines_of(r.out)[1:3] == ["", ""]
+        and same_as_alone({0: 0, 3: 2})(c, r),
+    ),
+    Case(
+        "an empty file",
+        lambda c: translate(c, "--input", str(write(c.tmp / "e.txt", b""))),
+        0,
+        check=lambda c, r: r.out == "",
+    ),
+    Case(
+        "only empty lines",
+        lambda c: translate(c),
+        0,
+        stdin=b"\n\n  \n\n",
+        check=lambda c, r: r.out == "\n\n\n\n",
+    ),
+    Case(
+        "control characters, valid UTF-8, 6 newlines",
+        lambda c: translate(c),
+        0,
+        stdin=b"\x00\x01 2\n\x7f\n3\x1b[0m\n\x08\n\x00\n4\x00 5\n",
+        check=lambda c, r: len(lines_of(r.out)) == 6,
+    ),
+    Case(
+        "a 1,000-word line among normal lines",
+        lambda c: translate(c, "--input", str(c.tmp / "in.txt")),
+        1,
+        ("line 3 (1,000 tokens)", "max_len=40", "empty output line"),
+        setup=lambda c: write(
+            c.tmp / "in.txt", "\n".join([*NORMAL[:2], LONG, *NORMAL[2:]]) + "\n"
+        ),
+        check=lambda c, r: lines_of(r.out)[2] == ""
+        and same_as_alone({0: 0, 1: 1, 3: 2, 4: 3})(c, r),
+    ),
+    Case(
+        "a 1,000-word line, beam search",
+        lambda c: translate(c, LONG, NORMAL[0], "--beam", "2"),
+        1,
+        ("line 1",),
+        check=lambda c, r: len(lines_of(r.out)) == 2 and lines_of(r.out)[0] == "",
+    ),
+    Case(
+        "a line within max_len whose n + 50 is not",
+        lambda c: translate(c, FITS, NORMAL[0]),
+        0,
+        check=lambda c, r: len(lines_of(r.out)[0].split()) <= MAX_LEN - 1
+        and same_as_alone({1: 0})(c, r),
+    ),
+    Case(
+        "the same line, beam search",
+        lambda c: translate(c, FITS, "--beam", "2"),
+        0,
+        check=lambda c, r: len(lines_of(r.out)) == 1
+        and len(r.out.split()) <= MAX_LEN - 1,
+    ),
+    Case(
+        "evaluate: BOM in the reference",
+        lambda c: evaluate(c, "s.txt", "r.txt"),
+        0,
+        setup=lambda c: (
+            write(c.tmp / "s.txt", "\n".join(NORMAL) + "\n"),
+            write(
+                c.tmp / "r.txt", "\ufeff" + "\n".join(c.alone[s] for s in NORMAL) + "\n"
+            ),
+        ),
+        check=lambda c, r: r.out.startswith("BLEU = 100.00"),
+    ),
+    Case(
+        "evaluate: a 1,000-word source line",
+        lambda c: evaluate(c, "s.txt", "r.txt"),
+        1,
+        ("line 2",),
+        setup=lambda c: (
+            write(c.tmp / "s.txt", f"{NORMAL[0]}\n{LONG}\n"),
+            write(c.tmp / "r.txt", "1\n5\n"),
+        ),
+        check=lambda c, r: r.out.startswith("BLEU = "),
+    ),
 ]
 
 
@@ -239,7 +558,7 @@ def run_main(argv, stdin, monkeypatch, capsys):
     if stdin is not None:
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
     try:
-        status = tat.main(argv)
+        status = machinery.main(argv)
     except SystemExit as e:  # argparse's exit
         status = e.code
     out, err = capsys.readouterr()
@@ -247,7 +566,9 @@ def run_main(argv, stdin, monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("case", OPTIONS + FILES + LINES, ids=lambda c: c.name)
-def test_bad_input_is_one_clear_line_and_loses_nothing(case, model, tmp_path, monkeypatch, capsys):
+def test_bad_input_is_one_clear_line_and_loses_nothing(
+    case, model, tmp_path, monkeypatch, capsys
+):
     ctx = SimpleNamespace(**vars(model), tmp=tmp_path)
     if case.setup:
         case.setup(ctx)
@@ -263,18 +584,24 @@ def test_bad_input_is_one_clear_line_and_loses_nothing(case, model, tmp_path, mo
 
 
 def test_debug_shows_the_traceback(model, monkeypatch, capsys):
-    with pytest.raises(tat.CheckpointError):
-        tat.main(["translate", "--checkpoint", str(model.run / "nothing.pt"), "--debug", "1"])
+    with pytest.raises(machinery.CheckpointError):
+        machinery.main(
+            ["translate", "--checkpoint", str(model.run / "nothing.pt"), "--debug", "1"]
+        )
 
 
-# --- training under faults ---------------------------------------------------------------------------------------
+# --- training under faults -----------------------------------------------------------
+
 
 def train(run_dir: Path, *more: str) -> list:
     return [*TRAIN, "--run_dir", str(run_dir), *more]
 
 
 def metrics(run_dir: Path) -> list:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
 
 
 def no_step_twice(run_dir: Path) -> bool:
@@ -292,18 +619,26 @@ def names(run_dir: Path) -> list:
 def full_disk_on_second_save(c, monkeypatch):
     real, calls = torch.save, []
 
-    def save(obj, f, *a, **k):  # the first checkpoint is written; the second finds the disk full half-way
+    def save(
+        obj, f, *a, **k
+    ):  # the first checkpoint is written; the second finds the disk full half-way
         calls.append(1)
         if len(calls) == 2:
             f.write(b"PK\x03\x04 partial")
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . PytorchStreamWriter failed writing "
-                               "file data/3: file write failed")
+            raise RuntimeError(
+                "[enforce fail at inline_container.cc:672] . PytorchStreamWriter "
+                "failed writing file data/3: file write failed"
+            )
         return real(obj, f, *a, **k)
-    monkeypatch.setattr(tat.torch, "save", save)
+
+    monkeypatch.setattr(torch, "save", save)
 
 
 def torn_metrics_no_checkpoint(c, monkeypatch):
-    write(c.run / "metrics.jsonl", '{"step": 16, "epoch": 1, "valid_loss": 2.0}\n{"step": 50, "epo')
+    write(
+        c.run / "metrics.jsonl",
+        '{"step": 16, "epoch": 1, "valid_loss": 2.0}\n{"step": 50, "epo',
+    )
 
 
 def torn_metrics_after_checkpoint(c, monkeypatch):
@@ -313,9 +648,10 @@ def torn_metrics_after_checkpoint(c, monkeypatch):
 
 
 def simulated_sigkill_during_save(c, monkeypatch):
-    """Two checkpoints; then a kill while writing a third after a power loss took half of the newest."""
+    """Two checkpoints; then a kill while writing a third after a power loss took half
+    of the newest."""
     c.main(train(c.run, "--max_steps", "32"))
-    older, newest = tat.checkpoint_paths(c.run)[-2:]
+    older, newest = machinery.checkpoint_paths(c.run)[-2:]
     c.older, c.newest = older, newest
     write(c.run / ".checkpoint-00000040.pt.k1ll3d.part", newest.read_bytes()[:1000])
     data = newest.read_bytes()
@@ -326,12 +662,14 @@ def simulated_sigkill_during_save(c, monkeypatch):
 
 def hand_made_best(c, monkeypatch):
     c.main(train(c.run, "--max_steps", "32"))
-    c.best = write(c.run / "checkpoint-best.pt", tat.checkpoint_paths(c.run)[0].read_bytes()).read_bytes()
+    c.best = write(
+        c.run / "checkpoint-best.pt", machinery.checkpoint_paths(c.run)[0].read_bytes()
+    ).read_bytes()
 
 
 def all_unreadable(c, monkeypatch):
     c.main(train(c.run, "--max_steps", "16"))
-    for p in tat.checkpoint_paths(c.run):
+    for p in machinery.checkpoint_paths(c.run):
         p.write_bytes(p.read_bytes()[:100])
 
 
@@ -342,7 +680,7 @@ def other_model(c, monkeypatch):
 
 def other_vocabulary(c, monkeypatch):
     c.main(train(c.run, "--max_steps", "16"))
-    path = tat.checkpoint_paths(c.run)[-1]
+    path = machinery.checkpoint_paths(c.run)[-1]
     state = torch.load(path, weights_only=True)
     state["vocab"]["src"] = [*state["vocab"]["src"][:-1], "11"]  # one symbol renamed
     torch.save(state, path)
@@ -354,47 +692,115 @@ def resumed_from(c, r, path) -> bool:
 
 
 TRAINING = [
-    Case("run directory is a file", lambda c: train(c.run), 2, ("is a file",),
-         setup=lambda c, m: write(c.run, "notes\n"), check=lambda c, r: c.run.read_text() == "notes\n"),
-    Case("run directory under a file", lambda c: train(c.run / "sub"), 2, ("cannot write in run directory",),
-         setup=lambda c, m: write(c.run, "notes\n"), check=lambda c, r: c.run.read_text() == "notes\n"),
-    Case("full disk on saving a checkpoint", lambda c: train(c.run, "--max_steps", "32"), 2,
-         ("cannot write checkpoint", "checkpoint-00000032.pt", "MiB free", "intact"), setup=full_disk_on_second_save,
-         check=lambda c, r: names(c.run) == ["checkpoint-00000016.pt", "metrics.jsonl", "run.lock"]
-         and tat.load_checkpoint(c.run / "checkpoint-00000016.pt")["step"] == 16),
-    Case("torn metrics line, no checkpoint yet", lambda c: train(c.run, "--max_steps", "16"), 0,
-         setup=torn_metrics_no_checkpoint,
-         check=lambda c, r: "dropped 1 unreadable line" in r.err and no_step_twice(c.run)
-         and (c.run / "results.json").is_file() and (c.run / "curve.png").is_file()),
-    Case("torn metrics line after a checkpoint", lambda c: train(c.run, "--max_steps", "32"), 0,
-         setup=torn_metrics_after_checkpoint,
-         check=lambda c, r: "dropped 1 unreadable line" in r.err and no_step_twice(c.run)
-         and resumed_from(c, r, c.run / "checkpoint-00000016.pt")
-         and json.loads((c.run / "results.json").read_text())["steps"] == 32),
-    Case("SIGKILL during a checkpoint write (partial temporary file, newest truncated)",
-         lambda c: train(c.run, "--max_steps", "32"), 0, setup=simulated_sigkill_during_save,
-         check=lambda c, r: resumed_from(c, r, c.older) and "falling back" in r.err and no_step_twice(c.run)
-         and not list(c.run.glob(".*.part")) and (c.run / (c.newest.name + ".unreadable")).is_file()
-         and tat.load_checkpoint(c.newest)["step"] == 32
-         and json.loads((c.run / "results.json").read_text())["steps"] == 32),
-    Case("a hand-made checkpoint-best.pt", lambda c: train(c.run, "--max_steps", "48"), 0, setup=hand_made_best,
-         check=lambda c, r: resumed_from(c, r, c.run / "checkpoint-00000032.pt")
-         and (c.run / "checkpoint-best.pt").read_bytes() == c.best),
-    Case("every checkpoint unreadable", lambda c: train(c.run, "--max_steps", "32"), 2, ("none of the 1 checkpoint",),
-         setup=all_unreadable, check=lambda c, r: len(tat.checkpoint_paths(c.run)) == 1),
-    Case("a checkpoint of another model size", lambda c: train(c.run, "--max_steps", "32", "--d_model", "32"), 2,
-         ("another model config", "d_model"), setup=other_model, check=lambda c, r: names(c.run) == c.before),
-    Case("a checkpoint of another vocabulary", lambda c: train(c.run, "--max_steps", "32"), 2,
-         ("another src vocabulary",), setup=other_vocabulary, check=lambda c, r: names(c.run) == c.before),
+    Case(
+        "run directory is a file",
+        lambda c: train(c.run),
+        2,
+        ("is a file",),
+        setup=lambda c, m: write(c.run, "notes\n"),
+        check=lambda c, r: c.run.read_text() == "notes\n",
+    ),
+    Case(
+        "run directory under a file",
+        lambda c: train(c.run / "sub"),
+        2,
+        ("cannot write in run directory",),
+        setup=lambda c, m: write(c.run, "notes\n"),
+        check=lambda c, r: c.run.read_text() == "notes\n",
+    ),
+    Case(
+        "full disk on saving a checkpoint",
+        lambda c: train(c.run, "--max_steps", "32"),
+        2,
+        ("cannot write checkpoint", "checkpoint-00000032.pt", "MiB free", "intact"),
+        setup=full_disk_on_second_save,
+        check=lambda c, r: names(c.run)
+        == ["checkpoint-00000016.pt", "metrics.jsonl", "run.lock"]
+        and machinery.load_checkpoint(c.run / "checkpoint-00000016.pt")["step"] == 16,
+    ),
+    Case(
+        "torn metrics line, no checkpoint yet",
+        lambda c: train(c.run, "--max_steps", "16"),
+        0,
+        setup=torn_metrics_no_checkpoint,
+        check=lambda c, r: "dropped 1 unreadable line" in r.err
+        and no_step_twice(c.run)
+        and (c.run / "results.json").is_file()
+        and (c.run / "curve.png").is_file(),
+    ),
+    Case(
+        "torn metrics line after a checkpoint",
+        lambda c: train(c.run, "--max_steps", "32"),
+        0,
+        setup=torn_metrics_after_checkpoint,
+        check=lambda c, r: "dropped 1 unreadable line" in r.err
+        and no_step_twice(c.run)
+        and resumed_from(c, r, c.run / "checkpoint-00000016.pt")
+        and json.loads((c.run / "results.json").read_text())["steps"] == 32,
+    ),
+    Case(
+        "SIGKILL during a checkpoint write (partial temporary file, newest truncated)",
+        lambda c: train(c.run, "--max_steps", "32"),
+        0,
+        setup=simulated_sigkill_during_save,
+        check=lambda c, r: resumed_from(c, r, c.older)
+        and "falling back" in r.err
+        and no_step_twice(c.run)
+        and not list(c.run.glob(".*.part"))
+        and (c.run / (c.newest.name + ".unreadable")).is_file()
+        and machinery.load_checkpoint(c.newest)["step"] == 32
+        and json.loads((c.run / "results.json").read_text())["steps"] == 32,
+    ),
+    Case(
+        "a hand-made checkpoint-best.pt",
+        lambda c: train(c.run, "--max_steps", "48"),
+        0,
+        setup=hand_made_best,
+        check=lambda c, r: resumed_from(c, r, c.run / "checkpoint-00000032.pt")
+        and (c.run / "checkpoint-best.pt").read_bytes() == c.best,
+    ),
+    Case(
+        "every checkpoint unreadable",
+        lambda c: train(c.run, "--max_steps", "32"),
+        2,
+        ("none of the 1 checkpoint",),
+        setup=all_unreadable,
+        check=lambda c, r: len(machinery.checkpoint_paths(c.run)) == 1,
+    ),
+    Case(
+        "a checkpoint of another model size",
+        lambda c: train(c.run, "--max_steps", "32", "--d_model", "32"),
+        2,
+        ("another model config", "d_model"),
+        setup=other_model,
+        check=lambda c, r: names(c.run) == c.before,
+    ),
+    Case(
+        "a checkpoint of another vocabulary",
+        lambda c: train(c.run, "--max_steps", "32"),
+        2,
+        ("another src vocabulary",),
+        setup=other_vocabulary,
+        check=lambda c, r: names(c.run) == c.before,
+    ),
 ]
 if os.geteuid() != 0:  # root writes into read-only directories
-    TRAINING.append(Case("read-only run directory", lambda c: train(c.run), 2, ("Permission denied",),
-                         setup=lambda c, m: (c.run.mkdir(), c.run.chmod(0o555))))
+    TRAINING.append(
+        Case(
+            "read-only run directory",
+            lambda c: train(c.run),
+            2,
+            ("Permission denied",),
+            setup=lambda c, m: (c.run.mkdir(), c.run.chmod(0o555)),
+        )
+    )
 
 
 @pytest.mark.parametrize("case", TRAINING, ids=lambda c: c.name)
-def test_training_fault_is_one_clear_line_and_loses_nothing(case, tmp_path, monkeypatch, capsys):
-    ctx = SimpleNamespace(run=tmp_path / "run", main=tat.main)
+def test_training_fault_is_one_clear_line_and_loses_nothing(
+    case, tmp_path, monkeypatch, capsys
+):
+    ctx = SimpleNamespace(run=tmp_path / "run", main=machinery.main)
     if case.setup:
         case.setup(ctx, monkeypatch)
     capsys.readouterr()
@@ -402,21 +808,31 @@ def test_training_fault_is_one_clear_line_and_loses_nothing(case, tmp_path, monk
     assert r.status == case.status, r.err
     assert "Traceback" not in r.err
     if case.status:
-        last = r.err.strip().splitlines()[-1]  # after the progress bars: the one line that explains
+        last = r.err.strip().splitlines()[
+            -1
+        ]  # after the progress bars: the one line that explains
         assert last.startswith("error:") and all(w in last for w in case.words), r.err
     if case.check:
         assert case.check(ctx, r), (r.out, r.err)
 
 
-def test_a_second_run_in_a_run_directory_is_refused_while_the_first_lives(tmp_path, monkeypatch, capsys):
+def test_a_second_run_in_a_run_directory_is_refused_while_the_first_lives(
+    tmp_path, monkeypatch, capsys
+):
     run_dir = tmp_path / "run"
-    first = subprocess.Popen([sys.executable, str(SCRIPT), *train(run_dir, "--epochs", "1000")], cwd=tmp_path,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    first = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *train(run_dir, "--epochs", "1000")],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         lock = run_dir / "run.lock"
         deadline = time.time() + 120
-        while not (lock.is_file() and lock.read_text().strip()) and time.time() < deadline:
+        while (
+            not (lock.is_file() and lock.read_text().strip()) and time.time() < deadline
+        ):
             time.sleep(0.05)
         assert first.poll() is None
         r = run_main(train(run_dir, "--max_steps", "16"), None, monkeypatch, capsys)
@@ -426,7 +842,8 @@ def test_a_second_run_in_a_run_directory_is_refused_while_the_first_lives(tmp_pa
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=60)
-    # the lock went with the process: the same command now resumes whatever the first one saved
+    # the lock went with the process: the same command now resumes whatever the first
+    # one saved
     r = run_main(train(run_dir, "--max_steps", "16"), None, monkeypatch, capsys)
     assert r.status == 0, r.err
     assert no_step_twice(run_dir) and (run_dir / "results.json").is_file()
