@@ -16,7 +16,7 @@ SRC := the_annotated_transformer.py
 export MALLOC_MMAP_MAX_ ?= 0
 export MALLOC_TRIM_THRESHOLD_ ?= 17179869184
 
-.PHONY: install test sync notebook lab html train translate evaluate bench clean help
+.PHONY: install test sync notebook lab html train translate evaluate bench gpu-check table3 clean help
 
 help:
 	@echo "make install            create .venv and install requirements.txt"
@@ -29,6 +29,8 @@ help:
 	@echo "make translate ARGS='\"Ein Satz.\"'  translate with the run in RUN (default runs/CONFIG)"
 	@echo "make evaluate [ARGS='--src F --ref F']  BLEU of the run in RUN (default: the test split)"
 	@echo "make bench              performance side by side (a few minutes); ARGS=--quick for seconds"
+	@echo "make gpu-check          the ten-minute check on one CUDA GPU (JSON in results/); a CPU runs it tiny"
+	@echo "make table3             the Table 3 runs (benchmarks/table3.py); ARGS='...'"
 
 install: $(STAMP)
 
@@ -75,6 +77,16 @@ evaluate: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py $(ARGS)
+
+# With the machine's own torch: .venv's python where there is one, else python3 (or
+# GPU_PY=...). A GPU machine without network needs the mirror's iwslt14/ files
+# (DATA_MIRROR) and wheels of any package it lacks carried to it.
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON_SYSTEM))
+gpu-check:
+	$(GPU_PY) benchmarks/gpu_check.py $(ARGS)
+
+table3: $(STAMP)
+	$(PY) benchmarks/table3.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs build .pytest_cache site web/node_modules

@@ -261,8 +261,10 @@ def resolve_precision(
 
 
 def measured_ratio(line: str) -> str:
-    """The "(auto: …)" part of a decision's line, for results.json (our addition)."""
-    return line.partition("(auto: ")[2].rstrip(")")
+    """Why a decision's line says what it says — "asked for", or the "auto: …" part
+    without its prefix — for results.json (our addition)."""
+    why = line[line.index("(") + 1 : -1] if line.endswith(")") else ""
+    return why.removeprefix("auto: ")
 
 
 # **TF32.** On CUDA GPUs from Ampere on, float32 matrix products can run on the tensor
