@@ -55,7 +55,9 @@ def iwslt_like_pairs(n: int = 20_000, seed: int = 0) -> list:
     def sentence(length):
         return [tat.BOS] + [rng.randrange(4, 10_000) for _ in range(length)] + [tat.EOS]
 
-    return [(sentence(rng.randint(5, 60)), sentence(rng.randint(5, 60))) for _ in range(n)]
+    return [
+        (sentence(rng.randint(5, 60)), sentence(rng.randint(5, 60))) for _ in range(n)
+    ]
 
 
 def median_ms(fn, items, repeats: int) -> float:

@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import platform
 import re
@@ -75,9 +74,16 @@ PEAK_TFLOPS = (
     ("V100", 125.0),
 )
 
-FULL = dict(pairs=160_000, updates=400, compile_updates=150, decode_sentences=1000,
-            copy=(1600, 160, 100))
-SMOKE = dict(pairs=600, updates=3, compile_updates=1, decode_sentences=4, copy=(200, 40, 20))
+FULL = dict(
+    pairs=160_000,
+    updates=400,
+    compile_updates=150,
+    decode_sentences=1000,
+    copy=(1600, 160, 100),
+)
+SMOKE = dict(
+    pairs=600, updates=3, compile_updates=1, decode_sentences=4, copy=(200, 40, 20)
+)
 TINY = dict(N=1, d_model=32, d_ff=64, h=4, bpe_size=300, batch_tokens=256, warmup=10)
 
 
@@ -246,7 +252,9 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if cuda else "cpu")
     sizes = SMOKE if smoke else FULL
     if not cuda:
-        torch.set_num_threads(1)  # the smoke mode measures nothing; one thread stays out of the way
+        torch.set_num_threads(
+            1
+        )  # the smoke mode measures nothing; one thread stays out of the way
     tiny = TINY if smoke else {}
     log = (lambda *a, **k: None) if smoke else print
     card = torch.cuda.get_device_name(device) if cuda else f"CPU: {cpu_name()}"
@@ -263,8 +271,11 @@ def main(argv=None) -> int:
         "host": {"cpu": cpu_name(), "python": platform.python_version()},
         "steps": {},
     }
-    print(f"[gpu-check] {card}; torch {torch.__version__}, CUDA {torch.version.cuda}, "
-          f"capability {capability}; {'smoke mode' if smoke else 'full'}", flush=True)
+    print(
+        f"[gpu-check] {card}; torch {torch.__version__}, CUDA {torch.version.cuda}, "
+        f"capability {capability}; {'smoke mode' if smoke else 'full'}",
+        flush=True,
+    )
     work = args.work / ("smoke" if smoke else "full")
     work.mkdir(parents=True, exist_ok=True)
     mirror = args.mirror or default_mirror()
@@ -272,9 +283,14 @@ def main(argv=None) -> int:
 
     def base(preset: str, name: str, **over):
         cfg = machinery.get_config(
-            preset, device=device.type, run_dir=str(work / "runs" / name),
-            data_mirror=str(work / "mirror"), data_dir=str(work / "data"),
-            keep_checkpoints=2, checkpoint_minutes=0, **{**tiny, **over},
+            preset,
+            device=device.type,
+            run_dir=str(work / "runs" / name),
+            data_mirror=str(work / "mirror"),
+            data_dir=str(work / "data"),
+            keep_checkpoints=2,
+            checkpoint_minutes=0,
+            **{**tiny, **over},
         )
         shutil.rmtree(cfg.run_dir, ignore_errors=True)
         return cfg
@@ -292,9 +308,12 @@ def main(argv=None) -> int:
         over = dict(N=1, d_model=32, d_ff=64, h=4) if smoke else {}
         cfg = base("copy", "copy-auto", max_steps=20 if not smoke else 2, **over)
         data = machinery.make_copy_data(cfg, sizes=sizes["copy"])
-        s = machinery.train(cfg, data=data, log=log,
-                            progress=False, evaluate=False)
-        out = {"precision": s["precision"], "attention": s["attention"], "auto": s["auto"]}
+        s = machinery.train(cfg, data=data, log=log, progress=False, evaluate=False)
+        out = {
+            "precision": s["precision"],
+            "attention": s["attention"],
+            "auto": s["auto"],
+        }
         if capability and capability >= (8, 0):
             out["expected"] = "bf16 + fast"
             out["as_expected"] = (s["precision"], s["attention"]) == ("bf16", "fast")
@@ -319,8 +338,10 @@ def main(argv=None) -> int:
         machinery.train(b, data=data, log=log, progress=False, evaluate=False)
         sa = machinery.load_checkpoint(machinery.checkpoint_paths(Path(a.run_dir))[-1])
         sb = machinery.load_checkpoint(machinery.checkpoint_paths(Path(b.run_dir))[-1])
-        diff = max(float((sa["model"][k].float() - sb["model"][k].float()).abs().max())
-                   for k in sa["model"])
+        diff = max(
+            float((sa["model"][k].float() - sb["model"][k].float()).abs().max())
+            for k in sa["model"]
+        )
         return {
             "interrupted_at": stop_at if interrupted else None,
             "steps": [sa["step"], sb["step"]],
@@ -335,8 +356,14 @@ def main(argv=None) -> int:
             if precision == "bf16" and cuda and capability < (8, 0):
                 return {"skipped": f"capability {capability}: no native bf16"}
             name = f"iwslt-{precision}" + ("-compile" if over.get("compile") else "")
-            cfg = base("iwslt14-small", name, precision=precision, max_steps=updates,
-                       max_valid_sentences=1000, **over)
+            cfg = base(
+                "iwslt14-small",
+                name,
+                precision=precision,
+                max_steps=updates,
+                max_valid_sentences=1000,
+                **over,
+            )
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             from torch._dynamo.utils import counters
@@ -344,11 +371,16 @@ def main(argv=None) -> int:
             counters.clear()
             t0 = time.perf_counter()
             with Recorder(device, profile_from=0 if smoke else 100) as rec:
-                s = machinery.train(cfg, data=state["iwslt"], log=log, progress=False,
-                                    evaluate=False)
+                s = machinery.train(
+                    cfg, data=state["iwslt"], log=log, progress=False, evaluate=False
+                )
             out = measured(rec, skip=min(20, updates // 4), peak_tflops=peak)
-            out.update(precision=s["precision"], attention=s["attention"],
-                       auto=s["auto"], seconds_in_train=time.perf_counter() - t0)
+            out.update(
+                precision=s["precision"],
+                attention=s["attention"],
+                auto=s["auto"],
+                seconds_in_train=time.perf_counter() - t0,
+            )
             if over.get("compile"):
                 out["compilations"] = counters["stats"]["unique_graphs"]
                 out["first_update_s"] = rec.times[0] - t0 if rec.times else None
@@ -359,28 +391,48 @@ def main(argv=None) -> int:
         return run
 
     def decode():
-        run_dir = state.get("runs", {}).get("bf16") or next(iter(state["runs"].values()))
+        run_dir = state.get("runs", {}).get("bf16") or next(
+            iter(state["runs"].values())
+        )
         model, cfg, _, tgt_vocab, _ = machinery.load_for_inference(
             run_dir=Path(run_dir), device=device
         )
-        sources = [s for s, _ in state["iwslt"].splits["test"][: sizes["decode_sentences"]]]
-        extra = 5 if smoke else 50  # an undertrained model says little worth waiting for
-        cfg = dataclasses.replace(cfg, max_decode_extra=min(cfg.max_decode_extra, extra))
+        sources = [
+            s for s, _ in state["iwslt"].splits["test"][: sizes["decode_sentences"]]
+        ]
+        extra = (
+            5 if smoke else 50
+        )  # an undertrained model says little worth waiting for
+        cfg = dataclasses.replace(
+            cfg, max_decode_extra=min(cfg.max_decode_extra, extra)
+        )
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
         cast = torch.autocast(device.type, dtype=dtype) if dtype and cuda else None
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         with cast or torch.autocast(device.type, enabled=False):
-            out = tat.translate(model, sources, tgt_vocab, cfg, device,
-                                beam_size=cfg.beam_size, alpha=cfg.length_penalty_alpha)
+            out = tat.translate(
+                model,
+                sources,
+                tgt_vocab,
+                cfg,
+                device,
+                beam_size=cfg.beam_size,
+                alpha=cfg.length_penalty_alpha,
+            )
         if cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         tokens = sum(map(len, out))
-        return {"sentences": len(sources), "beam_size": cfg.beam_size, "seconds": seconds,
-                "sentences_per_s": len(sources) / seconds,
-                "output_tokens_per_s": tokens / seconds, "precision": cfg.precision}
+        return {
+            "sentences": len(sources),
+            "beam_size": cfg.beam_size,
+            "seconds": seconds,
+            "sentences_per_s": len(sources) / seconds,
+            "output_tokens_per_s": tokens / seconds,
+            "precision": cfg.precision,
+        }
 
     step(report, "stand_in", standin)
     step(report, "copy_auto", copy_auto)
@@ -391,8 +443,11 @@ def main(argv=None) -> int:
     if smoke and not cuda:  # inductor's C++ build takes minutes on a CPU: dynamo + AOT
         real = torch.compile
         torch.compile = lambda m, **kw: real(m, backend="aot_eager", **kw)
-    step(report, "iwslt14_small_compile", iwslt(compiled, sizes["compile_updates"],
-                                                compile=True))
+    step(
+        report,
+        "iwslt14_small_compile",
+        iwslt(compiled, sizes["compile_updates"], compile=True),
+    )
     step(report, "beam_decoding", decode)
 
     steps = report["steps"]

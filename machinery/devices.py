@@ -91,7 +91,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-# **A precision the hardware computes fast.** bf16 autocast roughly doubles the matrix
+# **A precision the hardware computes fast.** bf16 autocast can double the matrix
 # throughput of a CPU with native bf16 instructions (AVX-512 BF16 or AMX) and of GPUs
 # from compute capability 8.0 (A100, H100, RTX 30xx and later); where bf16 is only
 # *emulated* — most AVX2 CPUs, and the T4 and V100 — it runs many times slower than
@@ -99,10 +99,11 @@ def resolve_device(name: str) -> torch.device:
 # scaler**: the loss is multiplied by a large factor before the backward pass so that
 # small gradients do not round to zero, the gradients are divided by it before the step,
 # and an update whose gradients overflowed is skipped while the factor shrinks. So
-# `precision="auto"` (the default) picks bf16 where it is native, fp16 with the scaler
-# on older GPUs with fast fp16, float32 elsewhere, and the run log says which and why;
-# `fp32`, `bf16` and `fp16` override it. The loss is summed in float32 under either autocast, and masked attention
-# scores are $-\infty$, which fp16 represents, so masks stay exact.
+# `precision="auto"` (the default) considers bf16 where it is native, fp16 with the
+# scaler on older GPUs with fast fp16, and float32 — and then *measures* (below); the
+# run log says which and why; `fp32`, `bf16` and `fp16` override it. The loss is summed
+# in float32 under either autocast, and masked attention scores are $-\infty$, which
+# fp16 represents, so masks stay exact.
 
 
 def native_bf16(device: torch.device) -> tuple[bool, str]:

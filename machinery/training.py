@@ -282,12 +282,13 @@ def find_checkpoint(
         box = [found, error]
         dist.broadcast_object_list(box, src=holder)
         found, error = box
-        behind = [r for r, s in enumerate(steps) if s < newest]
+        behind = {r: s for r, s in enumerate(steps) if s < newest}
         if behind:
+            held = [f"step {s}" if s >= 0 else "none" for s in behind.values()]
             log(
                 f"resuming from the checkpoint of step {newest} that process {holder} "
                 f"holds; process(es) {', '.join(map(str, behind))} held "
-                + ", ".join("none" if steps[r] < 0 else f"step {steps[r]}" for r in behind)
+                + ", ".join(held)
             )
     if error:
         raise CheckpointError(error)
@@ -669,9 +670,9 @@ def measure_compute(
 
         def one_pass(precision: str, path: str) -> Callable:
             model, dtype = models[path], dtypes.get(precision)
-            cast = (
-                (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
-            )
+            cast = nullcontext
+            if dtype:
+                cast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
 
             def run_pass():
                 with cast():
@@ -684,7 +685,7 @@ def measure_compute(
         calls = {(p, a): one_pass(p, a) for p in precisions for a in paths}
         times = timer(calls, device)
     random.setstate(python_state)
-    del models
+    models.clear()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return times
