@@ -88,6 +88,13 @@ from types import MappingProxyType
 from typing import NamedTuple
 from collections.abc import Callable, Iterable, Sequence
 
+if __name__ == "__main__" and "ipykernel" not in sys.modules:
+    import signal  # Ctrl-C while torch loads: one line, not a traceback (our addition)
+
+    signal.signal(
+        signal.SIGINT, lambda *_: (print("interrupted", file=sys.stderr), os._exit(130))
+    )
+
 import numpy as np
 import torch
 import torch.nn as nn
@@ -163,13 +170,22 @@ if IN_NOTEBOOK:
 #
 # The paper's Figure 1 draws the whole model. Here is our own drawing of it, with the
 # names of the classes below in grey (`figures/draw_figures.py` draws it):
-#
-# ![Figure 1, redrawn: the Transformer, encoder on the left, decoder on the
-# right](figures/figure1_transformer.png)
-#
-# `EncoderDecoder` is that structure with its parts left abstract: `encode` computes
-# $\mathbf{z}$ once, `decode` is called with the target prefix, and `forward` does both
-# for training (the whole target is known, so all positions are computed in parallel).
+
+
+# %%
+@example
+def _():
+    alt = (
+        "Figure 1, redrawn: the Transformer, encoder on the left, decoder on the right"
+    )
+    machinery.show_image("figures/figure1_transformer.png", alt)
+
+
+# %% [markdown]
+# `EncoderDecoder` is that structure (§3) with its parts left abstract: `encode`
+# computes $\mathbf{z}$ once, `decode` is called with the target prefix, and `forward`
+# does both for training (the whole target is known, so all positions are computed in
+# parallel).
 
 
 # %%
@@ -454,11 +470,17 @@ def _():
 #
 # The paper's Figure 2 shows the two levels, redrawn here: scaled dot-product attention
 # (left, `attention` below) and multi-head attention built from $h$ of them (right,
-# `MultiHeadedAttention`).
-#
-# ![Figure 2, redrawn: scaled dot-product attention and multi-head
-# attention](figures/figure2_attention.png)
-#
+# `MultiHeadedAttention`) — §3.2, Figure 2:
+
+
+# %%
+@example
+def _():
+    alt = "Figure 2, redrawn: scaled dot-product attention and multi-head attention"
+    machinery.show_image("figures/figure2_attention.png", alt)
+
+
+# %% [markdown]
 # ### §3.2.1 Scaled Dot-Product Attention
 #
 # > We call our particular attention "Scaled Dot-Product Attention" […]. The input
@@ -2474,4 +2496,4 @@ if IN_NOTEBOOK:
 
 # %%
 if __name__ == "__main__" and not IN_NOTEBOOK:
-    sys.exit(machinery.main(sys.argv[1:]))
+    sys.exit(machinery.script(sys.argv[1:]))

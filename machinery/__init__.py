@@ -61,6 +61,7 @@ from .runfiles import (  # noqa: F401
     load_checkpoint,
     lock_run_dir,
     metrics_lines_upto,
+    misnamed_checkpoints,
     open_run_dir,
     resume_position,
     save_checkpoint,
@@ -128,6 +129,7 @@ from .figures import (  # noqa: F401
     save_figure,
     sharpest_head,
     show_figure,
+    show_image,
 )
 from .cli import (  # noqa: F401
     COMMANDS,
@@ -139,7 +141,9 @@ from .cli import (  # noqa: F401
     inference_parser,
     load_for_inference,
     main,
+    environment_problem,
     run_inference_command,
+    script,
     skipped_message,
     translate_lines,
     usage,

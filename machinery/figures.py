@@ -246,3 +246,12 @@ def show_figure(fig, alt: str) -> None:
     png = io.BytesIO()
     fig.savefig(png, format="png", bbox_inches="tight", dpi=200)
     display(Image(data=png.getvalue()), metadata={"image/png": {"alt": alt}})
+
+
+def show_image(path: str, alt: str) -> None:
+    """Display the PNG at ``path`` as a cell output carrying ``alt`` text: stored in the
+    notebook, so hosted notebooks show it too (they cannot show relative Markdown
+    image paths)."""
+    from IPython.display import Image, display
+
+    display(Image(filename=str(path)), metadata={"image/png": {"alt": alt}})
