@@ -40,8 +40,10 @@ from .data import (  # noqa: F401
     make_copy_data,
     make_tokenizer,
     prepare_iwslt14,
+    read_bounded,
     read_lines,
     read_parallel,
+    read_stream,
     split_lines,
 )
 from .runfiles import (  # noqa: F401

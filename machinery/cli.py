@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
@@ -34,7 +36,7 @@ from .data import (
     make_tokenizer,
     read_lines,
     read_parallel,
-    split_lines,
+    read_stream,
 )
 from .devices import resolve_attention, resolve_device
 from .parts import notebook
@@ -47,6 +49,8 @@ from .runfiles import (
     checkpoint_subwords,
     first_line,
     load_checkpoint,
+    misnamed_checkpoints,
+    misnamed_message,
 )
 from .training import TrainingDiverged, train
 
@@ -101,7 +105,8 @@ def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
         "--config",
         default=None,
         choices=list(PRESETS),
-        help="a preset (default: iwslt14-small where CUDA is available, else iwslt14-sample)",
+        help="a preset (default: iwslt14-small where CUDA is available, "
+        "else iwslt14-sample)",
     )
     defaults = Config()
     for f in dataclasses.fields(Config):
@@ -112,7 +117,7 @@ def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
             dest=f.name,
             default=None,
             type=lambda text, like=like, name=f.name: _parse_value(text, like, name),
-            help=f"(default from preset)",
+            help="(default from preset)",
         )
     args = parser.parse_args(argv)
     overrides = {
@@ -171,6 +176,8 @@ def load_for_inference(
         paths = [Path(checkpoint)]
     else:
         paths = checkpoint_paths(Path(run_dir))[-max(average_last, 1) :]
+        if not paths and Path(run_dir).is_dir() and misnamed_checkpoints(run_dir):
+            raise CheckpointError(misnamed_message(misnamed_checkpoints(run_dir)))
         if not paths:
             raise CheckpointError(
                 f"no checkpoint-*.pt in {run_dir}"
@@ -186,21 +193,29 @@ def load_for_inference(
         # the path for the device decoding runs on (the weights are the same for both)
         attention = resolve_attention("auto", torch.device(device))[0]
         model = nb.make_model(len(src_vocab), len(tgt_vocab), cfg, attention=attention)
-        model.load_state_dict(
-            average_checkpoints(paths) if len(paths) > 1 else state["model"]
-        )
+        weights = average_checkpoints(paths) if len(paths) > 1 else state["model"]
+        model.load_state_dict(weights)
     except (ValueError, KeyError, TypeError, RuntimeError) as e:
         if isinstance(e, CheckpointError):
             raise
         raise CheckpointError(
-            f"{paths[-1]} does not hold a model this program can build ({first_line(e)})"
+            f"{paths[-1]} does not hold a model this program can build "
+            f"({first_line(e)})"
         ) from e
+    for name, tensor in weights.items():  # checked once, here: decoding trusts them
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            where = paths[-1] if len(paths) == 1 else f"the average of {len(paths)} "
+            raise CheckpointError(
+                f"{where}{'' if len(paths) == 1 else 'checkpoints'}: weight {name} "
+                "holds NaN or infinite values (training diverged, or the file is "
+                "damaged); use an earlier checkpoint"
+            )
     return (
         model.to(device).eval(),
         cfg,
         src_vocab,
         tgt_vocab,
-        checkpoint_subwords(state),
+        checkpoint_subwords(state, paths[-1]),
     )
 
 
@@ -243,17 +258,20 @@ def _all_evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
         src, ref = read_lines(args.src), read_lines(args.ref)
         if len(src) != len(ref):
             raise DataError(
-                f"misaligned files: {args.src} has {len(src)} lines, {args.ref} has {len(ref)}"
+                f"misaligned files: {args.src} has {len(src)} lines, "
+                f"{args.ref} has {len(ref)}"
             )
         if not src:
             raise DataError(
                 f"nothing to score: {args.src} and {args.ref} hold no lines"
             )
         return src, ref
+    args.split = args.split or "test"
     if CORPORA[cfg.dataset].synthetic:
         if args.split not in ("test", "valid"):
             raise DataError(
-                f"the {cfg.dataset} task has no split {args.split!r} (known: test, valid)"
+                f"the {cfg.dataset} task has no split {args.split!r} "
+                "(known: test, valid)"
             )
         data = make_copy_data(cfg)
         pairs = data.splits[args.split]
@@ -277,8 +295,9 @@ def _all_evaluation_pairs(args, cfg: Config) -> tuple[list[str], list[str]]:
 # stop needs it), at least one checkpoint to average, a device this machine has.
 
 
-def _whole_number(low: int) -> Callable[[str], int]:
-    """An argparse type: a whole number of at least ``low`` (our addition)."""
+def _whole_number(low: int, high: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse type: a whole number of at least ``low`` (and at most ``high``)
+    (our addition)."""
 
     def check(text: str) -> int:
         try:
@@ -289,20 +308,25 @@ def _whole_number(low: int) -> Callable[[str], int]:
             ) from None
         if value < low:
             raise argparse.ArgumentTypeError(f"must be at least {low}, got {value}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(
+                f"must be from {low} to {high:,}, got {value:,}"
+            )
         return value
 
     return check
 
 
 def _alpha(text: str) -> float:
-    """An argparse type: the length penalty α of §6.1, a finite number ≥ 0."""
+    """An argparse type: the length penalty α of §6.1, a finite number from 0 to 10
+    (the bound of the config's length_penalty_alpha: more overflows)."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (math.isfinite(value) and value >= 0):
+    if not (math.isfinite(value) and 0 <= value <= 10):
         raise argparse.ArgumentTypeError(
-            f"must be a finite number, 0 or more, got {text!r}"
+            f"must be a finite number, 0 or more and at most 10, got {text!r}"
         )
     return value
 
@@ -335,9 +359,9 @@ def inference_parser(command: str) -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--beam",
-        type=_whole_number(1),
+        type=_whole_number(1, 1000),
         default=4,
-        help="beam size (1 = greedy; default 4, §6.1)",
+        help="beam size (1 = greedy; default 4, §6.1; at most 1000)",
     )
     parser.add_argument(
         "--alpha", type=_alpha, default=0.6, help="length penalty α (default 0.6, §6.1)"
@@ -350,7 +374,9 @@ def inference_parser(command: str) -> argparse.ArgumentParser:
             help="sentences to translate (else --input or stdin)",
         )
         parser.add_argument(
-            "--input", type=Path, help="a file with one sentence per line"
+            "--input",
+            type=Path,
+            help="a file with one sentence per line (- for standard input)",
         )
     else:
         parser.add_argument(
@@ -361,8 +387,9 @@ def inference_parser(command: str) -> argparse.ArgumentParser:
         parser.add_argument("--ref", type=Path, help="references, aligned with --src")
         parser.add_argument(
             "--split",
-            default="test",
-            help="without --src/--ref: test, valid, or for Multi30k test_2017_flickr / test_2018_flickr",
+            default=None,
+            help="without --src/--ref: test (the default), valid, or for Multi30k "
+            "test_2017_flickr / test_2018_flickr",
         )
         parser.add_argument(
             "--first",
@@ -438,8 +465,8 @@ def skipped_message(skipped: Sequence[tuple[int, int]], max_len: int) -> str:
     named = ", ".join(f"line {n} ({k:,} tokens)" for n, k in skipped[:10])
     more = f" and {len(skipped) - 10:,} more" if len(skipped) > 10 else ""
     return (
-        f"error: skipped {named}{more}: longer than the model's max_len={max_len:,} positions "
-        "(<s> and </s> included); each gave an empty output line"
+        f"error: skipped {named}{more}: longer than the model's max_len={max_len:,} "
+        "positions (<s> and </s> included); each gave an empty output line"
     )
 
 
@@ -449,13 +476,32 @@ def run_inference_command(command: str, argv: Sequence[str]) -> int:
     nb = notebook()
     args = inference_parser(command).parse_args(argv)
     refs = None
+    if sys.stdout is None:  # closed (>&-): the output would vanish without a word
+        raise DataError(
+            "standard output is closed: nowhere to write; redirect it to a file"
+        )
+    if command == "evaluate" and args.split is not None and args.src is not None:
+        raise DataError(
+            "give --split or --src/--ref, not both (--split picks a split of the data "
+            "set, --src/--ref score those files)"
+        )
     if command == "translate":  # read first: a bad input fails before the model loads
+        if args.sentences and args.input:
+            raise DataError(
+                "give sentences as arguments or --input, not both "
+                f"({args.input} would be ignored)"
+            )
         if args.sentences:
             lines = list(args.sentences)
-        elif args.input:
+        elif args.input and str(args.input) != "-":
             lines = read_lines(args.input)
+        elif sys.stdin is None:  # closed (<&-)
+            raise DataError(
+                "standard input is closed: give sentences as arguments, --input FILE, "
+                "or pipe them in"
+            )
         else:
-            lines = split_lines(sys.stdin.buffer.read(), "standard input")
+            lines = read_stream(sys.stdin.buffer, "standard input")
     device = resolve_device(args.device)
     model, cfg, src_vocab, tgt_vocab, subwords = load_for_inference(
         args.checkpoint, args.run_dir, args.average_last, device
@@ -466,18 +512,27 @@ def run_inference_command(command: str, argv: Sequence[str]) -> int:
             lines
         ):  # asked for more than there is: say so, rather than score fewer unannounced
             print(
-                f"note: --first {args.first:,}, but there are only {len(lines):,} pairs: scoring all of them",
+                f"note: --first {args.first:,}, but there are only {len(lines):,} "
+                "pairs: scoring all of them",
                 file=sys.stderr,
             )
     hyps, skipped = translate_lines(
         lines, model, cfg, src_vocab, tgt_vocab, subwords, device, args.beam, args.alpha
     )
-    if refs is None:
-        for h in hyps:
-            print(h)
-    else:
-        result = nb.bleu(hyps, refs, cfg.dataset)
-        print(f"{result.text}\n{result.signature}")
+    try:
+        if refs is None:
+            for h in hyps:
+                print(h)
+        else:
+            result = nb.bleu(hyps, refs, cfg.dataset)
+            print(f"{result.text}\n{result.signature}")
+        sys.stdout.flush()
+    except OSError as e:  # standard output closed, or a full disk behind it
+        _quiet_stdout()
+        raise DataError(
+            f"cannot write to standard output ({e.strerror or e}); nothing was printed "
+            "whole: rerun with it redirected to a file with room"
+        ) from None
     if skipped:
         print(skipped_message(skipped, cfg.max_len), file=sys.stderr)
         return 1
@@ -514,11 +569,49 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+def _quiet_stdout() -> None:
+    """Point standard output at the null device, so that the interpreter's own flush at
+    exit does not print a second error (our addition)."""
+    if sys.stdout is not sys.__stdout__:  # replaced (a test's capture): not ours
+        return
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.close(devnull)
+    except OSError:
+        pass
+
+
+# torchrun's variables, read as whole numbers wherever processes are counted
+PROCESS_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def environment_problem(environ=os.environ) -> Optional[str]:
+    """A line naming a process variable that is not a whole number, or None (our
+    addition)."""
+    for name in PROCESS_VARIABLES:
+        value = environ.get(name)
+        if value is not None and not (value.strip().isdigit() and value.isascii()):
+            return (
+                f"environment variable {name}={value!r} is not a whole number "
+                "(torchrun sets it); unset it or set it right"
+            )
+    return None
+
+
 def main(argv: Sequence[str]) -> int:
     """Entry point of the command line: ``train``, ``translate`` or ``evaluate``;
     returns the exit status."""
+    for stream in (sys.stdout, sys.stderr):  # § or × on an ASCII terminal: no crash
+        try:
+            stream.reconfigure(errors="backslashreplace")
+        except (AttributeError, ValueError, OSError):
+            pass
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
+    if problem := environment_problem():
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
     if not argv or argv[0] in ("-h", "--help"):  # no command: the three, and how
         print(usage(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
@@ -537,7 +630,8 @@ def main(argv: Sequence[str]) -> int:
             summary = train(cfg)
             if summary.get("bleu") is not None:
                 print(
-                    f"done in {summary['total_minutes']:.1f} min: BLEU {summary['bleu']:.2f}; "
+                    f"done in {summary['total_minutes']:.1f} min: "
+                    f"BLEU {summary['bleu']:.2f}; "
                     f"results in {summary['run_dir']}/results.json"
                 )
     except TrainingInterrupted as e:
@@ -571,7 +665,8 @@ def main(argv: Sequence[str]) -> int:
         if debug:
             raise
         print(
-            f"error: {type(e).__name__}: {first_line(e)} (run again with --debug to see where)",
+            f"error: {type(e).__name__}: {first_line(e)} "
+            "(run again with --debug to see where)",
             file=sys.stderr,
         )
         return 1
@@ -579,3 +674,24 @@ def main(argv: Sequence[str]) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def script(argv: Sequence[str]) -> int:
+    """``python the_annotated_transformer.py …``: :func:`main`, with Ctrl-C handled at
+    both ends — our addition. Ctrl-C is Python's again while it runs (the module's
+    start-up handler printed one line and left); once it has returned, another Ctrl-C
+    (a second press, ~50 ms after the first) ends the process at once, quietly, with
+    the same status, rather than tracing back out of an exit handler."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        status = main(argv)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        status = 130
+    signal.signal(signal.SIGINT, lambda *_: os._exit(status))
+    if sys.stdout is not None:
+        try:
+            sys.stdout.flush()
+        except OSError:
+            _quiet_stdout()
+    return status

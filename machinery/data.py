@@ -17,6 +17,7 @@ import random
 import re
 import tarfile
 import urllib.request
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
@@ -49,16 +50,16 @@ class Corpus:
     sha256: MappingProxyType = field(
         default_factory=lambda: MappingProxyType({})
     )  # file → pinned SHA-256 of the download; others unchecked
-    prepare: str = ""  # "": the files are downloaded as they are; "fairseq-iwslt14": an archive to prepare
-    sample: str = ""  # a split that stands in for "train" when only it is there (a training sample)
+    prepare: str = ""  # "": the files are downloaded as they are; "fairseq-iwslt14": an archive to prepare  # noqa: E501
+    sample: str = ""  # a split that stands in for "train" when only it is there (a training sample)  # noqa: E501
     # the validation pairs were held out of the training talks (may train; see Config)
     valid_from_train: bool = False
     extra_tests: MappingProxyType = field(
         default_factory=lambda: MappingProxyType({})
     )  # further test splits, looked for only when asked
-    words: str = "whitespace"  # word-level tokenizer: "spacy" (its rules, for raw text) or "whitespace"
-    detokenize: str = "join"  # words back to text: "moses" (sacremoses, for raw text) or "join" (with spaces)
-    bleu_tokenize: str = "none"  # sacreBLEU's tokenizer: "13a" for raw, cased text; "none" for tokenized text
+    words: str = "whitespace"  # word-level tokenizer: "spacy" (its rules, for raw text) or "whitespace"  # noqa: E501
+    detokenize: str = "join"  # words back to text: "moses" (sacremoses, for raw text) or "join" (with spaces)  # noqa: E501
+    bleu_tokenize: str = "none"  # sacreBLEU's tokenizer: "13a" for raw, cased text; "none" for tokenized text  # noqa: E501
     synthetic: bool = False  # generated (the copy task), no files
 
     @property
@@ -91,12 +92,12 @@ CORPORA = MappingProxyType(
                 url="https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/",
                 sha256=MappingProxyType(
                     {
-                        "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",
-                        "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",
-                        "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",
-                        "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",
-                        "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",
-                        "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",
+                        "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",  # noqa: E501
+                        "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",  # noqa: E501
+                        "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",  # noqa: E501
+                        "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",  # noqa: E501
+                        "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",  # noqa: E501
+                        "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",  # noqa: E501
                     }
                 ),
                 extra_tests=MappingProxyType(
@@ -116,7 +117,7 @@ CORPORA = MappingProxyType(
                 bleu_tokenize="13a",
             ),
             Corpus(
-                "iwslt14",  # TED talks, fairseq's layout: Moses-tokenized, lowercased (REPRODUCTION_NOTES.md)
+                "iwslt14",  # TED talks, fairseq's layout: Moses-tokenized, lowercased (REPRODUCTION_NOTES.md)  # noqa: E501
                 files=MappingProxyType(
                     {
                         "train": ("train.de", "train.en"),
@@ -202,7 +203,14 @@ def build_subwords(
         Path(cache_dir) / f"bpe-{cache_key}.model" if cache_key and cache_dir else None
     )
     if path is not None and path.is_file():
-        return nb.Subwords(path.read_bytes())
+        try:
+            return nb.Subwords(path.read_bytes())
+        except (RuntimeError, ValueError) as e:  # sentencepiece: "INTERNAL: …"
+            raise DataError(
+                f"the cached BPE model {path} is damaged "
+                f"({str(e).strip().splitlines()[0] if str(e).strip() else e!r}); "
+                "delete it and rerun"
+            ) from None
     subwords = nb.Subwords.train(
         [s for pair in train_pairs for s in pair], cfg.bpe_size
     )
@@ -259,7 +267,8 @@ def download(
                 bar.update(len(chunk))
         if sha256 is not None and digest.hexdigest() != sha256:
             raise DataError(
-                f"checksum mismatch for {url}: expected sha256 {sha256}, got {digest.hexdigest()}"
+                f"checksum mismatch for {url}: expected sha256 {sha256}, "
+                f"got {digest.hexdigest()}"
             )
     return Path(dest)
 
@@ -339,7 +348,8 @@ def prepare_iwslt14(
         ) from None
     if len(raw_src) != len(raw_tgt):
         raise DataError(
-            f"{archive}: training talks misaligned ({len(raw_src)} vs {len(raw_tgt)} lines)"
+            f"{archive}: training talks misaligned "
+            f"({len(raw_src)} vs {len(raw_tgt)} lines)"
         )
     train, valid = [], []
     for s, t in zip(raw_src, raw_tgt):
@@ -387,7 +397,7 @@ class DataSource:
 
     name: str
     files: dict
-    origin: str  # a sentence for the user: "mirror $DATA_MIRROR/multi30k", "downloaded to …"
+    origin: str  # a sentence for the user: "mirror $DATA_MIRROR/multi30k", "downloaded to …"  # noqa: E501
 
 
 # Downloading, as the record says: files as published (Multi30k's six, checked against
@@ -441,7 +451,8 @@ def locate_dataset(
     """
     if name not in CORPORA or CORPORA[name].synthetic:
         raise DataError(
-            f"unknown data set {name!r} (known: {', '.join(n for n, c in CORPORA.items() if c.files)})"
+            f"unknown data set {name!r} "
+            f"(known: {', '.join(n for n, c in CORPORA.items() if c.files)})"
         )
     corpus = CORPORA[name]
     layout = corpus.files
@@ -488,7 +499,8 @@ def locate_dataset(
     )
     if not cfg.download:
         raise DataError(
-            f"{name} not found (looked in: {', '.join(o for _, o in candidates)}). {how}"
+            f"{name} not found "
+            f"(looked in: {', '.join(o for _, o in candidates)}). {how}"
         )
     folder = data_dir / name
     try:
@@ -525,7 +537,8 @@ def locate_test_split(
         return locate_dataset(name, cfg, url_base=url_base).files[split]
     if split not in corpus.extra_tests:
         raise DataError(
-            f"{name} has no split {split!r} here (known: {', '.join(['test', 'valid', *corpus.extra_tests])}); "
+            f"{name} has no split {split!r} here "
+            f"(known: {', '.join(['test', 'valid', *corpus.extra_tests])}); "
             "give --src and --ref"
         )
     names = corpus.extra_tests[split]
@@ -535,16 +548,21 @@ def locate_test_split(
     for folder in folders:
         if all((folder / f).is_file() for f in names):
             return folder / names[0], folder / names[1]
+    hint = (
+        f"point DATA_MIRROR (or --data_mirror) at a folder that holds "
+        f"{name}/{names[0]} and {name}/{names[1]}"
+    )
     if not cfg.download:
         raise DataError(
-            f"{split} not found in {', '.join(map(str, folders))}, and downloading is off"
+            f"{split} not found in {', '.join(map(str, folders))}, and downloading is "
+            f"off; {hint}"
         )
     try:
         return tuple(
             download((url_base or corpus.url) + f, data_dir / name / f) for f in names
         )
     except (OSError, urllib.error.URLError) as e:
-        raise DataError(f"could not download {name} {split} ({e})") from e
+        raise DataError(f"could not download {name} {split} ({e}); {hint}") from e
 
 
 # ### Reading parallel text, carefully
@@ -578,6 +596,36 @@ def split_lines(raw: bytes, name: str) -> list[str]:
     return out
 
 
+MAX_LINE_BYTES = 10 * 2**20  # a longer line is refused before it fills the memory
+
+
+def read_bounded(f, name: str, limit: int = MAX_LINE_BYTES) -> bytes:
+    """All bytes of the binary stream ``f``, read in chunks — our addition: a line
+    longer than ``limit`` bytes (``/dev/zero``, a stream with no newline) is refused
+    as soon as it is seen, not read into memory whole."""
+    chunks, pending, newlines = [], 0, 0
+    size = min(2**20, limit + 1)  # a line inside one chunk is within the limit
+    while chunk := f.read(size):
+        first = chunk.find(b"\n")
+        if first >= 0 and pending + first <= limit:
+            pending = len(chunk) - chunk.rfind(b"\n") - 1
+        else:
+            pending += len(chunk) if first < 0 else first
+        if pending > limit:
+            raise DataError(
+                f"{name}, line {newlines + 1:,}: longer than {limit // 2**20} MB "
+                "(no line end); give one sentence per line"
+            )
+        newlines += chunk.count(b"\n")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def read_stream(f, name: str) -> list[str]:
+    """Lines of the binary stream ``f`` (standard input), read with a bound."""
+    return split_lines(read_bounded(f, name), name)
+
+
 def read_lines(path: Path) -> list[str]:
     """Lines of a UTF-8 text file (``.gz`` allowed), as :func:`split_lines` reads them;
     names what is wrong."""
@@ -585,7 +633,12 @@ def read_lines(path: Path) -> list[str]:
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rb") as f:
-            raw = f.read()
+            raw = read_bounded(f, str(path))
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise DataError(
+            f"{path} is truncated or damaged ({e}); replace it, or delete it and "
+            "rerun to fetch it again"
+        ) from None
     except OSError as e:
         raise DataError(f"cannot read {path}: {e.strerror or e}") from None
     return split_lines(raw, str(path))
@@ -682,6 +735,29 @@ def load_dataset(
 ) -> Dataset:
     """Locate, read, tokenize and number the data set ``cfg.dataset``; report what was
     dropped."""
+    data = _load_dataset(cfg, log, url_base)
+    longest = (
+        max(
+            (len(ids), split)
+            for split, pairs in data.splits.items()
+            for pair in pairs
+            for ids in pair
+        )
+        if any(data.splits.values())
+        else (0, "")
+    )
+    if longest[0] > cfg.max_len:
+        raise DataError(
+            f"--max_len {cfg.max_len} is shorter than the data: its {longest[1]} split "
+            f"holds a sequence of {longest[0]} positions (<s> and </s> included); "
+            f"give --max_len {longest[0]} or more (or a smaller --max_tokens)"
+        )
+    return data
+
+
+def _load_dataset(
+    cfg: Config, log: Callable = print, url_base: Optional[str] = None
+) -> Dataset:
     nb = notebook()
     corpus = CORPORA[cfg.dataset]
     if corpus.synthetic:

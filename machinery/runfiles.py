@@ -53,7 +53,10 @@ def atomic_file(path: Path, mode: str = "wb"):
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as e:  # name the file asked for, not the temporary one
+            raise OSError(e.errno, e.strerror, str(path)) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -252,6 +255,8 @@ def load_checkpoint(
         where = (
             "is a directory (give a run directory as --run_dir)"
             if Path(path).is_dir()
+            else "is not a regular file (a device or a pipe); give a checkpoint file"
+            if Path(path).exists()
             else "does not exist"
         )
         raise UnreadableCheckpoint(f"checkpoint {path} {where}")
@@ -272,6 +277,12 @@ def load_checkpoint(
     if missing:
         raise UnreadableCheckpoint(
             f"{path} is damaged or hand-made: it lacks {', '.join(missing)}"
+        )
+    named = re.fullmatch(CHECKPOINT_NAME, Path(path).name)
+    if named and state.get("step") != int(named.group(1)):
+        raise CheckpointError(
+            f"{path} records step {state.get('step')}, not the step its name says: it "
+            "was copied or renamed; move it out of the run directory"
         )
     if cfg is not None:
         saved = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | state[
@@ -297,18 +308,27 @@ def load_checkpoint(
                 f"{path} was written with another {side} vocabulary "
                 f"({len(state['vocab'][side]):,} tokens vs {len(vocab):,} now)"
             )
-    if subwords is not None and checkpoint_subwords(state) != subwords:
+    if subwords is not None and checkpoint_subwords(state, path) != subwords:
         raise CheckpointError(
             f"{path} was written with another BPE model than the one in use now "
-            "(the training data or bpe_size differ); use the data and settings it was trained with"
+            "(the training data or bpe_size differ); use the data and settings it was "
+            "trained with"
         )
     return state
 
 
-def checkpoint_subwords(state: dict) -> Optional[Subwords]:
+def checkpoint_subwords(state: dict, path="the checkpoint") -> Optional[Subwords]:
     """The BPE model a checkpoint carries (None for word vocabularies)."""
     blob = state.get("subwords")
-    return notebook().Subwords(blob.numpy().tobytes()) if blob is not None else None
+    if blob is None:
+        return None
+    try:
+        return notebook().Subwords(blob.numpy().tobytes())
+    except (RuntimeError, ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(
+            f"the BPE model inside {path} cannot be read ({first_line(e)}): the "
+            "checkpoint is damaged; use another one"
+        ) from None
 
 
 # Listing and averaging checkpoints (§6.1 averages the last 5 for base models, the last
@@ -327,9 +347,34 @@ def checkpoint_paths(run_dir: Path) -> list[Path]:
     found = [
         (int(m.group(1)), p)
         for p in Path(run_dir).glob("checkpoint-*.pt")
-        if (m := re.fullmatch(r"checkpoint-(\d{8,})\.pt", p.name))
+        if (m := re.fullmatch(CHECKPOINT_NAME, p.name))
     ]
     return [p for _, p in sorted(found)]
+
+
+CHECKPOINT_NAME = r"checkpoint-(\d{8,})\.pt"  # the names this program writes
+
+
+def misnamed_checkpoints(run_dir: Path) -> list[Path]:
+    """Files of ``run_dir`` named like a checkpoint with a step of fewer than 8 digits
+    (``checkpoint-30.pt``) — our addition: never taken for checkpoints, never ignored
+    in silence."""
+    return sorted(
+        p
+        for p in Path(run_dir).glob("checkpoint-*.pt")
+        if re.fullmatch(r"checkpoint-\d+\.pt", p.name)
+        and not re.fullmatch(CHECKPOINT_NAME, p.name)
+    )
+
+
+def misnamed_message(paths: Sequence[Path]) -> str:
+    """Why ``paths`` are not checkpoints, and what to do (our addition)."""
+    return (
+        f"{paths[0]}{f' (and {len(paths) - 1} more)' if len(paths) > 1 else ''} is "
+        "not a checkpoint name this program writes: checkpoints are "
+        "checkpoint-<step of 8 or more digits>.pt, e.g. checkpoint-00000030.pt; "
+        "rename it so, or move it away"
+    )
 
 
 def average_checkpoints(paths: Sequence[Path]) -> dict:
@@ -353,8 +398,9 @@ def average_checkpoints(paths: Sequence[Path]) -> dict:
                 or state["vocab"] != vocab
             ):
                 raise CheckpointError(
-                    f"{p} holds a different model or vocabulary than {paths[0]}, so the two "
-                    "cannot be averaged; use one checkpoint (--checkpoint, or --average_last 1)"
+                    f"{p} holds a different model or vocabulary than {paths[0]}, so "
+                    "the two cannot be averaged; use one checkpoint (--checkpoint, or "
+                    "--average_last 1)"
                 )
             for k, v in model_state.items():
                 if v.is_floating_point():
@@ -497,6 +543,17 @@ def open_run_dir(run_dir: Path):
     killed run left — our addition."""
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirectoryError(f"run directory {run_dir} is a file, not a directory")
+    if run_dir.is_dir():
+        if misnamed := misnamed_checkpoints(run_dir):
+            raise RunDirectoryError(misnamed_message(misnamed))
+        earlier = [run_dir / n for n in ("metrics.jsonl", "results.json")]
+        if (run_dir / "results.json").is_file() and not checkpoint_paths(run_dir):
+            raise RunDirectoryError(
+                f"run directory {run_dir} holds "
+                + " and ".join(p.name for p in earlier if p.exists())
+                + " of an earlier run but no checkpoint to resume from; training would "
+                "replace them: give another --run_dir, or move them away"
+            )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = lock_run_dir(run_dir)
@@ -535,11 +592,15 @@ class RunFiles:
 
     def log(self, record: dict) -> None:
         """Append one record to the metrics log, on the disk before it returns."""
-        if self.write:
-            with open(self.metrics, "a", encoding="utf-8") as f:
-                f.write(json.dumps(record) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+        if self.write:  # the log so far and the record, renamed over the old log
+            try:
+                old = self.metrics.read_bytes() if self.metrics.exists() else b""
+                write_atomic(self.metrics, old + (json.dumps(record) + "\n").encode())
+            except OSError as e:
+                raise RunDirectoryError(
+                    f"cannot write {self.metrics} ({e.strerror or e}; "
+                    f"{free_space(self.dir)}); the log written so far is intact"
+                ) from None
 
     def save(
         self, trainer: Trainer, data: Dataset, pos: Position, rank: int = 0
@@ -566,7 +627,8 @@ class RunFiles:
             RuntimeError,
         ) as e:  # torch reports a full disk as a RuntimeError
             raise CheckpointError(
-                f"cannot write checkpoint {path} ({first_line(e)}; {free_space(self.dir)}); "
+                f"cannot write checkpoint {path} ({first_line(e)}; "
+                f"{free_space(self.dir)}); "
                 "the checkpoints already in the run directory are intact"
             ) from e
         for old in checkpoint_paths(self.dir)[: -self.keep]:
@@ -584,8 +646,8 @@ class RunFiles:
         kept, torn, later = metrics_lines_upto(raw, step)
         if torn:
             print(
-                f"warning: {self.metrics}: dropped {torn} unreadable line(s), cut short by a crash or a full "
-                "disk",
+                f"warning: {self.metrics}: dropped {torn} unreadable line(s), cut "
+                "short by a crash or a full disk",
                 file=sys.stderr,
             )
         if torn or later or not raw.endswith(b"\n"):

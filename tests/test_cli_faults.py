@@ -95,6 +95,8 @@ class Case(NamedTuple):
     stdin: Optional[bytes] = None
     setup: Optional[Callable] = None
     check: Optional[Callable] = None
+    env: Optional[dict] = None  # environment variables set for the row
+    streams: str = ""  # "no stdin", "no stdout" (closed), "failing stdout"
 
 
 def write(path: Path, data) -> Path:
@@ -259,9 +261,19 @@ if not torch.cuda.is_available():
 # --- files and checkpoints -----------------------------------------------------------
 
 
+def renamed(source: Path, path: Path, step: int) -> Path:
+    """A copy of checkpoint ``source`` at ``path`` that records ``step`` (as its name
+    must)."""
+    state = torch.load(source, weights_only=True)
+    state["step"] = step
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+    return path
+
+
 def two_sizes(c):
     for i, ck in enumerate((c.ck, c.small), start=1):
-        write(c.tmp / "mixed" / f"checkpoint-{i:08d}.pt", ck.read_bytes())
+        renamed(ck, c.tmp / "mixed" / f"checkpoint-{i:08d}.pt", i)
 
 
 def half(c, name="half.pt"):
@@ -554,9 +566,329 @@ LINES = [
 ]
 
 
-def run_main(argv, stdin, monkeypatch, capsys):
+# --- round three: the 33 cases of issue 38 that ran into the command line ------------
+
+
+def edited(c, name: str, edit: Callable) -> Path:
+    """A copy of the test checkpoint at ``c.tmp / name``, its state changed by
+    ``edit``."""
+    state = torch.load(c.ck, weights_only=True)
+    edit(state)
+    path = c.tmp / name
+    torch.save(state, path)
+    return path
+
+
+def non_finite(c, value=float("nan"), everywhere=True):
+    """A checkpoint whose weights are all ``value``, or one tensor (``c.key``) with one
+    ``value``."""
+
+    def edit(state):
+        floats = [k for k, v in state["model"].items() if v.is_floating_point()]
+        c.key = floats[len(floats) // 2]
+        for k in floats if everywhere else [c.key]:
+            state["model"][k].view(-1)[0] = value
+            if everywhere:
+                state["model"][k].fill_(value)
+
+    edited(c, "bad.pt", edit)
+
+
+def as_multi30k(c):
+    """The test checkpoint relabelled as a Multi30k model, offline, with an empty data
+    folder."""
+
+    def edit(state):
+        state["config"].update(
+            dataset="multi30k", download=False, data_dir=str(c.tmp / "data")
+        )
+
+    edited(c, "m30k.pt", edit)
+
+
+def truncated_gz_mirror(c):
+    import gzip
+
+    as_multi30k(c)
+    folder = c.tmp / "mirror" / "multi30k"
+    for lang in ("de", "en"):
+        write(folder / f"test_2017_flickr.{lang}.gz", gzip.compress(b"1 2\n" * 500))
+    damaged = folder / "test_2017_flickr.de.gz"
+    damaged.write_bytes(damaged.read_bytes()[:-20])
+
+
+def copied_to_larger_step(c):
+    write(c.tmp / "r" / "checkpoint-00000016.pt", c.ck.read_bytes())
+    write(c.tmp / "r" / "checkpoint-99999999.pt", c.ck.read_bytes())
+
+
+def fifo(c):
+    os.mkfifo(c.tmp / "pipe.pt")
+
+
+def damaged_bpe(c):
+    def edit(state):
+        state["subwords"] = torch.frombuffer(bytearray(b"\x0a\x05hello"), dtype=torch.uint8)
+
+    edited(c, "bpe.pt", edit)
+
+
+M30K = lambda c, *more: [  # noqa: E731
+    "evaluate",
+    "--checkpoint",
+    str(c.tmp / "m30k.pt"),
+    "--beam",
+    "1",
+    *more,
+]
+NO_NEWLINE = b"5 " * (6 * 2**20)  # 12 MB and no line end
+
+ROUND_THREE = [
+    Case(
+        "translate --alpha 1000 (overflows beam search)",
+        lambda c: translate(c, "--alpha", "1000", "1 2"),
+        2,
+        ("--alpha", "at most 10"),
+    ),
+    Case(
+        "translate --beam 99999999999",
+        lambda c: translate(c, "--beam", "99999999999", "1 2"),
+        2,
+        ("--beam", "from 1 to 1,000"),
+    ),
+    Case(
+        "evaluate --beam 99999999999",
+        lambda c: evaluate(c, "s", "r") + ["--beam", "99999999999"],
+        2,
+        ("--beam", "1,000"),
+    ),
+    *[
+        Case(
+            f"train {' '.join(opt)}",
+            lambda c, opt=opt: [*TRAIN, *opt, "--run_dir", str(c.tmp / "run")],
+            2,
+            words,
+            check=lambda c, r: not (c.tmp / "run").exists(),
+        )
+        for opt, words in [
+            (["--max_len", "1000000000"], ("max_len", "from 3 to 100000")),
+            (["--length_penalty_alpha", "1e308"], ("length_penalty_alpha", "to 10")),
+            (["--beam_size", "99999999999"], ("beam_size", "to 1000")),
+        ]
+    ],
+    Case(
+        "train --max_len 3, shorter than the data",
+        lambda c: [*TRAIN, "--max_len", "3", "--run_dir", str(c.tmp / "run")],
+        2,
+        ("--max_len 3", "12 positions", "--max_len 12"),
+        check=lambda c, r: not machinery.checkpoint_paths(c.tmp / "run")
+        if (c.tmp / "run").exists()
+        else True,
+    ),
+    Case(
+        "WORLD_SIZE=abc",
+        lambda c: [*TRAIN, "--run_dir", str(c.tmp / "run")],
+        2,
+        ("WORLD_SIZE", "'abc'", "whole number"),
+        env={"WORLD_SIZE": "abc"},
+        check=lambda c, r: not (c.tmp / "run").exists(),
+    ),
+    Case(
+        "LOCAL_RANK=abc",
+        lambda c: translate(c, "1 2"),
+        2,
+        ("LOCAL_RANK", "'abc'"),
+        env={"LOCAL_RANK": "abc"},
+    ),
+    Case(
+        "translate --input and sentences",
+        lambda c: translate(c, "--input", str(write(c.tmp / "in.txt", "1\n")), "1 2"),
+        2,
+        ("--input", "not both", "in.txt"),
+        check=lambda c, r: r.out == "",
+    ),
+    Case(
+        "translate --run_dir, --input and a sentence",
+        lambda c: [
+            "translate",
+            "--run_dir",
+            str(c.run),
+            "--input",
+            str(write(c.tmp / "in.txt", "1\n")),
+            "a sentence",
+        ],
+        2,
+        ("not both",),
+    ),
+    Case(
+        "evaluate --split next to --src/--ref",
+        lambda c: evaluate(c, "s.txt", "r.txt") + ["--split", "valid"],
+        2,
+        ("--split", "--src/--ref", "not both"),
+        setup=lambda c: (write(c.tmp / "s.txt", "1\n"), write(c.tmp / "r.txt", "1\n")),
+        check=lambda c, r: r.out == "",
+    ),
+    Case(
+        "--input - is standard input",
+        lambda c: translate(c, "--input", "-"),
+        0,
+        stdin=("\n".join(NORMAL) + "\n").encode(),
+        check=same_as_alone({i: i for i in range(4)}),
+    ),
+    Case(
+        "--input /dev/zero (no line end, endless)",
+        lambda c: translate(c, "--input", "/dev/zero"),
+        2,
+        ("/dev/zero, line 1", "longer than 10 MB"),
+    ),
+    Case(
+        "12 MB with no line end on standard input",
+        lambda c: translate(c),
+        2,
+        ("standard input, line 1", "longer than 10 MB"),
+        stdin=NO_NEWLINE,
+    ),
+    Case(
+        "a 12 MB line after normal ones in a file",
+        lambda c: translate(c, "--input", str(c.tmp / "in.txt")),
+        2,
+        ("line 3", "longer than 10 MB"),
+        setup=lambda c: write(c.tmp / "in.txt", b"1 2\n3\n" + NO_NEWLINE + b"\n4\n"),
+    ),
+    Case(
+        "standard input closed",
+        lambda c: translate(c),
+        2,
+        ("standard input is closed", "--input"),
+        streams="no stdin",
+    ),
+    Case(
+        "standard output closed (translate)",
+        lambda c: translate(c, "1 2"),
+        2,
+        ("standard output is closed",),
+        streams="no stdout",
+    ),
+    Case(
+        "standard output closed (evaluate)",
+        lambda c: evaluate(c, "s.txt", "r.txt"),
+        2,
+        ("standard output is closed",),
+        setup=lambda c: (write(c.tmp / "s.txt", "1\n"), write(c.tmp / "r.txt", "1\n")),
+        streams="no stdout",
+    ),
+    Case(
+        "standard output fails on writing",
+        lambda c: translate(c, "1 2"),
+        2,
+        ("cannot write to standard output", "Bad file descriptor"),
+        streams="failing stdout",
+    ),
+    Case(
+        "--checkpoint /dev/zero",
+        lambda c: ["translate", "--checkpoint", "/dev/zero", "1"],
+        2,
+        ("/dev/zero", "not a regular file"),
+    ),
+    Case(
+        "--checkpoint a FIFO",
+        lambda c: ["translate", "--checkpoint", str(c.tmp / "pipe.pt"), "1"],
+        2,
+        ("pipe.pt", "not a regular file"),
+        setup=fifo,
+    ),
+    Case(
+        "checkpoint with NaN weights (translate)",
+        lambda c: ["translate", "--checkpoint", str(c.tmp / "bad.pt"), "1 2"],
+        2,
+        ("bad.pt", "NaN or infinite", "earlier checkpoint"),
+        setup=non_finite,
+        check=lambda c, r: c.key in r.err and r.out == "",
+    ),
+    Case(
+        "checkpoint with one inf in one tensor (evaluate)",
+        lambda c: [
+            "evaluate",
+            "--checkpoint",
+            str(c.tmp / "bad.pt"),
+            "--src",
+            str(write(c.tmp / "s.txt", "1 2\n")),
+            "--ref",
+            str(write(c.tmp / "r.txt", "1 2\n")),
+        ],
+        2,
+        ("NaN or infinite",),
+        setup=lambda c: non_finite(c, float("inf"), everywhere=False),
+        check=lambda c, r: c.key in r.err and "BLEU" not in r.out,
+    ),
+    Case(
+        "a run directory holding only checkpoint-30.pt",
+        lambda c: ["translate", "--run_dir", str(c.tmp / "r"), "1"],
+        2,
+        ("checkpoint-30.pt", "8 or more digits", "checkpoint-00000030.pt"),
+        setup=lambda c: write(c.tmp / "r" / "checkpoint-30.pt", c.ck.read_bytes()),
+    ),
+    Case(
+        "a checkpoint copied to a larger step (averaged)",
+        lambda c: ["translate", "--run_dir", str(c.tmp / "r"), "1"],
+        2,
+        ("checkpoint-99999999.pt", "records step 16", "copied or renamed"),
+        setup=copied_to_larger_step,
+    ),
+    Case(
+        "a damaged BPE model inside a checkpoint",
+        lambda c: ["translate", "--checkpoint", str(c.tmp / "bpe.pt"), "1"],
+        2,
+        ("BPE model", "bpe.pt", "the checkpoint is damaged"),
+        setup=damaged_bpe,
+    ),
+    Case(
+        "offline evaluate --split test_2017_flickr: the mirror is named",
+        lambda c: M30K(c, "--split", "test_2017_flickr"),
+        2,
+        ("test_2017_flickr", "downloading is off", "DATA_MIRROR", "--data_mirror"),
+        setup=as_multi30k,
+        env={"DATA_MIRROR": ""},
+    ),
+    Case(
+        "a truncated .gz in the mirror",
+        lambda c: M30K(
+            c, "--split", "test_2017_flickr", "--data_mirror", str(c.tmp / "mirror")
+        ),
+        2,
+        ("test_2017_flickr.de.gz", "truncated or damaged"),
+        setup=truncated_gz_mirror,
+    ),
+    Case(
+        "top-level --help lists the three commands",
+        lambda c: ["--help"],
+        0,
+        check=lambda c, r: all(w in r.out for w in ("train", "translate", "evaluate")),
+    ),
+]
+
+
+class FailingStdout(io.TextIOWrapper):
+    """Standard output whose file descriptor went away (EBADF on writing)."""
+
+    def __init__(self):
+        super().__init__(io.BytesIO(), encoding="utf-8")
+
+    def write(self, text):
+        raise OSError(9, "Bad file descriptor")
+
+
+def run_main(argv, stdin, monkeypatch, capsys, env=None, streams=""):
     if stdin is not None:
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin)))
+    for name, value in (env or {}).items():
+        monkeypatch.setenv(name, value)
+    if streams == "no stdin":
+        monkeypatch.setattr(sys, "stdin", None)
+    if streams in ("no stdout", "failing stdout"):
+        monkeypatch.setattr(
+            sys, "stdout", None if streams == "no stdout" else FailingStdout()
+        )
     try:
         status = machinery.main(argv)
     except SystemExit as e:  # argparse's exit
@@ -565,7 +897,9 @@ def run_main(argv, stdin, monkeypatch, capsys):
     return SimpleNamespace(status=status, out=out, err=err)
 
 
-@pytest.mark.parametrize("case", OPTIONS + FILES + LINES, ids=lambda c: c.name)
+@pytest.mark.parametrize(
+    "case", OPTIONS + FILES + LINES + ROUND_THREE, ids=lambda c: c.name
+)
 def test_bad_input_is_one_clear_line_and_loses_nothing(
     case, model, tmp_path, monkeypatch, capsys
 ):
@@ -573,7 +907,9 @@ def test_bad_input_is_one_clear_line_and_loses_nothing(
     if case.setup:
         case.setup(ctx)
     capsys.readouterr()
-    r = run_main(case.argv(ctx), case.stdin, monkeypatch, capsys)
+    r = run_main(
+        case.argv(ctx), case.stdin, monkeypatch, capsys, case.env, case.streams
+    )
     assert r.status == case.status, r.err
     assert "Traceback" not in r.err
     if case.status:
@@ -784,6 +1120,107 @@ TRAINING = [
         check=lambda c, r: names(c.run) == c.before,
     ),
 ]
+
+
+def full_disk_on_metrics(c, monkeypatch):
+    """A finished run of 16 steps; then every write of the metrics log finds the disk
+    full, after the temporary file got part of its bytes."""
+    c.main(train(c.run, "--max_steps", "16"))
+    c.before = (c.run / "metrics.jsonl").read_bytes()
+    real = os.fsync
+
+    def fsync(fd):
+        if ".metrics.jsonl." in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(28, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+
+def full_disk_on_curve(c, monkeypatch):
+    """A finished run of 16 steps with its curve.png; then the next one finds the disk
+    full half-way through the figure."""
+    from matplotlib.figure import Figure
+
+    c.main(train(c.run, "--max_steps", "16"))
+    c.curve = (c.run / "curve.png").read_bytes()
+
+    def savefig(self, path, *a, **k):
+        Path(path).write_bytes(b"\x89PNG partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+
+
+def copied_checkpoint(c, monkeypatch):
+    c.main(train(c.run, "--max_steps", "16"))
+    write(
+        c.run / "checkpoint-99999999.pt",
+        (c.run / "checkpoint-00000016.pt").read_bytes(),
+    )
+    c.before = names(c.run)
+
+
+def earlier_results_only(c, monkeypatch):
+    write(c.run / "metrics.jsonl", '{"step": 16, "epoch": 1, "valid_loss": 2.0}\n')
+    write(c.run / "results.json", '{"bleu": 12.5}\n')
+
+
+TRAINING += [
+    Case(
+        "a checkpoint-30.pt in the run directory",
+        lambda c: train(c.run, "--max_steps", "16"),
+        2,
+        ("checkpoint-30.pt", "8 or more digits", "rename it"),
+        setup=lambda c, m: write(c.run / "checkpoint-30.pt", b"x"),
+        check=lambda c, r: names(c.run) == ["checkpoint-30.pt"],
+    ),
+    Case(
+        "a checkpoint copied to a larger step (cp …16.pt …99999999.pt)",
+        lambda c: train(c.run, "--max_steps", "32"),
+        2,
+        ("checkpoint-99999999.pt", "records step 16", "move it out"),
+        setup=copied_checkpoint,
+        check=lambda c, r: names(c.run) == c.before,
+    ),
+    Case(
+        "only metrics.jsonl and results.json of an earlier run",
+        lambda c: train(c.run, "--max_steps", "16"),
+        2,
+        ("metrics.jsonl and results.json", "another --run_dir", "move them"),
+        setup=earlier_results_only,
+        check=lambda c, r: (c.run / "results.json").read_text() == '{"bleu": 12.5}\n'
+        and len(metrics(c.run)) == 1,
+    ),
+    Case(
+        "full disk while appending metrics",
+        lambda c: train(c.run, "--max_steps", "32"),
+        2,
+        ("metrics.jsonl", "No space left", "intact"),
+        setup=full_disk_on_metrics,
+        check=lambda c, r: (c.run / "metrics.jsonl").read_bytes() == c.before
+        and not list(c.run.glob(".*.part")),
+    ),
+    Case(
+        "full disk while writing curve.png",
+        lambda c: train(c.run, "--max_steps", "32"),
+        2,
+        ("curve.png", "No space left"),
+        setup=full_disk_on_curve,
+        check=lambda c, r: (c.run / "curve.png").read_bytes() == c.curve
+        and (c.run / "checkpoint-00000032.pt").is_file()
+        and not list(c.run.glob(".curve*")),
+    ),
+    Case(
+        "results.json is a directory",
+        lambda c: train(c.run, "--max_steps", "16"),
+        2,
+        ("results.json", "Is a directory"),
+        setup=lambda c, m: (c.run / "results.json").mkdir(parents=True),
+        check=lambda c, r: ".part" not in r.err
+        and (c.run / "checkpoint-00000016.pt").is_file(),
+    ),
+]
 if os.geteuid() != 0:  # root writes into read-only directories
     TRAINING.append(
         Case(
@@ -804,7 +1241,7 @@ def test_training_fault_is_one_clear_line_and_loses_nothing(
     if case.setup:
         case.setup(ctx, monkeypatch)
     capsys.readouterr()
-    r = run_main(case.argv(ctx), None, monkeypatch, capsys)
+    r = run_main(case.argv(ctx), None, monkeypatch, capsys, case.env)
     assert r.status == case.status, r.err
     assert "Traceback" not in r.err
     if case.status:
@@ -847,3 +1284,86 @@ def test_a_second_run_in_a_run_directory_is_refused_while_the_first_lives(
     r = run_main(train(run_dir, "--max_steps", "16"), None, monkeypatch, capsys)
     assert r.status == 0, r.err
     assert no_step_twice(run_dir) and (run_dir / "results.json").is_file()
+
+
+# --- the script itself: closed streams, an ASCII terminal, Ctrl-C -------------------
+
+
+def script(*argv, env=None, close=(), timeout=300):
+    """Run the_annotated_transformer.py with file descriptors ``close`` closed."""
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), *argv],
+        capture_output=not close,
+        stdout=subprocess.PIPE if close and 1 not in close else None,
+        stderr=subprocess.PIPE if close else None,
+        stdin=subprocess.DEVNULL if 0 not in close else None,
+        preexec_fn=(lambda: [os.close(fd) for fd in close]) if close else None,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        timeout=timeout,
+    )
+
+
+@pytest.mark.parametrize(
+    "close, command, words",
+    [
+        ((1,), "translate", "standard output is closed"),
+        ((1,), "evaluate", "standard output is closed"),
+        ((0,), "translate", "standard input is closed"),
+    ],
+)
+def test_a_closed_stream_is_one_line(model, close, command, words):
+    more = [] if command == "translate" and 0 in close else ["1 2"]
+    if command == "evaluate":
+        more = ["--split", "test"]
+    r = script(command, "--checkpoint", str(model.ck), "--beam", "1", *more, close=close)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and words in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_an_ascii_terminal_gets_help_and_training(tmp_path):
+    env = {"PYTHONIOENCODING": "ascii"}
+    r = script("train", "--help", env=env)
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr
+    r = script(*train(tmp_path / "run", "--max_steps", "16"), env=env)
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr[-2000:]
+    assert (tmp_path / "run" / "results.json").is_file()
+
+
+def test_ctrl_c_during_start_up_is_one_line(tmp_path):
+    p = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--help"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+    )
+    time.sleep(0.4)  # inside the imports (torch takes seconds)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and err.decode().strip() == "interrupted", err
+
+
+def test_a_second_ctrl_c_exits_quietly_with_the_same_status(tmp_path):
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *train(run_dir, "--epochs", "1000")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.time() + 240
+        while not (run_dir / "metrics.jsonl").is_file() and time.time() < deadline:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = err.decode()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert "interrupted" in err

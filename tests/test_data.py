@@ -961,3 +961,39 @@ def test_a_new_data_set_is_one_record(tmp_path, offline, monkeypatch):
         machinery.read_lines(en) == ["The dog runs."]
         and fr.parent == tmp_path / "data" / "toy-fr-en"
     )
+
+
+# --- issue 38: damaged caches and mirrors, unbounded input ----------------------------
+
+
+def test_a_truncated_cached_bpe_model_names_the_file_and_says_delete_it(tmp_path):
+    cfg = machinery.get_config("copy")
+    cache = tmp_path / "cache"
+    write_to = cache / "bpe-k.model"
+    write_to.parent.mkdir()
+    write_to.write_bytes(b"\x0a\x05trunc")  # a protobuf cut short
+    with pytest.raises(DataError) as e:
+        machinery.build_subwords([("a b", "c d")], cfg, "k", cache)
+    assert str(write_to) in str(e.value) and "delete it and rerun" in str(e.value)
+    assert write_to.read_bytes() == b"\x0a\x05trunc"  # left for the user to look at
+
+
+def test_a_truncated_gz_names_the_file(tmp_path):
+    path = tmp_path / "test.de.gz"
+    path.write_bytes(gzip.compress(b"ein satz\n" * 1000)[:-30])
+    with pytest.raises(DataError) as e:
+        machinery.read_lines(path)
+    assert str(path) in str(e.value) and "truncated or damaged" in str(e.value)
+
+
+def test_lines_are_read_with_a_bound(tmp_path):
+    ok = b"a\n" * 10 + b"b" * 1000 + b"\n"
+    assert machinery.read_bounded(io.BytesIO(ok), "x", limit=1000) == ok
+    for data, line in (
+        (b"a\n" * 10 + b"b" * 1001 + b"\n", 11),  # over by one, then a line end
+        (b"c" * 5000, 1),  # no line end at all
+        (b"a\n" + b"b" * 3 * 2**20, 2),  # spans chunks
+    ):
+        with pytest.raises(DataError) as e:
+            machinery.read_bounded(io.BytesIO(data), "x", limit=1000)
+        assert f"x, line {line}:" in str(e.value), (line, str(e.value))
