@@ -721,10 +721,6 @@ def decide_compute(
     times = None
     if len(precisions) * len(attention_paths) > 1:
         times = measure_compute(cfg, data, device, precisions, attention_paths)
-        if world > 1:  # every process follows process 0's measurement
-            box = [times]
-            dist.broadcast_object_list(box, src=0)
-            times = box[0]
     best = None  # each precision's time at its better attention path
     if times:
         best = {p: min(t for (q, _), t in times.items() if q == p) for p in precisions}
@@ -739,6 +735,10 @@ def decide_compute(
         attention, lines["attention"] = resolve_attention(cfg.attention, device, at)
         if at and len(at) > 1 and precision != "fp32":
             lines["attention"] = lines["attention"][:-1] + f", in {precision})"
+    if world > 1:  # every process follows process 0's decision
+        box = [precision, attention, lines]
+        dist.broadcast_object_list(box, src=0)
+        precision, attention, lines = box
     return precision, attention, lines
 
 
