@@ -40,7 +40,7 @@ def tiny_cfg(run_dir, **overrides):
     import machinery
 
     settings = dict(N=1, d_model=32, d_ff=64, h=4, epochs=1, batch_tokens=240, warmup=50, device="cpu",
-                    precision="fp32", run_dir=str(run_dir))
+                    precision="fp32", attention="readable", run_dir=str(run_dir))
     settings.update(overrides)
     return machinery.get_config("copy", **settings)
 
