@@ -114,7 +114,8 @@ def _config_rules(c: "Config") -> list:
         (
             "h",
             c.h >= 1 and (c.d_k > 0 or c.d_model % c.h == 0),
-            f"must divide d_model={c.d_model} unless d_k is set (§3.2.2: d_k = d_model/h)",
+            f"must divide d_model={c.d_model} unless d_k is set (§3.2.2: d_k = "
+            "d_model/h)",
         ),
         ("P_drop", _prob(c.P_drop), "must be in [0, 1)"),
         ("ffn_dropout", _prob(c.ffn_dropout), "must be in [0, 1)"),
@@ -191,8 +192,7 @@ def _config_rules(c: "Config") -> list:
 
 
 def device_problem(name: str) -> Optional[str]:
-    """Why ``name`` cannot be used as a device here (None if it can), checked up
-    front."""
+    """Why ``name`` cannot be used as a device here (None if it can): checked first."""
     if name == "auto":
         return None
     try:
@@ -219,8 +219,8 @@ def device_problem(name: str) -> Optional[str]:
 @dataclass(frozen=True)
 class Config(ModelConfig):
     """A training run: the model (:class:`ModelConfig`) plus data, optimisation and
-    machinery settings. Each field is explained where the notebook or package uses
-    it."""
+    machinery settings. Each field is explained where the notebook or package uses it.
+    """
 
     # --- data (§5.1) ---
     dataset: str = "multi30k"  # a name in CORPORA: "copy", "multi30k" or "iwslt14"
@@ -303,6 +303,7 @@ PRESETS = MappingProxyType(
             average_last=20,
         ),
         "tiny": Config(**_model("tiny"), vocab="words", bpe_size=1000),
+        # fmt: skip
         "copy": Config(
             N=2,
             d_model=64,
@@ -314,7 +315,8 @@ PRESETS = MappingProxyType(
             warmup=200,
             epochs=16,
             min_freq=1,
-        ),  # fmt: skip
+        ),
+        # fmt: skip
         "multi30k-small": Config(
             N=3,
             d_model=256,
@@ -328,7 +330,8 @@ PRESETS = MappingProxyType(
             epochs=15,
             clip_grad=1.0,
             average_last=5,
-        ),  # fmt: skip
+        ),
+        # fmt: skip
         "iwslt14-small": Config(
             N=6,
             d_model=512,
@@ -345,7 +348,8 @@ PRESETS = MappingProxyType(
             min_freq=3,
             clip_grad=0.0,
             average_last=5,
-        ),  # fmt: skip
+        ),
+        # fmt: skip
         "iwslt14-sample": Config(
             N=3,
             N_dec=2,
@@ -365,7 +369,7 @@ PRESETS = MappingProxyType(
             clip_grad=1.0,
             average_last=5,
             max_valid_sentences=1000,
-        ),  # fmt: skip
+        ),
     }
 )
 

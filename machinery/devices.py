@@ -30,10 +30,10 @@ def resolve_attention(
     (path, a line for the log).
 
     ``auto`` with ``times`` (seconds per training pass of each path, measured on the
-    device — what a training run does): the fast path when it is at least
-    ``CLEAR_WIN`` times the readable one's speed. Without them (decoding): the fused
-    path on CUDA, where SDPA has fused kernels; the readable one elsewhere (on a CPU it
-    is as fast or faster at our sentence lengths — measured in the aside).
+    device — what a training run does): the fast path when it is at least ``CLEAR_WIN``
+    times the readable one's speed. Without them (decoding): the fused path on CUDA,
+    where SDPA has fused kernels; the readable one elsewhere (on a CPU it is as fast or
+    faster at our sentence lengths — measured in the aside).
     """
     if setting not in ("auto", "readable", "fast"):
         raise ValueError(f"attention must be auto, readable or fast, not {setting!r}")
@@ -42,9 +42,8 @@ def resolve_attention(
     if times is not None:
         path, speed = pick_faster(times, "readable", ["fast"])
         return path, f"attention: {path} path (auto: {_measured('readable', speed)})"
-    kind = (
-        "cpu" if device is None else torch.device(device).type
-    )  # make_model builds on the CPU
+    # make_model builds on the CPU
+    kind = "cpu" if device is None else torch.device(device).type
     path = "fast" if kind == "cuda" else "readable"
     why = (
         "SDPA's fused kernels on CUDA"
@@ -70,9 +69,8 @@ def on_device(model: nn.Module, device) -> nn.Module:
         device.type,
         device.index,
     ):
-        if not (
-            device.index is None and param.device.type == device.type
-        ):  # "cuda" means the current GPU
+        # "cuda" means the current GPU
+        if not (device.index is None and param.device.type == device.type):
             model.to(device)
     return model
 
@@ -111,10 +109,8 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
     words (our addition).
 
     A CUDA device does from compute capability 8.0 (Ampere) on.
-    ``torch.cuda.is_bf16_supported()``
-    is not the test: by default it also counts emulation (T4, V100), and it asks about
-    the
-    current device rather than the run's.
+    ``torch.cuda.is_bf16_supported()`` is not the test: by default it also counts
+    emulation (T4, V100), and it asks about the current device rather than the run's.
     """
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
@@ -128,9 +124,8 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
             f"the GPU (compute capability {major}.{minor}) would only emulate bf16",
         )
     if device.type == "cpu":
-        kernels = (
-            torch.backends.cpu.get_cpu_capability()
-        )  # the vector kernels torch runs: "AVX512", "AVX2", …
+        # the vector kernels torch runs: "AVX512", "AVX2", …
+        kernels = torch.backends.cpu.get_cpu_capability()
         unit = (
             "AMX"
             if torch.cpu._is_amx_tile_supported()
@@ -141,7 +136,8 @@ def native_bf16(device: torch.device) -> tuple[bool, str]:
         if unit and kernels.startswith("AVX512"):
             return True, f"the CPU has native bf16 ({unit})"
         return False, (
-            f"the CPU has no native bf16 (kernels: {kernels}), so bf16 would be emulated "
+            f"the CPU has no native bf16 (kernels: {kernels}), so bf16 would be "
+            "emulated "
             "and much slower than float32"
         )
     return False, f"bf16 autocast is not used on {device.type}"
@@ -184,8 +180,13 @@ def precision_candidates(device: torch.device) -> tuple[list[str], str]:
 # `torch.random.fork_rng`: the run's random streams, and so its numbers, do not change.
 
 CLEAR_WIN = 1.10  # leave float32 / the readable path only for ≥ 10% more speed
-NAMES = {"fp32": "float32", "bf16": "bf16", "fp16": "fp16", "readable": "readable",
-         "fast": "fast"}
+NAMES = {
+    "fp32": "float32",
+    "bf16": "bf16",
+    "fp16": "fp16",
+    "readable": "readable",
+    "fast": "fast",
+}
 
 
 def time_calls(
@@ -321,8 +322,10 @@ def allocator_note(device: torch.device, environ=None) -> str:
     if all(environ.get(k) == v for k, v in GLIBC_MALLOC_SETTINGS.items()):
         return f"memory: glibc keeps freed memory for reuse ({settings})"
     return (
-        f"memory: not {settings} (what `make` sets), so with glibc's defaults large tensors get fresh "
-        "pages every step; setting them made CPU training steps faster (README: Performance)"
+        f"memory: not {settings} (what `make` sets), so with glibc's defaults large "
+        "tensors get fresh "
+        "pages every step; setting them made CPU training steps faster (README: "
+        "Performance)"
     )
 
 
@@ -352,8 +355,7 @@ def _distributed(device: torch.device = torch.device("cpu")) -> tuple[int, int]:
 
 
 def _barrier(device: torch.device) -> None:
-    """Wait for every process (our addition; NCCL is told which GPU this process
-    uses)."""
+    """Wait for every process (our addition; NCCL is told this process's GPU)."""
     dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
 
 
@@ -412,12 +414,9 @@ class StopRequest:
     """Turns SIGINT/SIGTERM into a request to stop after the current update.
 
     A context manager: inside it the first signal only sets ``signum``; the training
-    loop
-    checks :meth:`requested` after each update, saves and stops. A second signal stops
-    at
-    once (``KeyboardInterrupt``). Handlers are installed only in the main thread, and
-    the
-    previous ones are put back on exit.
+    loop checks :meth:`requested` after each update, saves and stops. A second signal
+    stops at once (``KeyboardInterrupt``). Handlers are installed only in the main
+    thread, and the previous ones are put back on exit.
     """
 
     def __init__(self):

@@ -194,12 +194,10 @@ def newest_readable_checkpoint(
     there is none — our addition.
 
     Newer ones that cannot be read (truncated by a power loss) are skipped with a
-    warning and,
-    if ``tidy`` (the process that writes), renamed to ``*.unreadable`` so that the
-    rotation
-    never keeps them in place of good ones. A checkpoint that reads but does not fit
-    ``cfg``
-    or the vocabularies is an error, as is a directory where none can be read.
+    warning and, if ``tidy`` (the process that writes), renamed to ``*.unreadable`` so
+    that the rotation never keeps them in place of good ones. A checkpoint that reads
+    but does not fit ``cfg`` or the vocabularies is an error, as is a directory where
+    none can be read.
     """
     paths = checkpoint_paths(run_dir)
     bad = []
@@ -322,17 +320,18 @@ def resume(run: Run) -> Position:
     if ranks is not None and len(ranks) == run.world:
         restore_rng(ranks[run.rank], run.device)
     elif ranks is None and run.world == 1:
-        restore_rng(
-            state["rng"], run.device
-        )  # an older checkpoint: one process's streams
+        # an older checkpoint: one process's streams
+        restore_rng(state["rng"], run.device)
     else:
         seed_process(run.cfg.seed, run.rank, pos.step)
         run.log(
-            f"the checkpoint holds the random streams of {len(ranks or [0])} process(es); "
+            f"the checkpoint holds the random streams of {len(ranks or [0])} "
+            "process(es); "
             f"{run.world} continue with fresh streams of their own"
         )
     run.log(
-        f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, {pos.batch_in_epoch} of its batches done)"
+        f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, "
+        f"{pos.batch_in_epoch} of its batches done)"
         + ("" if layout == now else f"; written with {layout}, continuing with {now}")
     )
     run.files.repair_metrics(pos.step)
@@ -369,7 +368,8 @@ def evaluate_loss(model: nn.Module, pairs: Sequence, cfg: Config, device) -> flo
 # training data, or when it will take hours on this device, and then goes on: the choice
 # stays the user's.
 
-OVERSIZED = 50  # parameters per training target token above which a model is "sized for more data"
+# parameters per training target token above which a model is "sized for more data"
+OVERSIZED = 50
 LONG_MINUTES = 120  # an estimate above this on a CPU is said out loud
 
 
@@ -396,19 +396,23 @@ class UpdateClock:
             per_update = (time.time() - self.t0) / self.count
             self.minutes = per_update * (self.remaining - self.seen) / 60
             self.log(
-                f"estimate: {per_update:.2f} s per update measured here → about {self.minutes:.0f} min for the "
-                f"remaining {self.remaining - self.seen:,} updates (validation and test decoding come on top)"
+                f"estimate: {per_update:.2f} s per update measured here → about "
+                f"{self.minutes:.0f} min for the "
+                f"remaining {self.remaining - self.seen:,} updates (validation and "
+                "test decoding come on top)"
             )
             if self.device.type == "cpu" and self.minutes > LONG_MINUTES:
                 self.log(
-                    f"note: about {self.minutes / 60:.1f} h on this CPU — this preset is sized for a GPU; "
-                    "--epochs or --max_steps shortens it, or see the CPU presets in the README"
+                    f"note: about {self.minutes / 60:.1f} h on this CPU — this preset "
+                    "is sized for a GPU; "
+                    "--epochs or --max_steps shortens it, or see the CPU presets in "
+                    "the README"
                 )
 
 
 def planned_updates(cfg: Config, data: Dataset, world: int) -> tuple[int, int, list]:
-    """The run's length, for the plan (our addition): (updates of the whole run,
-    updates per epoch, (source, target) lengths of the first epoch's pairs)."""
+    """The run's length, for the plan (our addition): (updates of the whole run, updates
+    per epoch, (source, target) lengths of the first epoch's pairs)."""
     nb = notebook()
     lengths = [(len(s), len(t)) for s, t in data.splits["train"]]
     batches = len(
@@ -436,14 +440,17 @@ def plan_run(
     lines = [
         f"plan: {cfg.epochs} epochs × {per_epoch:,} updates"
         + (f", at most {cfg.max_steps:,} updates" if cfg.max_steps else "")
-        + f" = {total:,} updates ({max(total - step, 0):,} to go) on {len(lengths):,} training pairs "
+        + f" = {total:,} updates ({max(total - step, 0):,} to go) on {len(lengths):,} "
+        "training pairs "
         f"({tokens:,} target tokens per epoch)"
     ]
     ratio = nb.count_parameters(model) / max(tokens, 1)
     if ratio > OVERSIZED:
         lines.append(
-            f"note: the model has {ratio:.0f} parameters per training target token — it is sized for far "
-            "more data than this and will overfit it; a smaller preset suits this data (see the README)"
+            f"note: the model has {ratio:.0f} parameters per training target token — "
+            "it is sized for far "
+            "more data than this and will overfit it; a smaller preset suits this "
+            "data (see the README)"
         )
     return max(total - step, 0), lines
 
@@ -521,9 +528,8 @@ def train_epoch(
     nb = notebook()
     cfg, pairs = run.cfg, run.data.splits["train"]
     lengths = [(len(s), len(t)) for s, t in pairs]
-    batches = nb.length_batches(
-        lengths, cfg.batch_tokens, cfg.seed, pos.epoch
-    )  # the epoch's global order
+    # the epoch's global order
+    batches = nb.length_batches(lengths, cfg.batch_tokens, cfg.seed, pos.epoch)
     updates, consumed, end = epoch_updates(
         batches, pos.batch_in_epoch, run.rank, run.world, cfg.accum_steps
     )
@@ -556,11 +562,8 @@ def train_epoch(
             pos.step, pos.batch_in_epoch = pos.step + 1, consumed[u]
             if clock is not None:
                 clock.tick()
-            seen, loss_acc, tok_acc = (
-                seen + tokens,
-                loss_acc + loss,
-                tok_acc + tokens,
-            )  # all processes
+            # all processes
+            seen, loss_acc, tok_acc = (seen + tokens, loss_acc + loss, tok_acc + tokens)
             tps = seen / max(time.time() - t0, 1e-9)
             bar.set_postfix(
                 loss=f"{loss / max(tokens, 1):.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}"
@@ -603,9 +606,8 @@ def train_epoch(
                 )
             if save_now:
                 run.files.save(run, run.data, pos, run.rank)
-    if (
-        pos.batch_in_epoch == end
-    ):  # the epoch is complete (also when max_steps ended it there)
+    # the epoch is complete (also when max_steps ended it there)
+    if pos.batch_in_epoch == end:
         pos.epoch, pos.batch_in_epoch = pos.epoch + 1, 0
     return finished
 
@@ -692,11 +694,7 @@ def measure_compute(
 
 
 def decide_compute(
-    cfg: Config,
-    data: Dataset,
-    device: torch.device,
-    saved: Optional[dict],
-    world: int,
+    cfg: Config, data: Dataset, device: torch.device, saved: Optional[dict], world: int
 ) -> tuple[str, str, dict]:
     """(precision, attention path, {"precision": line, "attention": line}) of a run:
     what its checkpoint recorded, else what was asked for, else measured here — A.2 (our
@@ -705,10 +703,8 @@ def decide_compute(
     lines: dict = {}
     if saved and cfg.precision == "auto" and saved.get("precision", "auto") != "auto":
         precisions = [saved["precision"]]
-        lines["precision"] = (
-            resolve_precision(saved["precision"], device)[1].replace(
-                "(asked for", "(auto: kept from the checkpoint"
-            )
+        lines["precision"] = resolve_precision(saved["precision"], device)[1].replace(
+            "(asked for", "(auto: kept from the checkpoint"
         )
     if saved and cfg.attention == "auto" and saved.get("attention", "auto") != "auto":
         attention_paths = [saved["attention"]]
@@ -754,8 +750,8 @@ def setup(
     of a training run.
 
     The model is initialised from ``cfg.seed`` in every process (the same weights); then
-    each process switches to its own random stream, for dropout. The run's ``cfg``
-    holds the precision and attention path decided (so its checkpoints record them).
+    each process switches to its own random stream, for dropout. The run's ``cfg`` holds
+    the precision and attention path decided (so its checkpoints record them).
     """
     nb = notebook()
     files = RunFiles(run_dir_for(cfg), cfg.keep_checkpoints, write=rank == 0)
@@ -856,7 +852,8 @@ def evaluate_test(
     )
     score_greedy = nb.bleu(greedy_hyps, refs, data.name).score
     log(
-        f"test BLEU ({kind}, sacreBLEU, greedy, {len(test):,} sentences): {score_greedy:.2f}"
+        f"test BLEU ({kind}, sacreBLEU, greedy, {len(test):,} sentences): "
+        f"{score_greedy:.2f}"
     )
     t1 = time.time()
     tokens = nb.translate(
@@ -875,8 +872,10 @@ def evaluate_test(
         sum(map(len, tokens)), 1
     )
     log(
-        f"test BLEU ({kind}, sacreBLEU, beam {cfg.beam_size}, alpha {cfg.length_penalty_alpha}, "
-        f"{len(test):,} sentences): {score:.2f}; <unk> in {unk_share:.2%} of output tokens"
+        f"test BLEU ({kind}, sacreBLEU, beam {cfg.beam_size}, alpha "
+        f"{cfg.length_penalty_alpha}, "
+        f"{len(test):,} sentences): {score:.2f}; <unk> in {unk_share:.2%} of output "
+        "tokens"
     )
     examples = []
     for i in range(min(cfg.examples_to_show, len(test))):
@@ -932,7 +931,8 @@ def train(
     t_start = time.time()
     if (
         data is None
-        # one process per machine downloads and builds the caches; the others then read them
+        # one process per machine downloads and builds the caches; the others then read
+        # them
     ):
         if world > 1 and local_rank != 0:
             _barrier(device)
@@ -943,7 +943,8 @@ def train(
     pos = resume(run)
     log(
         f"model: {nb.count_parameters(run.model) / 1e6:.2f}M parameters "
-        f"(N={cfg.N}{f', N_dec={cfg.N_dec}' if cfg.decoder_layers != cfg.N else ''}, d_model={cfg.d_model}, d_ff={cfg.d_ff}, "
+        f"(N={cfg.N}{f', N_dec={cfg.N_dec}' if cfg.decoder_layers != cfg.N else ''}, "
+        f"d_model={cfg.d_model}, d_ff={cfg.d_ff}, "
         f"h={cfg.h}, P_drop={cfg.P_drop})"
     )
     remaining, plan = plan_run(cfg, data, world, pos.step, run.model)
@@ -953,9 +954,8 @@ def train(
     with StopRequest() as stop:
         finished = bool(cfg.max_steps and pos.step >= cfg.max_steps)
         while pos.epoch < cfg.epochs and not finished:
-            epoch_number = (
-                pos.epoch + 1
-            )  # the epoch these updates belong to, counting from 1
+            # the epoch these updates belong to, counting from 1
+            epoch_number = pos.epoch + 1
             finished = train_epoch(run, pos, stop, progress, t_start, clock)
             valid = data.splits["valid"][: cfg.max_valid_sentences or None]
             valid_loss = (
@@ -974,7 +974,8 @@ def train(
                 }
             )
             log(
-                f"step {pos.step}: validation loss {valid_loss:.3f} (perplexity {ppl:.2f})"
+                f"step {pos.step}: validation loss {valid_loss:.3f} (perplexity "
+                f"{ppl:.2f})"
             )
             path = run.files.save(run, run.data, pos, run.rank)
             if world > 1:
@@ -985,7 +986,8 @@ def train(
                 and not finished
             ):
                 raise TrainingInterrupted(
-                    f"stopped after update {pos.step} (end of epoch {pos.epoch}); checkpoint "
+                    f"stopped after update {pos.step} (end of epoch {pos.epoch}); "
+                    "checkpoint "
                     f"saved to {path or 'the run directory of the first process'}. "
                     "Run the same command again to continue from there."
                 )

@@ -1,4 +1,6 @@
-"""Shared test setup: the repository root on sys.path, the data mirror fixture, and small helpers."""
+"""Shared test setup: the repository root on sys.path, the data mirror fixture, and
+small helpers."""
+
 import os
 import sys
 from pathlib import Path
@@ -25,7 +27,8 @@ def quiet(*args, **kwargs):
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """One intra-op thread: these tests share a small machine, and results must not depend on it."""
+    """One intra-op thread: these tests share a small machine, and results must not
+    depend on it."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -33,14 +36,27 @@ def one_thread():
 
 
 def tiny_cfg(run_dir, **overrides):
-    """The copy preset shrunk to a one-layer model; ``batch_tokens=240`` → 20 pairs, 10 batches per epoch.
+    """The copy preset shrunk to a one-layer model; ``batch_tokens=240`` → 20 pairs, 10
+    batches per epoch.
 
-    float32 whatever the CPU (exact comparisons); the precision tests (test_devices.py) ask for theirs.
+    float32 whatever the CPU (exact comparisons); the precision tests (test_devices.py)
+    ask for theirs.
     """
     import machinery
 
-    settings = dict(N=1, d_model=32, d_ff=64, h=4, epochs=1, batch_tokens=240, warmup=50, device="cpu",
-                    precision="fp32", attention="readable", run_dir=str(run_dir))
+    settings = dict(
+        N=1,
+        d_model=32,
+        d_ff=64,
+        h=4,
+        epochs=1,
+        batch_tokens=240,
+        warmup=50,
+        device="cpu",
+        precision="fp32",
+        attention="readable",
+        run_dir=str(run_dir),
+    )
     settings.update(overrides)
     return machinery.get_config("copy", **settings)
 
@@ -56,7 +72,9 @@ def run(cfg, data, **kwargs) -> dict:
     """Train ``cfg`` on ``data`` quietly, without the test-set evaluation unless asked."""
     import machinery
 
-    return machinery.train(cfg, data=data, log=quiet, progress=False, **{"evaluate": False, **kwargs})
+    return machinery.train(
+        cfg, data=data, log=quiet, progress=False, **{"evaluate": False, **kwargs}
+    )
 
 
 def last_state(run_dir) -> dict:

@@ -61,9 +61,8 @@ def model(tmp_path_factory):
         machinery.train(cfg, log=quiet, progress=False, evaluate=False)
     ck = machinery.checkpoint_paths(tmp / "run")[-1]
     alone = {}
-    for line in (
-        NORMAL
-    ):  # each normal line translated on its own: what it must still give among bad ones
+    # each normal line translated on its own: what it must still give among bad ones
+    for line in NORMAL:
         out = io.StringIO()
         sys_stdout, sys.stdout = sys.stdout, out
         try:
@@ -220,10 +219,8 @@ OPTIONS = [
             (["--device", "cuda:99"], ("cuda:99",)),
             (["--dataset", "wmt"], ("dataset",)),
             (["--no_such_field", "1"], ("unrecognized",)),
-            (
-                ["--bf16", "false"],
-                ("unrecognized", "--bf16"),
-            ),  # removed options: refused like unknown ones
+            # removed options: refused like unknown ones
+            (["--bf16", "false"], ("unrecognized", "--bf16")),
             (["--fused_loss", "true"], ("unrecognized", "--fused_loss")),
         ]
     ],
@@ -308,13 +305,14 @@ FILES = [
         ("standard input, line 2", "invalid UTF-8"),
         stdin=b"1 2\n3 \xc3\x28 4\n5\n",
     ),
+    # line 1: bytes 0-9; line 2 holds the first byte that is not UTF-8
     Case(
         "binary file on stdin",
         lambda c: translate(c),
         2,
         ("standard input, line 2", "invalid UTF-8"),
         stdin=bytes(range(256)) * 3,
-    ),  # line 1: bytes 0-9; line 2 holds the first byte that is not UTF-8
+    ),
     Case(
         "evaluate missing --src",
         lambda c: evaluate(c, "nope.txt", "ref.txt"),
@@ -570,8 +568,7 @@ LINES = [
 
 
 def edited(c, name: str, edit: Callable) -> Path:
-    """A copy of the test checkpoint at ``c.tmp / name``, its state changed by
-    ``edit``."""
+    """A copy of the test checkpoint at ``c.tmp / name``, its state changed by ``edit``."""
     state = torch.load(c.ck, weights_only=True)
     edit(state)
     path = c.tmp / name
@@ -956,9 +953,8 @@ def names(run_dir: Path) -> list:
 def full_disk_on_second_save(c, monkeypatch):
     real, calls = torch.save, []
 
-    def save(
-        obj, f, *a, **k
-    ):  # the first checkpoint is written; the second finds the disk full half-way
+    # the first checkpoint is written; the second finds the disk full half-way
+    def save(obj, f, *a, **k):
         calls.append(1)
         if len(calls) == 2:
             f.write(b"PK\x03\x04 partial")
@@ -1246,9 +1242,8 @@ def test_training_fault_is_one_clear_line_and_loses_nothing(
     assert r.status == case.status, r.err
     assert "Traceback" not in r.err
     if case.status:
-        last = r.err.strip().splitlines()[
-            -1
-        ]  # after the progress bars: the one line that explains
+        # after the progress bars: the one line that explains
+        last = r.err.strip().splitlines()[-1]
         assert last.startswith("error:") and all(w in last for w in case.words), r.err
     if case.check:
         assert case.check(ctx, r), (r.out, r.err)

@@ -163,9 +163,8 @@ def fake_iwslt_archive(path: Path, de_extra=(), en_extra=()):
         "train.tags.de-en.de": "\n".join(de) + "\n",
         "train.tags.de-en.en": "\n".join(en) + "\n",
     }
-    members.update(
-        reversed(list(xml.items()))
-    )  # archive order must not decide the test order
+    # archive order must not decide the test order
+    members.update(reversed(list(xml.items())))
     with tarfile.open(path, "w:gz") as tar:
         d = tarfile.TarInfo("de-en")
         d.type = tarfile.DIRTYPE
@@ -288,9 +287,8 @@ def test_prepare_iwslt14_drops_metadata_and_the_ratio_filtered_pairs(prepared):
 def test_prepare_iwslt14_test_set_is_the_five_xml_sets_in_order(prepared):
     out, _, expected = prepared
     de, en = read_split(out, "test")
-    assert (
-        list(zip(de, en)) == expected["test"]
-    )  # dev2010, dev2012, tst2010, tst2011, tst2012
+    # dev2010, dev2012, tst2010, tst2011, tst2012
+    assert list(zip(de, en)) == expected["test"]
 
 
 def test_prepare_iwslt14_keeps_pairs_aligned_across_unicode_line_separators(tmp_path):
@@ -365,9 +363,8 @@ def _fake_multi30k_source(folder: Path) -> dict:
 
 def test_locate_multi30k_downloads_the_six_files(tmp_path, offline, monkeypatch):
     src = tmp_path / "remote"
-    sums = MappingProxyType(
-        _fake_multi30k_source(src)
-    )  # the record's pins, for these stand-in files
+    # the record's pins, for these stand-in files
+    sums = MappingProxyType(_fake_multi30k_source(src))
     record = dataclasses.replace(machinery.CORPORA["multi30k"], sha256=sums)
     add_corpus(monkeypatch, record)
     data_dir = tmp_path / "data"
@@ -398,9 +395,8 @@ def test_locate_multi30k_rejects_files_that_do_not_match_the_pinned_sha256(
     tmp_path, offline
 ):
     src = tmp_path / "remote"
-    _fake_multi30k_source(
-        src
-    )  # not the real files: the pinned checksums must refuse them
+    # not the real files: the pinned checksums must refuse them
+    _fake_multi30k_source(src)
     data_dir = tmp_path / "data"
     cfg = machinery.get_config(
         "tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir)
@@ -498,9 +494,8 @@ def test_mirror_iwslt14_vocab_is_built_from_train_only(mirror, tmp_path):
     test_de = [line.split() for line in machinery.read_lines(folder / "test.de")]
     test_only = Counter(t for sent in test_de for t in sent if t not in train_counts)
     token, n = test_only.most_common(1)[0]
-    assert (
-        n >= cfg.min_freq
-    )  # frequent enough that a vocab built with the test set would keep it
+    # frequent enough that a vocab built with the test set would keep it
+    assert n >= cfg.min_freq
     assert token not in vocab.stoi
     assert vocab([token]) == [UNK]
     i = next(i for i, sent in enumerate(test_de) if token in sent and sent)
@@ -679,12 +674,8 @@ def test_overlong_training_pairs_are_filtered_and_counted_but_test_is_kept(tmp_p
 def test_vocab_respects_min_freq_and_orders_by_frequency():
     sents = [["a", "b", "a", "c"], ["b", "a", "d", "<unk>"], ["e", "e", "c"]]
     v = tat.Vocab.build(sents, min_freq=2)
-    assert v.itos == list(SPECIALS) + [
-        "a",
-        "b",
-        "c",
-        "e",
-    ]  # a:3, then ties alphabetical
+    # a:3, then ties alphabetical
+    assert v.itos == list(SPECIALS) + ["a", "b", "c", "e"]
     assert "d" not in v.stoi
     assert tat.Vocab.build(sents, min_freq=1).itos[-1] == "d"
     assert len(tat.Vocab.build(sents, min_freq=4)) == len(SPECIALS)
@@ -742,9 +733,8 @@ def test_length_batches_are_reproducible_per_seed_and_epoch(lengths):
     assert tat.length_batches(lengths, 256, seed=4, epoch=1) != a
 
 
-@pytest.mark.parametrize(
-    "n", [502, 501]
-)  # an even and an odd number of batches overall
+# an even and an odd number of batches overall
+@pytest.mark.parametrize("n", [502, 501])
 def test_length_batches_split_disjointly_between_ranks(lengths, n):
     lengths = lengths[:n]
     full = tat.length_batches(lengths, 256, seed=5, epoch=0)
@@ -935,9 +925,8 @@ def test_a_new_data_set_is_one_record(tmp_path, offline, monkeypatch):
     )
     data = machinery.load_dataset(cfg, log=lambda *a: None)
     assert data.name == "toy-fr-en" and data.test_refs == sentences["en"]
-    assert (
-        "chat" in data.src_vocab.stoi and "." in data.src_vocab.stoi
-    )  # spaCy's French rules split the period
+    # spaCy's French rules split the period
+    assert "chat" in data.src_vocab.stoi and "." in data.src_vocab.stoi
     # the way back and the score follow the record: Moses detokenization, then
     # sacreBLEU's 13a, cased
     words = [data.tgt_vocab.lookup_tokens(t[1:-1]) for _, t in data.splits["test"]]

@@ -1,7 +1,9 @@
-"""Devices and precision, proven on a CPU: the precision each machine gets, fp16 with a gradient
-scaler, tensors made on the device of the inputs (the `meta` device stands in for a GPU), one
-host synchronisation per update, and models moved to the device decoding is asked for.
+"""Devices and precision, proven on a CPU: the precision each machine gets, fp16 with a
+gradient scaler, tensors made on the device of the inputs (the `meta` device stands in
+for a GPU), one host synchronisation per update, and models moved to the device decoding
+is asked for.
 """
+
 import dataclasses
 import hashlib
 import json
@@ -28,9 +30,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(autouse=True)
 def no_measuring(monkeypatch):
-    """`auto` precision and attention decided without timing: every candidate ties, so float32 and the readable
-    path (runs repeat exactly; tests of the measurement give their own timer)."""
-    monkeypatch.setattr(machinery.training, "time_calls", lambda calls, device: dict.fromkeys(calls, 1.0))
+    """`auto` precision and attention decided without timing: every candidate ties, so
+    float32 and the readable path (runs repeat exactly; tests of the measurement give
+    their own timer)."""
+    monkeypatch.setattr(
+        machinery.training,
+        "time_calls",
+        lambda calls, device: dict.fromkeys(calls, 1.0),
+    )
+
 
 CPU, CUDA, META = torch.device("cpu"), torch.device("cuda", 0), torch.device("meta")
 
@@ -41,84 +49,170 @@ def tiny_data(cfg) -> machinery.Dataset:
 
 # --------------------------------------------------------------------------------------------
 # 1. Which precision `auto` picks, and why
-# --------------------------------------------------------------------------------------------
+#    --------------------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def machine(monkeypatch):
     """Set what torch reports about the hardware.
 
-    ``capability`` is the CUDA compute capability; ``is_bf16_supported`` behaves as torch's does:
-    with emulation counted (its default) every CUDA GPU says yes, without it only 8.0 and up.
+    ``capability`` is the CUDA compute capability; ``is_bf16_supported`` behaves as
+    torch's does: with emulation counted (its default) every CUDA GPU says yes, without
+    it only 8.0 and up.
     """
+
     def set_(kernels="AVX512", avx512_bf16=False, amx=False, capability=(8, 0)):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: kernels)
         monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
         monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported",
-                            lambda including_emulation=True: including_emulation or capability >= (8, 0))
+        monkeypatch.setattr(
+            torch.cuda, "get_device_capability", lambda device=None: capability
+        )
+        monkeypatch.setattr(
+            torch.cuda,
+            "is_bf16_supported",
+            lambda including_emulation=True: including_emulation
+            or capability >= (8, 0),
+        )
+
     return set_
 
 
-@pytest.mark.parametrize("hardware, device, candidates, reason", [
-    (dict(kernels="AVX2"), CPU, ["fp32"], "no native bf16"),  # the common AVX2 CPU: nothing to measure
-    (dict(kernels="AVX512", avx512_bf16=False), CPU, ["fp32"], "no native bf16"),  # AVX-512 without BF16
-    (dict(kernels="AVX2", avx512_bf16=True), CPU, ["fp32"], "kernels: AVX2"),  # ATEN_CPU_CAPABILITY=avx2
-    (dict(kernels="AVX512", avx512_bf16=True), CPU, ["fp32", "bf16"], "AVX-512 BF16"),
-    (dict(kernels="AVX512", amx=True, avx512_bf16=True), CPU, ["fp32", "bf16"], "AMX"),
-    (dict(capability=(6, 0)), CUDA, ["fp32", "fp16"], "6.0"),  # P100: fast fp16, no bf16
-    (dict(capability=(6, 1)), CUDA, ["fp32"], "6.1"),  # consumer Pascal: fp16 at a fraction of fp32
-    (dict(capability=(7, 0)), CUDA, ["fp32", "fp16"], "7.0"),  # V100
-    (dict(capability=(7, 5)), CUDA, ["fp32", "fp16"], "7.5"),  # T4, the free hosted-notebook GPU
-    (dict(capability=(8, 0)), CUDA, ["fp32", "bf16"], "8.0"),  # A100
-    (dict(capability=(9, 0)), CUDA, ["fp32", "bf16"], "9.0"),  # H100
-])
-def test_auto_measures_only_the_precisions_the_hardware_has(machine, hardware, device, candidates, reason):
+@pytest.mark.parametrize(
+    "hardware, device, candidates, reason",
+    [
+        # the common AVX2 CPU: nothing to measure
+        (dict(kernels="AVX2"), CPU, ["fp32"], "no native bf16"),
+        # AVX-512 without BF16
+        (dict(kernels="AVX512", avx512_bf16=False), CPU, ["fp32"], "no native bf16"),
+        # ATEN_CPU_CAPABILITY=avx2
+        (dict(kernels="AVX2", avx512_bf16=True), CPU, ["fp32"], "kernels: AVX2"),
+        (
+            dict(kernels="AVX512", avx512_bf16=True),
+            CPU,
+            ["fp32", "bf16"],
+            "AVX-512 BF16",
+        ),
+        (
+            dict(kernels="AVX512", amx=True, avx512_bf16=True),
+            CPU,
+            ["fp32", "bf16"],
+            "AMX",
+        ),
+        # P100: fast fp16, no bf16
+        (dict(capability=(6, 0)), CUDA, ["fp32", "fp16"], "6.0"),
+        # consumer Pascal: fp16 at a fraction of fp32
+        (dict(capability=(6, 1)), CUDA, ["fp32"], "6.1"),
+        (dict(capability=(7, 0)), CUDA, ["fp32", "fp16"], "7.0"),  # V100
+        # T4, the free hosted-notebook GPU
+        (dict(capability=(7, 5)), CUDA, ["fp32", "fp16"], "7.5"),
+        (dict(capability=(8, 0)), CUDA, ["fp32", "bf16"], "8.0"),  # A100
+        (dict(capability=(9, 0)), CUDA, ["fp32", "bf16"], "9.0"),  # H100
+    ],
+)
+def test_auto_measures_only_the_precisions_the_hardware_has(
+    machine, hardware, device, candidates, reason
+):
     machine(**hardware)
     got, why = machinery.precision_candidates(device)
     assert got == candidates and reason in why
     if candidates == ["fp32"]:  # no measurement: the answer cannot change
-        assert machinery.resolve_precision("auto", device) == ("fp32", f"precision: float32 (auto: {why})")
+        assert machinery.resolve_precision("auto", device) == (
+            "fp32",
+            f"precision: float32 (auto: {why})",
+        )
     else:
         with pytest.raises(ValueError, match="needs measured times"):
             machinery.resolve_precision("auto", device)
 
 
-# the measurements of issue 37: seconds for 40 updates of multi30k-small, and the AMD EPYC's 2.4×
-@pytest.mark.parametrize("hardware, device, times, want, line", [
-    (dict(kernels="AVX512", avx512_bf16=True), CPU, {"fp32": 25.0, "bf16": 38.3}, "fp32",
-     "precision: float32 (auto: bf16 measured 0.65× float32's speed here)"),  # the Intel Xeon, no AMX
-    (dict(kernels="AVX512", avx512_bf16=True), CPU, {"fp32": 24.0, "bf16": 10.0}, "bf16",
-     "precision: bf16 autocast (auto: bf16 measured 2.40× float32's speed here)"),  # the AMD EPYC
-    (dict(kernels="AVX512", avx512_bf16=True), CPU, {"fp32": 1.0, "bf16": 0.95}, "fp32",
-     "precision: float32 (auto: bf16 measured 1.05× float32's speed here)"),  # a near-tie keeps float32
-    (dict(kernels="AVX512", avx512_bf16=True), CPU, {"fp32": 1.1, "bf16": 1.0}, "bf16",
-     "precision: bf16 autocast (auto: bf16 measured 1.10× float32's speed here)"),  # a clear win: 10%
-    (dict(capability=(7, 5)), CUDA, {"fp32": 3.0, "fp16": 1.0}, "fp16",
-     "precision: fp16 autocast with a gradient scaler (auto: fp16 measured 3.00× float32's speed here)"),
-    (dict(capability=(9, 0)), CUDA, {"fp32": 2.0, "bf16": 1.0}, "bf16",
-     "precision: bf16 autocast (auto: bf16 measured 2.00× float32's speed here)"),
-])
-def test_auto_precision_is_the_measured_faster_one_by_a_clear_margin(machine, hardware, device, times, want, line):
+# the measurements of issue 37: seconds for 40 updates of multi30k-small, and the AMD
+# EPYC's 2.4×
+@pytest.mark.parametrize(
+    "hardware, device, times, want, line",
+    [
+        # the Intel Xeon, no AMX
+        (
+            dict(kernels="AVX512", avx512_bf16=True),
+            CPU,
+            {"fp32": 25.0, "bf16": 38.3},
+            "fp32",
+            "precision: float32 (auto: bf16 measured 0.65× float32's speed here)",
+        ),
+        # the AMD EPYC
+        (
+            dict(kernels="AVX512", avx512_bf16=True),
+            CPU,
+            {"fp32": 24.0, "bf16": 10.0},
+            "bf16",
+            "precision: bf16 autocast (auto: bf16 measured 2.40× float32's speed here)",
+        ),
+        # a near-tie keeps float32
+        (
+            dict(kernels="AVX512", avx512_bf16=True),
+            CPU,
+            {"fp32": 1.0, "bf16": 0.95},
+            "fp32",
+            "precision: float32 (auto: bf16 measured 1.05× float32's speed here)",
+        ),
+        # a clear win: 10%
+        (
+            dict(kernels="AVX512", avx512_bf16=True),
+            CPU,
+            {"fp32": 1.1, "bf16": 1.0},
+            "bf16",
+            "precision: bf16 autocast (auto: bf16 measured 1.10× float32's speed here)",
+        ),
+        (
+            dict(capability=(7, 5)),
+            CUDA,
+            {"fp32": 3.0, "fp16": 1.0},
+            "fp16",
+            "precision: fp16 autocast with a gradient scaler (auto: fp16 measured "
+            "3.00× float32's speed here)",
+        ),
+        (
+            dict(capability=(9, 0)),
+            CUDA,
+            {"fp32": 2.0, "bf16": 1.0},
+            "bf16",
+            "precision: bf16 autocast (auto: bf16 measured 2.00× float32's speed here)",
+        ),
+    ],
+)
+def test_auto_precision_is_the_measured_faster_one_by_a_clear_margin(
+    machine, hardware, device, times, want, line
+):
     machine(**hardware)
     assert machinery.resolve_precision("auto", device, times) == (want, line)
 
 
-@pytest.mark.parametrize("times, want", [
-    ({"readable": 24.4, "fast": 24.5}, "readable"),  # the Intel Xeon in float32: a tie
-    ({"readable": 1.0, "fast": 0.95}, "readable"),  # 5% is not a clear win
-    ({"readable": 1.0, "fast": 0.5}, "fast"),
-])
+@pytest.mark.parametrize(
+    "times, want",
+    [
+        # the Intel Xeon in float32: a tie
+        ({"readable": 24.4, "fast": 24.5}, "readable"),
+        ({"readable": 1.0, "fast": 0.95}, "readable"),  # 5% is not a clear win
+        ({"readable": 1.0, "fast": 0.5}, "fast"),
+    ],
+)
 def test_auto_attention_is_the_measured_faster_path_by_a_clear_margin(times, want):
     path, line = machinery.resolve_attention("auto", CPU, times)
     ratio = times["readable"] / times["fast"]
-    assert path == want and line == f"attention: {want} path (auto: fast measured {ratio:.2f}× readable's speed here)"
+    assert (
+        path == want
+        and line
+        == f"attention: {want} path (auto: fast measured {ratio:.2f}× readable's speed here)"
+    )
 
 
 def test_emulated_bf16_is_not_taken_for_native(machine):
-    # torch.cuda.is_bf16_supported() says yes on a T4 (it counts emulation): that must not make bf16 a candidate
+    # torch.cuda.is_bf16_supported() says yes on a T4 (it counts emulation): that must
+    # not make bf16 a candidate
     machine(capability=(7, 5))
-    assert torch.cuda.is_bf16_supported() and not torch.cuda.is_bf16_supported(including_emulation=False)
+    assert torch.cuda.is_bf16_supported() and not torch.cuda.is_bf16_supported(
+        including_emulation=False
+    )
     assert machinery.native_bf16(CUDA)[0] is False
     assert machinery.precision_candidates(CUDA)[0] == ["fp32", "fp16"]
 
@@ -128,9 +222,15 @@ def test_asked_for_precisions_are_obeyed_and_said(machine):
     precision, line = machinery.resolve_precision("bf16", CPU)
     assert precision == "bf16" and "asked for" in line and "emulated" in line
     assert machinery.resolve_precision("bf16", CUDA)[0] == "bf16"
-    assert machinery.resolve_precision("fp16", CPU) == ("fp16", "precision: fp16 autocast with a gradient scaler (asked for)")
+    assert machinery.resolve_precision("fp16", CPU) == (
+        "fp16",
+        "precision: fp16 autocast with a gradient scaler (asked for)",
+    )
     machine(kernels="AVX512", avx512_bf16=True)
-    assert machinery.resolve_precision("fp32", CPU) == ("fp32", "precision: float32 (asked for)")
+    assert machinery.resolve_precision("fp32", CPU) == (
+        "fp32",
+        "precision: float32 (asked for)",
+    )
 
 
 def test_time_calls_interleaves_warms_up_and_keeps_to_its_budget():
@@ -140,131 +240,222 @@ def test_time_calls_interleaves_warms_up_and_keeps_to_its_budget():
         return lambda: order.append(name) or __import__("time").sleep(seconds)
 
     t0 = __import__("time").perf_counter()
-    times = machinery.time_calls({"a": call("a", 0.02), "b": call("b", 0.06)}, CPU, budget_s=0.5)
+    times = machinery.time_calls(
+        {"a": call("a", 0.02), "b": call("b", 0.06)}, CPU, budget_s=0.5
+    )
     spent = __import__("time").perf_counter() - t0
     assert spent < 0.75, spent
-    assert order[:4] == ["a", "b", "a", "b"], "interleaved rounds, so a slow spell hits every candidate"
+    assert order[:4] == ["a", "b", "a", "b"], (
+        "interleaved rounds, so a slow spell hits every candidate"
+    )
     rounds = len(order) // 2
-    assert 2 <= rounds <= 8 and order == ["a", "b"] * rounds  # one warm-up round, then timed ones
+    # one warm-up round, then timed ones
+    assert 2 <= rounds <= 8 and order == ["a", "b"] * rounds
     assert 0.015 < times["a"] < 0.05 and 0.05 < times["b"] < 0.1, times
 
 
 class FakeTimer:
-    """Stands in for `time_calls`: seconds per pass for each (precision, attention path); notes what it was asked."""
+    """Stands in for `time_calls`: seconds per pass for each (precision, attention
+    path); notes what it was asked."""
 
     def __init__(self, **seconds):
         self.seconds, self.asked = seconds, []
 
     def __call__(self, calls, device):
         self.asked.append(sorted(calls))
-        return {(p, a): self.seconds.get(f"{p}_{a}", self.seconds.get(p, 1.0)) for p, a in calls}
+        return {
+            (p, a): self.seconds.get(f"{p}_{a}", self.seconds.get(p, 1.0))
+            for p, a in calls
+        }
 
 
 def auto_run(tmp_path, monkeypatch, timer, name="run", **overrides):
-    """Train the tiny config (auto precision and attention unless overridden); (log lines, summary)."""
+    """Train the tiny config (auto precision and attention unless overridden); (log
+    lines, summary)."""
     monkeypatch.setattr(machinery.training, "time_calls", timer)
     settings = dict(max_steps=2, precision="auto", attention="auto", P_drop=0.1)
     cfg = tiny_cfg(tmp_path / name, **{**settings, **overrides})
     logs = []
-    summary = machinery.train(cfg, data=tiny_data(cfg), log=logs.append, progress=False, evaluate=False)
+    summary = machinery.train(
+        cfg, data=tiny_data(cfg), log=logs.append, progress=False, evaluate=False
+    )
     return [str(line) for line in logs], summary
 
 
-def test_training_log_and_summary_say_what_auto_measured(tmp_path, monkeypatch, machine):
-    machine(kernels="AVX512", avx512_bf16=True)  # bf16 is a candidate: it is measured, and slower here
+def test_training_log_and_summary_say_what_auto_measured(
+    tmp_path, monkeypatch, machine
+):
+    # bf16 is a candidate: it is measured, and slower here
+    machine(kernels="AVX512", avx512_bf16=True)
     timer = FakeTimer(fp32=25.0, bf16=38.3, fp32_fast=26.0)
     logs, summary = auto_run(tmp_path, monkeypatch, timer)
-    assert timer.asked == [[("bf16", "fast"), ("bf16", "readable"), ("fp32", "fast"), ("fp32", "readable")]]
-    assert "precision: float32 (auto: bf16 measured 0.65× float32's speed here)" in logs, logs
-    assert "attention: readable path (auto: fast measured 0.96× readable's speed here)" in logs, logs
+    assert timer.asked == [
+        [("bf16", "fast"), ("bf16", "readable"), ("fp32", "fast"), ("fp32", "readable")]
+    ]
+    assert (
+        "precision: float32 (auto: bf16 measured 0.65× float32's speed here)" in logs
+    ), logs
+    assert (
+        "attention: readable path (auto: fast measured 0.96× readable's speed here)"
+        in logs
+    ), logs
     assert (summary["precision"], summary["attention"]) == ("fp32", "readable")
-    assert summary["auto"] == {"precision": "bf16 measured 0.65× float32's speed here",
-                               "attention": "fast measured 0.96× readable's speed here"}
-    assert summary["config"]["precision"] == "auto", "the setting as given; what it became beside it"
+    assert summary["auto"] == {
+        "precision": "bf16 measured 0.65× float32's speed here",
+        "attention": "fast measured 0.96× readable's speed here",
+    }
+    assert summary["config"]["precision"] == "auto", (
+        "the setting as given; what it became beside it"
+    )
     state = last_state(tmp_path / "run")
-    assert (state["config"]["precision"], state["config"]["attention"]) == ("fp32", "readable")
+    assert (state["config"]["precision"], state["config"]["attention"]) == (
+        "fp32",
+        "readable",
+    )
 
-    machine(kernels="AVX2")  # no native bf16: float32 without measuring it; the attention paths still are
+    # no native bf16: float32 without measuring it; the attention paths still are
+    machine(kernels="AVX2")
     timer = FakeTimer(fp32=1.0, fp32_fast=0.5)
     logs, summary = auto_run(tmp_path, monkeypatch, timer, name="avx2")
     assert timer.asked == [[("fp32", "fast"), ("fp32", "readable")]]
-    assert any(line.startswith("precision: float32 (auto: the CPU has no native bf16") for line in logs), logs
-    assert "attention: fast path (auto: fast measured 2.00× readable's speed here)" in logs
+    assert any(
+        line.startswith("precision: float32 (auto: the CPU has no native bf16")
+        for line in logs
+    ), logs
+    assert (
+        "attention: fast path (auto: fast measured 2.00× readable's speed here)" in logs
+    )
     assert summary["attention"] == "fast"
 
 
-def test_bf16_wins_where_it_measures_faster_and_the_attention_is_timed_in_it(tmp_path, monkeypatch, machine):
+def test_bf16_wins_where_it_measures_faster_and_the_attention_is_timed_in_it(
+    tmp_path, monkeypatch, machine
+):
     machine(kernels="AVX512", avx512_bf16=True)
     timer = FakeTimer(fp32=2.4, bf16=1.0, bf16_fast=1.3, fp32_fast=0.5)
     logs, summary = auto_run(tmp_path, monkeypatch, timer)
-    # float32 with the fast path would be faster still; precision compares each at its better path: 0.5 vs 1.0
+    # float32 with the fast path would be faster still; precision compares each at its
+    # better path: 0.5 vs 1.0
     assert summary["precision"] == "fp32" and summary["attention"] == "fast", logs
     timer = FakeTimer(fp32=2.4, bf16=1.0, bf16_fast=1.3, fp32_fast=2.0)
     logs, summary = auto_run(tmp_path, monkeypatch, timer, name="bf16")
     assert (summary["precision"], summary["attention"]) == ("bf16", "readable"), logs
-    assert "attention: readable path (auto: fast measured 0.77× readable's speed here, in bf16)" in logs
+    assert (
+        "attention: readable path (auto: fast measured 0.77× readable's speed here, "
+        "in bf16)" in logs
+    )
 
 
-def test_asked_for_settings_and_a_resumed_run_measure_nothing(tmp_path, monkeypatch, machine):
+def test_asked_for_settings_and_a_resumed_run_measure_nothing(
+    tmp_path, monkeypatch, machine
+):
     machine(kernels="AVX512", avx512_bf16=True)
 
     def no_timing(calls, device):
         raise AssertionError(f"measured {sorted(calls)}")
 
-    logs, summary = auto_run(tmp_path, monkeypatch, no_timing, precision="bf16", attention="fast")
+    logs, summary = auto_run(
+        tmp_path, monkeypatch, no_timing, precision="bf16", attention="fast"
+    )
     assert (summary["precision"], summary["attention"]) == ("bf16", "fast")
     assert "attention: fast path (asked for)" in logs
-    # a run measured once keeps its choice when resumed, whatever a new measurement would say
-    auto_run(tmp_path, monkeypatch, FakeTimer(fp32=2.0, bf16=1.0, bf16_fast=0.5), name="resumed")
-    logs, summary = auto_run(tmp_path, monkeypatch, no_timing, name="resumed", max_steps=4)
-    assert (summary["steps"], summary["precision"], summary["attention"]) == (4, "bf16", "fast")
+    # a run measured once keeps its choice when resumed, whatever a new measurement
+    # would say
+    auto_run(
+        tmp_path,
+        monkeypatch,
+        FakeTimer(fp32=2.0, bf16=1.0, bf16_fast=0.5),
+        name="resumed",
+    )
+    logs, summary = auto_run(
+        tmp_path, monkeypatch, no_timing, name="resumed", max_steps=4
+    )
+    assert (summary["steps"], summary["precision"], summary["attention"]) == (
+        4,
+        "bf16",
+        "fast",
+    )
     assert "precision: bf16 autocast (auto: kept from the checkpoint)" in logs, logs
     assert "attention: fast path (auto: kept from the checkpoint)" in logs
-    assert summary["auto"] == {"precision": "kept from the checkpoint", "attention": "kept from the checkpoint"}
+    assert summary["auto"] == {
+        "precision": "kept from the checkpoint",
+        "attention": "kept from the checkpoint",
+    }
 
 
-def test_measuring_leaves_the_runs_random_streams_and_numbers_as_they_were(tmp_path, monkeypatch, machine):
-    # with dropout: a measurement that drew from the streams would change every update after it
+def test_measuring_leaves_the_runs_random_streams_and_numbers_as_they_were(
+    tmp_path, monkeypatch, machine
+):
+    # with dropout: a measurement that drew from the streams would change every update
+    # after it
     machine(kernels="AVX512", avx512_bf16=True)
     measured = []
 
-    def real_timer(calls, device):  # really runs the passes (they use dropout), then says bf16 + readable
+    # really runs the passes (they use dropout), then says bf16 + readable
+    def real_timer(calls, device):
         measured.append(machinery.time_calls(calls, device, budget_s=0.2))
-        return {(p, a): 1.0 if p == "bf16" and a == "readable" else 3.0 for p, a in calls}
+        return {
+            (p, a): 1.0 if p == "bf16" and a == "readable" else 3.0 for p, a in calls
+        }
 
     _, auto = auto_run(tmp_path, monkeypatch, real_timer, name="auto", max_steps=4)
-    _, asked = auto_run(tmp_path, monkeypatch, real_timer, name="asked", max_steps=4, precision="bf16",
-                        attention="readable")
-    assert len(measured) == 1 and len(measured[0]) == 4, "the auto run measured four ways, the other none"
+    _, asked = auto_run(
+        tmp_path,
+        monkeypatch,
+        real_timer,
+        name="asked",
+        max_steps=4,
+        precision="bf16",
+        attention="readable",
+    )
+    assert len(measured) == 1 and len(measured[0]) == 4, (
+        "the auto run measured four ways, the other none"
+    )
     assert (auto["precision"], auto["attention"]) == ("bf16", "readable")
     a, b = last_state(tmp_path / "auto"), last_state(tmp_path / "asked")
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
-    assert torch.equal(a["rng"]["torch"], b["rng"]["torch"]) and a["rng"]["python"] == b["rng"]["python"]
+    assert (
+        torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+        and a["rng"]["python"] == b["rng"]["python"]
+    )
 
 
 def test_precision_setting():
     assert machinery.Config().precision == "auto"
-    assert all(cfg.precision == "auto" for cfg in machinery.PRESETS.values()), "presets must not hard-code precision"
+    assert all(cfg.precision == "auto" for cfg in machinery.PRESETS.values()), (
+        "presets must not hard-code precision"
+    )
     with pytest.raises(ValueError, match="auto, fp32, bf16, fp16"):
         machinery.Config(precision="fp8")
     for precision in ("fp32", "bf16", "fp16"):
-        _, cfg = machinery.config_from_args(["train", "--config", "copy", "--precision", precision])
+        _, cfg = machinery.config_from_args(
+            ["train", "--config", "copy", "--precision", precision]
+        )
         assert cfg.precision == precision
 
 
 # --------------------------------------------------------------------------------------------
-# 2. Autocast runs on the CPU: bf16, and fp16 with a gradient scaler that resumes exactly
-# --------------------------------------------------------------------------------------------
+# 2. Autocast runs on the CPU: bf16, and fp16 with a gradient scaler that resumes
+#    exactly
+#    --------------------------------------------------------------------------------------------
+
 
 def spy_on_loss(monkeypatch) -> list:
     """Record (autocast on, its dtype, loss) for every training loss computed."""
-    real, seen = tat.loss_sum, []  # the training loss, as the notebook's batch_loss computes it
+    # the training loss, as the notebook's batch_loss computes it
+    real, seen = (tat.loss_sum, [])
 
     def spy(log_probs, target, eps_ls, pad=PAD):
         loss = real(log_probs, target, eps_ls, pad)
         if torch.is_grad_enabled():
-            seen.append((torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu"), float(loss.detach())))
+            seen.append(
+                (
+                    torch.is_autocast_enabled("cpu"),
+                    torch.get_autocast_dtype("cpu"),
+                    float(loss.detach()),
+                )
+            )
         return loss
 
     monkeypatch.setattr(tat, "loss_sum", spy)
@@ -275,27 +466,44 @@ def test_bf16_autocast_trains_on_cpu(tmp_path, monkeypatch):
     cfg = tiny_cfg(tmp_path / "bf16", precision="bf16", max_steps=3)
     seen = spy_on_loss(monkeypatch)
     assert run(cfg, tiny_data(cfg))["steps"] == 3 and len(seen) == 3
-    assert all(enabled and dtype == torch.bfloat16 and math.isfinite(loss) for enabled, dtype, loss in seen), seen
-    assert all(torch.isfinite(v).all() for v in last_state(cfg.run_dir)["model"].values())
+    assert all(
+        enabled and dtype == torch.bfloat16 and math.isfinite(loss)
+        for enabled, dtype, loss in seen
+    ), seen
+    assert all(
+        torch.isfinite(v).all() for v in last_state(cfg.run_dir)["model"].values()
+    )
 
 
 @pytest.fixture
 def large_initial_scale(monkeypatch):
-    """A gradient scaler starting at 2**40, so that the first fp16 updates overflow and are skipped."""
+    """A gradient scaler starting at 2**40, so that the first fp16 updates overflow and
+    are skipped."""
     real = torch.amp.GradScaler
-    monkeypatch.setattr(torch.amp, "GradScaler", lambda device, enabled=True: real(device, init_scale=2.0 ** 40,
-                                                                                 enabled=enabled))
+    monkeypatch.setattr(
+        torch.amp,
+        "GradScaler",
+        lambda device, enabled=True: real(device, init_scale=2.0**40, enabled=enabled),
+    )
 
 
-def test_fp16_with_a_gradient_scaler_trains_and_resumes_exactly(tmp_path, monkeypatch, large_initial_scale):
+def test_fp16_with_a_gradient_scaler_trains_and_resumes_exactly(
+    tmp_path, monkeypatch, large_initial_scale
+):
     # three epochs of 10 updates; stopped at 13 and resumed, against one go
-    cfg = tiny_cfg(tmp_path / "a", precision="fp16", P_drop=0.1, epochs=3, warmup=10, max_steps=13)
+    cfg = tiny_cfg(
+        tmp_path / "a", precision="fp16", P_drop=0.1, epochs=3, warmup=10, max_steps=13
+    )
     data = tiny_data(cfg)
     seen = spy_on_loss(monkeypatch)
     run(cfg, data)
-    assert seen and all(enabled and dtype == torch.float16 for enabled, dtype, _ in seen)
+    assert seen and all(
+        enabled and dtype == torch.float16 for enabled, dtype, _ in seen
+    )
     stopped = last_state(cfg.run_dir)
-    assert stopped["scaler"]["scale"] < 2.0 ** 40, "the first updates overflowed: the scale must have backed off"
+    assert stopped["scaler"]["scale"] < 2.0**40, (
+        "the first updates overflowed: the scale must have backed off"
+    )
     run(dataclasses.replace(cfg, max_steps=0), data)
     run(dataclasses.replace(cfg, max_steps=0, run_dir=str(tmp_path / "b")), data)
 
@@ -305,29 +513,41 @@ def test_fp16_with_a_gradient_scaler_trains_and_resumes_exactly(tmp_path, monkey
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), k
     # it trains: the validation loss falls from the first epoch to the last
-    valid = [json.loads(line)["valid_loss"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
-             if "valid_loss" in line]
+    valid = [
+        json.loads(line)["valid_loss"]
+        for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+        if "valid_loss" in line
+    ]
     assert len(valid) == 3 and valid[-1] < valid[0], valid
 
 
 def test_fp16_masks_give_masked_keys_zero_weight_and_no_nan():
     torch.manual_seed(0)
-    q = (torch.randn(2, 4, 6, 8) * 30).half()  # large scores: anything but -inf could overflow or leak
+    # large scores: anything but -inf could overflow or leak
+    q = (torch.randn(2, 4, 6, 8) * 30).half()
     mask = torch.ones(2, 1, 6, 6, dtype=torch.bool)
     mask[0, ..., 4:] = False  # padding keys
     mask[1] = torch.tril(torch.ones(6, 6, dtype=torch.bool))  # causal
     out, p = tat.attention(q, q, q, mask)
-    assert out.dtype == torch.float16 and torch.isfinite(out).all() and torch.isfinite(p).all()
+    assert (
+        out.dtype == torch.float16
+        and torch.isfinite(out).all()
+        and torch.isfinite(p).all()
+    )
     assert (p.masked_select(~mask.expand_as(p)) == 0).all()
-    torch.testing.assert_close(p.float().sum(-1), torch.ones(2, 4, 6), atol=2e-3, rtol=0)
+    torch.testing.assert_close(
+        p.float().sum(-1), torch.ones(2, 4, 6), atol=2e-3, rtol=0
+    )
 
 
 # --------------------------------------------------------------------------------------------
 # 3. Device discipline: tensors are made where the inputs are
-# --------------------------------------------------------------------------------------------
+#    --------------------------------------------------------------------------------------------
+
 
 def test_forward_loss_and_backward_run_on_the_meta_device():
-    # a tensor made on the CPU inside the model, the masks or the loss would meet meta tensors and fail
+    # a tensor made on the CPU inside the model, the masks or the loss would meet meta
+    # tensors and fail
     cfg = machinery.get_config("tiny", N=1, d_model=32, d_ff=64, h=4)
     with torch.device("meta"):
         model = tat.make_model(14, 14, cfg)
@@ -337,13 +557,20 @@ def test_forward_loss_and_backward_run_on_the_meta_device():
     out = model(batch.src, batch.tgt, batch.src_mask, batch.tgt_mask)
     loss = tat.loss_sum(model.generator(out), batch.tgt_y, 0.1)
     loss.backward()
-    assert loss.device == META and all(p.grad is not None and p.grad.device == META for p in model.parameters())
-    kl = tat.LabelSmoothing(14, PAD, 0.1)(model.generator(out).reshape(-1, 14), batch.tgt_y.reshape(-1))
+    assert loss.device == META and all(
+        p.grad is not None and p.grad.device == META for p in model.parameters()
+    )
+    kl = tat.LabelSmoothing(14, PAD, 0.1)(
+        model.generator(out).reshape(-1, 14), batch.tgt_y.reshape(-1)
+    )
     assert kl.device == META
     model.zero_grad(set_to_none=True)
-    trained = tat.batch_loss(model, batch, 0.1)  # what training calls, the notebook's and the package's
+    # what training calls, the notebook's and the package's
+    trained = tat.batch_loss(model, batch, 0.1)
     trained.backward()
-    assert trained.device == META and all(p.grad is not None and p.grad.device == META for p in model.parameters())
+    assert trained.device == META and all(
+        p.grad is not None and p.grad.device == META for p in model.parameters()
+    )
 
 
 def test_label_smoothing_builds_its_distribution_on_the_targets_device():
@@ -354,21 +581,33 @@ def test_label_smoothing_builds_its_distribution_on_the_targets_device():
 
 def test_batches_go_to_a_gpu_through_pinned_memory(monkeypatch):
     pinned, moves = [], []
-    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: pinned.append(self.shape) or self)
-    monkeypatch.setattr(torch.Tensor, "to", lambda self, device, non_blocking=False: moves.append(
-        (torch.device(device).type, non_blocking)) or self)
+    monkeypatch.setattr(
+        torch.Tensor, "pin_memory", lambda self: pinned.append(self.shape) or self
+    )
+    monkeypatch.setattr(
+        torch.Tensor,
+        "to",
+        lambda self, device, non_blocking=False: moves.append(
+            (torch.device(device).type, non_blocking)
+        )
+        or self,
+    )
     batch = tat.make_batch([([1, 5, 2], [1, 6, 2])], [0])
     batch.to("cuda")
-    assert len(pinned) == 5 and moves == [("cuda", True)] * 5  # src, src_mask, tgt, tgt_y, tgt_mask
+    # src, src_mask, tgt, tgt_y, tgt_mask
+    assert len(pinned) == 5 and moves == [("cuda", True)] * 5
     pinned.clear(), moves.clear()
     batch.to("cpu")
     assert not pinned and moves == [("cpu", False)] * 5
 
 
 def host_syncs(monkeypatch) -> list:
-    """Count conversions of tensors to Python values made by the notebook's or the package's own code (each one
-    a host sync on a GPU)."""
-    ours = {tat.__name__, *(name for name in sys.modules if name.split(".")[0] == "machinery")}
+    """Count conversions of tensors to Python values made by the notebook's or the
+    package's own code (each one a host sync on a GPU)."""
+    ours = {
+        tat.__name__,
+        *(name for name in sys.modules if name.split(".")[0] == "machinery"),
+    }
     calls = []
     for name in ("item", "tolist", "__float__", "__int__", "__bool__"):
         real = getattr(torch.Tensor, name)
@@ -382,7 +621,9 @@ def host_syncs(monkeypatch) -> list:
     return calls
 
 
-def test_an_update_synchronises_with_the_host_once_however_many_batches(tmp_path, monkeypatch):
+def test_an_update_synchronises_with_the_host_once_however_many_batches(
+    tmp_path, monkeypatch
+):
     cfg = tiny_cfg(tmp_path / "run", accum_steps=3)
     data = tiny_data(cfg)
     r = machinery.setup(cfg, data, CPU, 0, 1, quiet)
@@ -395,33 +636,57 @@ def test_an_update_synchronises_with_the_host_once_however_many_batches(tmp_path
 
 
 def test_decoding_moves_a_model_that_is_elsewhere(monkeypatch):
-    model = tat.make_model(14, 14, machinery.get_config("tiny", N=1, d_model=32, d_ff=64, h=4))
-    assert machinery.on_device(model, CPU) is model and next(model.parameters()).device == CPU
+    model = tat.make_model(
+        14, 14, machinery.get_config("tiny", N=1, d_model=32, d_ff=64, h=4)
+    )
+    assert (
+        machinery.on_device(model, CPU) is model
+        and next(model.parameters()).device == CPU
+    )
     machinery.on_device(model, META)
     assert all(p.device == META for p in model.parameters())
-    # evaluate_test hands its model to on_device with the device it was asked for, and translate moves it there
+    # evaluate_test hands its model to on_device with the device it was asked for, and
+    # translate moves it there
     asked, moved = [], []
-    monkeypatch.setattr(machinery.training, "on_device", lambda m, device: asked.append(torch.device(device)) or m)
+    monkeypatch.setattr(
+        machinery.training,
+        "on_device",
+        lambda m, device: asked.append(torch.device(device)) or m,
+    )
     real_to = torch.nn.Module.to
-    monkeypatch.setattr(torch.nn.Module, "to", lambda self, *args, **kwargs: moved.append(
-        (type(self).__name__, torch.device(*args))) or real_to(self, *args, **kwargs))
-    cpu_model = tat.make_model(14, 14, machinery.get_config("tiny", N=1, d_model=32, d_ff=64, h=4))
-    cfg = machinery.get_config("copy", N=1, d_model=32, d_ff=64, h=4, max_eval_sentences=2, examples_to_show=0)
+    monkeypatch.setattr(
+        torch.nn.Module,
+        "to",
+        lambda self, *args, **kwargs: moved.append(
+            (type(self).__name__, torch.device(*args))
+        )
+        or real_to(self, *args, **kwargs),
+    )
+    cpu_model = tat.make_model(
+        14, 14, machinery.get_config("tiny", N=1, d_model=32, d_ff=64, h=4)
+    )
+    cfg = machinery.get_config(
+        "copy", N=1, d_model=32, d_ff=64, h=4, max_eval_sentences=2, examples_to_show=0
+    )
     data = machinery.make_copy_data(cfg, sizes=(4, 2, 2))
     machinery.evaluate_test(cpu_model, data, cfg, "cpu", log=quiet, progress=False)
     assert asked and set(asked) == {CPU}
     assert moved == [("EncoderDecoder", CPU)] * 2  # greedy, then beam search
 
 
-def test_decoding_takes_the_attention_path_of_the_device_it_runs_on(tmp_path, monkeypatch):
-    # the checkpoint records the path its training used (readable, on a CPU); decoding on CUDA takes the fused one
+def test_decoding_takes_the_attention_path_of_the_device_it_runs_on(
+    tmp_path, monkeypatch
+):
+    # the checkpoint records the path its training used (readable, on a CPU); decoding
+    # on CUDA takes the fused one
     cfg = tiny_cfg(tmp_path / "run", max_steps=1, attention="readable")
     run(cfg, tiny_data(cfg))
     assert last_state(tmp_path / "run")["config"]["attention"] == "readable"
     asked, real = [], tat.make_model
 
     class Built(Exception):
-        """Stops load_for_inference once the model is built (there is no GPU to move it to)."""
+        """Stops load_for_inference once the model is built (there is no GPU to move it
+        to)."""
 
     def spy(*args, attention=None, **kwargs):
         asked.append(attention)
@@ -438,19 +703,36 @@ def test_decoding_takes_the_attention_path_of_the_device_it_runs_on(tmp_path, mo
 
 # --------------------------------------------------------------------------------------------
 # 4. Random-number states in checkpoints
-# --------------------------------------------------------------------------------------------
+#    --------------------------------------------------------------------------------------------
 
-def test_a_checkpoint_holding_four_gpus_rng_states_resumes_where_one_exists(monkeypatch):
-    # the older format: rank 0's list of every visible GPU's state; now one GPU is visible
+
+def test_a_checkpoint_holding_four_gpus_rng_states_resumes_where_one_exists(
+    monkeypatch,
+):
+    # the older format: rank 0's list of every visible GPU's state; now one GPU is
+    # visible
     states = [torch.full((16,), i, dtype=torch.uint8) for i in range(4)]
-    old = {"torch": torch.get_rng_state(), "python": __import__("random").getstate(), "cuda": states}
+    old = {
+        "torch": torch.get_rng_state(),
+        "python": __import__("random").getstate(),
+        "cuda": states,
+    }
     restored = []
-    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append((state, device)))
+    monkeypatch.setattr(
+        torch.cuda,
+        "set_rng_state",
+        lambda state, device="cuda": restored.append((state, device)),
+    )
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     machinery.restore_rng(old, CUDA)
-    assert len(restored) == 1 and torch.equal(restored[0][0], states[0]) and restored[0][1] == CUDA
+    assert (
+        len(restored) == 1
+        and torch.equal(restored[0][0], states[0])
+        and restored[0][1] == CUDA
+    )
     restored.clear()
-    machinery.restore_rng(old, torch.device("cuda", 5))  # a GPU the checkpoint knew nothing of: left as seeded
+    # a GPU the checkpoint knew nothing of: left as seeded
+    machinery.restore_rng(old, torch.device("cuda", 5))
     assert restored == []
 
 
@@ -458,26 +740,53 @@ def test_each_process_seeds_its_own_stream():
     digests = []
     for rank in range(3):
         machinery.seed_process(7, rank)
-        digests.append(hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest())
+        digests.append(
+            hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
+        )
     assert len(set(digests)) == 3
     machinery.seed_process(7, 0)
-    assert torch.equal(torch.get_rng_state(), torch.manual_seed(7).get_state()), "process 0 keeps the plain seed"
+    assert torch.equal(torch.get_rng_state(), torch.manual_seed(7).get_state()), (
+        "process 0 keeps the plain seed"
+    )
 
 
 # --------------------------------------------------------------------------------------------
-# 5. The IWSLT preset is fairseq's transformer_iwslt_de_en recipe (departures: REPRODUCTION_NOTES.md)
-# --------------------------------------------------------------------------------------------
+# 5. The IWSLT preset is fairseq's transformer_iwslt_de_en recipe (departures:
+#    REPRODUCTION_NOTES.md)
+#    --------------------------------------------------------------------------------------------
+
 
 def test_the_iwslt_preset_is_fairseqs_recipe():
     cfg = machinery.get_config("iwslt14-small")
-    assert (cfg.N, cfg.d_model, cfg.d_ff, cfg.h, cfg.P_drop, cfg.eps_ls) == (6, 512, 1024, 4, 0.3, 0.1)
-    assert (cfg.batch_tokens, cfg.warmup, cfg.clip_grad, cfg.norm_first) == (4096, 4000, 0.0, False)
-    peak = max(tat.rate(s, cfg.d_model, cfg.lr_factor, cfg.warmup) for s in range(1, 3 * cfg.warmup))
+    assert (cfg.N, cfg.d_model, cfg.d_ff, cfg.h, cfg.P_drop, cfg.eps_ls) == (
+        6,
+        512,
+        1024,
+        4,
+        0.3,
+        0.1,
+    )
+    assert (cfg.batch_tokens, cfg.warmup, cfg.clip_grad, cfg.norm_first) == (
+        4096,
+        4000,
+        0.0,
+        False,
+    )
+    peak = max(
+        tat.rate(s, cfg.d_model, cfg.lr_factor, cfg.warmup)
+        for s in range(1, 3 * cfg.warmup)
+    )
     assert peak == pytest.approx(5e-4, rel=1e-6)
-    assert tat.rate(cfg.warmup, cfg.d_model, cfg.lr_factor, cfg.warmup) == peak  # the peak is at the warm-up's end
-    assert tat.rate(4 * cfg.warmup, cfg.d_model, cfg.lr_factor, cfg.warmup) == pytest.approx(peak / 2)
+    # the peak is at the warm-up's end
+    assert tat.rate(cfg.warmup, cfg.d_model, cfg.lr_factor, cfg.warmup) == peak
+    assert tat.rate(
+        4 * cfg.warmup, cfg.d_model, cfg.lr_factor, cfg.warmup
+    ) == pytest.approx(peak / 2)
     optimizer, _ = tat.make_optimizer(torch.nn.Linear(3, 3), cfg)
-    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.param_groups[0]["weight_decay"] == 1e-4
+    assert (
+        isinstance(optimizer, torch.optim.AdamW)
+        and optimizer.param_groups[0]["weight_decay"] == 1e-4
+    )
     assert cfg.average_last == 5
     plain, _ = tat.make_optimizer(torch.nn.Linear(3, 3), machinery.get_config("base"))
     assert type(plain) is torch.optim.Adam, "the paper's presets keep plain Adam"
@@ -486,12 +795,21 @@ def test_the_iwslt_preset_is_fairseqs_recipe():
 def test_allocator_note_says_whether_glibc_keeps_freed_memory(monkeypatch):
     cpu, settings = torch.device("cpu"), dict(machinery.GLIBC_MALLOC_SETTINGS)
     monkeypatch.setattr(machinery.devices.sys, "platform", "linux")
-    monkeypatch.setattr(machinery.devices.platform, "libc_ver", lambda: ("glibc", "2.36"))
-    assert machinery.allocator_note(cpu, settings).startswith("memory: glibc keeps freed memory for reuse")
+    monkeypatch.setattr(
+        machinery.devices.platform, "libc_ver", lambda: ("glibc", "2.36")
+    )
+    assert machinery.allocator_note(cpu, settings).startswith(
+        "memory: glibc keeps freed memory for reuse"
+    )
     missing = machinery.allocator_note(cpu, {"MALLOC_MMAP_MAX_": "0"})
-    assert missing.startswith("memory: not ") and "MALLOC_TRIM_THRESHOLD_=17179869184" in missing
-    assert machinery.allocator_note(torch.device("meta"), {}) == ""  # off the CPU (CUDA has its own allocator)
-    monkeypatch.setattr(machinery.devices.platform, "libc_ver", lambda: ("", ""))  # musl, or not known
+    assert (
+        missing.startswith("memory: not ")
+        and "MALLOC_TRIM_THRESHOLD_=17179869184" in missing
+    )
+    # off the CPU (CUDA has its own allocator)
+    assert machinery.allocator_note(torch.device("meta"), {}) == ""
+    # musl, or not known
+    monkeypatch.setattr(machinery.devices.platform, "libc_ver", lambda: ("", ""))
     assert machinery.allocator_note(cpu, {}) == ""
     monkeypatch.setattr(machinery.devices.sys, "platform", "darwin")
     assert machinery.allocator_note(cpu, {}) == ""

@@ -1,4 +1,6 @@
-"""Part 1 invariants: every §3 component, the masks, and agreement with torch.nn.Transformer."""
+"""Part 1 invariants: every §3 component, the masks, and agreement with
+torch.nn.Transformer."""
+
 import dataclasses
 import math
 
@@ -31,7 +33,9 @@ def masks(src, tgt):
     return src_mask, tgt_mask
 
 
-# --- shapes -----------------------------------------------------------------------------
+# --- shapes
+# -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("preset", ["tiny", "base"])
 def test_every_component_has_the_documented_shape(preset):
@@ -43,15 +47,29 @@ def test_every_component_has_the_documented_shape(preset):
     mha = tat.MultiHeadedAttention(cfg.h, d, 0.0)
     assert mha(x, mem, mem, src_mask).shape == (b, n, d)
     assert not hasattr(mha, "attn")  # the forward pass keeps no attention weights
-    assert tat.FastMultiHeadedAttention(cfg.h, d, 0.0)(x, x, x, tgt_mask).shape == (b, n, d)
+    assert tat.FastMultiHeadedAttention(cfg.h, d, 0.0)(x, x, x, tgt_mask).shape == (
+        b,
+        n,
+        d,
+    )
     assert tat.PositionwiseFeedForward(d, cfg.d_ff)(x).shape == (b, n, d)
     assert tat.Embeddings(d, 11)(torch.randint(0, 11, (b, n))).shape == (b, n, d)
     assert tat.PositionalEncoding(d, 0.0)(x).shape == (b, n, d)
     assert tat.SublayerConnection(d, 0.0)(x, lambda y: y * 2).shape == (b, n, d)
-    enc_layer = tat.EncoderLayer(d, tat.MultiHeadedAttention(cfg.h, d), tat.PositionwiseFeedForward(d, cfg.d_ff), 0.1)
+    enc_layer = tat.EncoderLayer(
+        d,
+        tat.MultiHeadedAttention(cfg.h, d),
+        tat.PositionwiseFeedForward(d, cfg.d_ff),
+        0.1,
+    )
     assert enc_layer(mem, src_mask).shape == (b, m, d)
-    dec_layer = tat.DecoderLayer(d, tat.MultiHeadedAttention(cfg.h, d), tat.MultiHeadedAttention(cfg.h, d),
-                                 tat.PositionwiseFeedForward(d, cfg.d_ff), 0.1)
+    dec_layer = tat.DecoderLayer(
+        d,
+        tat.MultiHeadedAttention(cfg.h, d),
+        tat.MultiHeadedAttention(cfg.h, d),
+        tat.PositionwiseFeedForward(d, cfg.d_ff),
+        0.1,
+    )
     assert dec_layer(x, mem, src_mask, tgt_mask).shape == (b, n, d)
     assert tat.Encoder(enc_layer, 2)(mem, src_mask).shape == (b, m, d)
     assert tat.Decoder(dec_layer, 2)(x, mem, src_mask, tgt_mask).shape == (b, n, d)
@@ -61,7 +79,8 @@ def test_every_component_has_the_documented_shape(preset):
     out = model(src, tgt, *masks(src, tgt))
     assert out.shape == (b, n, d)
     assert model.generator(out).shape == (b, n, 11)
-    assert cfg.d_k == 0 and cfg.head_size * cfg.h == cfg.d_model  # §3.2.2: d_k = d_model / h
+    # §3.2.2: d_k = d_model / h
+    assert cfg.d_k == 0 and cfg.head_size * cfg.h == cfg.d_model
     assert mha.d_k == cfg.head_size
 
 
@@ -72,7 +91,9 @@ def test_clones_are_independent_copies():
     assert all(torch.equal(layers[0].weight, layer.weight) for layer in layers)
 
 
-# --- attention and masks ----------------------------------------------------------------
+# --- attention and masks
+# ----------------------------------------------------------------
+
 
 def test_subsequent_mask_allows_exactly_the_past_and_present():
     mask = tat.subsequent_mask(5)
@@ -84,19 +105,30 @@ def test_subsequent_mask_allows_exactly_the_past_and_present():
 
 def test_attention_is_equation_1_and_rows_sum_to_one():
     torch.manual_seed(0)
-    q, k, v = (torch.randn(2, 4, 5, 8, dtype=torch.float64), torch.randn(2, 4, 7, 8, dtype=torch.float64),
-               torch.randn(2, 4, 7, 3, dtype=torch.float64))
+    q, k, v = (
+        torch.randn(2, 4, 5, 8, dtype=torch.float64),
+        torch.randn(2, 4, 7, 8, dtype=torch.float64),
+        torch.randn(2, 4, 7, 3, dtype=torch.float64),
+    )
     out, p = tat.attention(q, k, v)
-    # PyTorch's own scaled dot-product attention (scale 1/sqrt(d_k) by default) is the reference.
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v), rtol=1e-12, atol=1e-12)
+    # PyTorch's own scaled dot-product attention (scale 1/sqrt(d_k) by default) is the
+    # reference.
+    torch.testing.assert_close(
+        out, F.scaled_dot_product_attention(q, k, v), rtol=1e-12, atol=1e-12
+    )
     # With the identity as values, its output is the weight matrix itself.
     eye = torch.eye(7, dtype=torch.float64).expand(2, 4, 7, 7)
-    torch.testing.assert_close(p, F.scaled_dot_product_attention(q, k, eye), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        p, F.scaled_dot_product_attention(q, k, eye), rtol=1e-12, atol=1e-12
+    )
     torch.testing.assert_close(p.sum(-1), torch.ones(2, 4, 5, dtype=torch.float64))
-    # Only the products q·k matter: q scaled up and k scaled down by the same factor give the same weights,
+    # Only the products q·k matter: q scaled up and k scaled down by the same factor
+    # give the same weights,
     # q scaled alone does not.
-    torch.testing.assert_close(tat.attention(q * 8 ** 0.5, k / 8 ** 0.5, v)[1], p, rtol=1e-12, atol=1e-12)
-    assert not torch.allclose(tat.attention(q * 8 ** 0.5, k, v)[1], p)
+    torch.testing.assert_close(
+        tat.attention(q * 8**0.5, k / 8**0.5, v)[1], p, rtol=1e-12, atol=1e-12
+    )
+    assert not torch.allclose(tat.attention(q * 8**0.5, k, v)[1], p)
 
 
 def test_masked_keys_get_exactly_zero_weight_and_true_means_may_attend():
@@ -143,7 +175,11 @@ def test_multi_head_attention_is_h_independent_heads_concatenated_then_projected
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_fast_path_equals_readable_path(norm_first):
     readable = tiny_model(norm_first=norm_first).double().eval()
-    fast = tat.make_model(13, 13, TINY, norm_first=norm_first, attention="fast").double().eval()
+    fast = (
+        tat.make_model(13, 13, TINY, norm_first=norm_first, attention="fast")
+        .double()
+        .eval()
+    )
     fast.load_state_dict(readable.state_dict())
     assert isinstance(fast.encoder.layers[0].self_attn, tat.FastMultiHeadedAttention)
     src, tgt = random_batch()
@@ -152,14 +188,19 @@ def test_fast_path_equals_readable_path(norm_first):
     out_f = fast(src, tgt, *masks(src, tgt))
     torch.testing.assert_close(out_f, out_r, rtol=1e-10, atol=1e-10)
     # Separate key and value tensors take the unfused branch.
-    x, kk, vv = torch.randn(2, 3, 32, dtype=torch.float64), torch.randn(2, 4, 32, dtype=torch.float64), \
-        torch.randn(2, 4, 32, dtype=torch.float64)
+    x, kk, vv = (
+        torch.randn(2, 3, 32, dtype=torch.float64),
+        torch.randn(2, 4, 32, dtype=torch.float64),
+        torch.randn(2, 4, 32, dtype=torch.float64),
+    )
     a = readable.decoder.layers[0].src_attn
     b = fast.decoder.layers[0].src_attn
     torch.testing.assert_close(b(x, kk, vv), a(x, kk, vv), rtol=1e-10, atol=1e-10)
 
 
-# --- layer norm, feed-forward, embeddings, positional encoding --------------------------
+# --- layer norm, feed-forward, embeddings, positional encoding
+# --------------------------
+
 
 def test_layer_norm_formula_matches_nn_layernorm():
     torch.manual_seed(0)
@@ -167,51 +208,70 @@ def test_layer_norm_formula_matches_nn_layernorm():
     nn.init.normal_(ln.weight)
     nn.init.normal_(ln.bias)
     x = torch.randn(4, 6, 10) * 3 + 1
-    torch.testing.assert_close(tat.layer_norm_formula(x, ln.weight, ln.bias, ln.eps), ln(x))
+    torch.testing.assert_close(
+        tat.layer_norm_formula(x, ln.weight, ln.bias, ln.eps), ln(x)
+    )
 
 
 def test_sublayer_connection_is_post_norm_by_default_and_pre_norm_as_option():
     torch.manual_seed(0)
-    x = torch.randn(2, 3, 8, dtype=torch.float64) * 3 + 1  # positions far from mean 0, variance 1
+    # positions far from mean 0, variance 1
+    x = torch.randn(2, 3, 8, dtype=torch.float64) * 3 + 1
     f = nn.Linear(8, 8).double()
     post = tat.SublayerConnection(8, 0.0).double()
-    # With the initial gain 1 and bias 0, LayerNorm(x + Sublayer(x)) has mean 0 and variance 1 at every position
+    # With the initial gain 1 and bias 0, LayerNorm(x + Sublayer(x)) has mean 0 and
+    # variance 1 at every position
     # (variance s / (s + eps) for a sum of variance s).
     out = post(x, f)
     s2 = (x + f(x)).var(-1, unbiased=False)
-    torch.testing.assert_close(out.mean(-1), torch.zeros(2, 3, dtype=torch.float64), rtol=0, atol=1e-12)
-    torch.testing.assert_close(out.var(-1, unbiased=False), s2 / (s2 + 1e-5), rtol=1e-12, atol=1e-12)
-    # With a learned gain and bias: LayerNorm(x + Sublayer(x)), as F.layer_norm computes it with the module's own
+    torch.testing.assert_close(
+        out.mean(-1), torch.zeros(2, 3, dtype=torch.float64), rtol=0, atol=1e-12
+    )
+    torch.testing.assert_close(
+        out.var(-1, unbiased=False), s2 / (s2 + 1e-5), rtol=1e-12, atol=1e-12
+    )
+    # With a learned gain and bias: LayerNorm(x + Sublayer(x)), as F.layer_norm computes
+    # it with the module's own
     # gain and bias.
     with torch.no_grad():
         nn.init.normal_(post.norm.weight)
         nn.init.normal_(post.norm.bias)
     expected = F.layer_norm(x + f(x), (8,), post.norm.weight, post.norm.bias, eps=1e-5)
     torch.testing.assert_close(post(x, f), expected, rtol=1e-12, atol=1e-12)
-    # Pre-norm: the output minus its input is the sub-layer applied to the normalised input; the sum itself is
+    # Pre-norm: the output minus its input is the sub-layer applied to the normalised
+    # input; the sum itself is
     # not normalised.
     pre = tat.SublayerConnection(8, 0.0, norm_first=True).double()
     with torch.no_grad():
         nn.init.normal_(pre.norm.weight)
         nn.init.normal_(pre.norm.bias)
     out = pre(x, f)
-    torch.testing.assert_close(out - x, f(F.layer_norm(x, (8,), pre.norm.weight, pre.norm.bias, eps=1e-5)),
-                               rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        out - x,
+        f(F.layer_norm(x, (8,), pre.norm.weight, pre.norm.bias, eps=1e-5)),
+        rtol=1e-12,
+        atol=1e-12,
+    )
     assert not torch.allclose(out, F.layer_norm(out, (8,)))
 
 
 def test_feed_forward_is_equation_2():
-    # Eq. 2, max(0, xW1 + b1)W2 + b2, with d_model = 2, d_ff = 3 and small whole numbers, worked out by hand.
+    # Eq. 2, max(0, xW1 + b1)W2 + b2, with d_model = 2, d_ff = 3 and small whole
+    # numbers, worked out by hand.
     ff = tat.PositionwiseFeedForward(2, 3).double()
     with torch.no_grad():
-        ff.w_1.weight.copy_(torch.tensor([[1.0, -1.0], [2.0, 0.0], [0.0, 1.0]]))  # nn.Linear stores W1 transposed
+        # nn.Linear stores W1 transposed
+        ff.w_1.weight.copy_(torch.tensor([[1.0, -1.0], [2.0, 0.0], [0.0, 1.0]]))
         ff.w_1.bias.copy_(torch.tensor([0.0, -1.0, 0.5]))
         ff.w_2.weight.copy_(torch.tensor([[1.0, 1.0, 1.0], [-1.0, 0.0, 2.0]]))
         ff.w_2.bias.copy_(torch.tensor([0.5, 0.0]))
     x = torch.tensor([[[3.0, 1.0], [-1.0, 2.0], [0.0, 0.0]]], dtype=torch.float64)
-    # x = (3, 1):  xW1 + b1 = (2, 5, 1.5), all kept;       W2 rows: 2 + 5 + 1.5 + 0.5 = 9,  -2 + 0 + 3 = 1
-    # x = (-1, 2): xW1 + b1 = (-3, -3, 2.5) → (0, 0, 2.5); 2.5 + 0.5 = 3,                  2 · 2.5 = 5
-    # x = (0, 0):  xW1 + b1 = (0, -1, 0.5) → (0, 0, 0.5);  0.5 + 0.5 = 1,                  2 · 0.5 = 1
+    # x = (3, 1):  xW1 + b1 = (2, 5, 1.5), all kept;       W2 rows: 2 + 5 + 1.5 + 0.5 =
+    # 9,  -2 + 0 + 3 = 1
+    # x = (-1, 2): xW1 + b1 = (-3, -3, 2.5) → (0, 0, 2.5); 2.5 + 0.5 = 3,
+    # 2 · 2.5 = 5
+    # x = (0, 0):  xW1 + b1 = (0, -1, 0.5) → (0, 0, 0.5);  0.5 + 0.5 = 1,
+    # 2 · 0.5 = 1
     expected = torch.tensor([[[9.0, 1.0], [3.0, 5.0], [1.0, 1.0]]], dtype=torch.float64)
     torch.testing.assert_close(ff(x), expected, rtol=0, atol=1e-12)
     # Applied to each position separately and identically.
@@ -228,7 +288,8 @@ def test_embeddings_are_scaled_by_sqrt_d_model():
         emb = tat.Embeddings(d_model, 10)
         ramp = torch.linspace(-1.0, 1.0, d_model)
         with torch.no_grad():
-            emb.lut.weight.copy_(torch.arange(10.0).unsqueeze(1) * ramp)  # token k's vector: k · ramp
+            # token k's vector: k · ramp
+            emb.lut.weight.copy_(torch.arange(10.0).unsqueeze(1) * ramp)
         expected = sqrt_d_model * ids.unsqueeze(-1).float() * ramp
         torch.testing.assert_close(emb(ids), expected)
 
@@ -237,8 +298,12 @@ def test_embeddings_are_scaled_by_sqrt_d_model():
 def test_positional_encoding_is_the_closed_form(pos, i):
     d_model = 64
     pe = tat.PositionalEncoding(d_model, 0.0).pe[0]
-    assert pe[pos, 2 * i].item() == pytest.approx(math.sin(pos / 10000 ** (2 * i / d_model)), abs=1e-6)
-    assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(pos / 10000 ** (2 * i / d_model)), abs=1e-6)
+    assert pe[pos, 2 * i].item() == pytest.approx(
+        math.sin(pos / 10000 ** (2 * i / d_model)), abs=1e-6
+    )
+    assert pe[pos, 2 * i + 1].item() == pytest.approx(
+        math.cos(pos / 10000 ** (2 * i / d_model)), abs=1e-6
+    )
 
 
 def test_pe_at_pos_plus_k_is_a_linear_function_of_pe_at_pos():
@@ -254,7 +319,9 @@ def test_pe_at_pos_plus_k_is_a_linear_function_of_pe_at_pos():
     assert (pe[check] @ M - pe[check + k + 1]).abs().max() > 1e-2
 
 
-# --- the whole model --------------------------------------------------------------------
+# --- the whole model
+# --------------------------------------------------------------------
+
 
 def test_weight_sharing_is_one_tensor():
     three_way = tat.make_model(20, 20, TINY)
@@ -265,7 +332,10 @@ def test_weight_sharing_is_one_tensor():
     assert two_way.src_embed[0].lut.weight is not two_way.tgt_embed[0].lut.weight
     untied = tat.make_model(20, 20, TINY, tie_weights=False)
     assert untied.generator.proj.weight is not untied.tgt_embed[0].lut.weight
-    assert tat.count_parameters(untied) - tat.count_parameters(three_way) == 2 * 20 * TINY.d_model
+    assert (
+        tat.count_parameters(untied) - tat.count_parameters(three_way)
+        == 2 * 20 * TINY.d_model
+    )
     with pytest.raises(ValueError):
         tat.make_model(20, 30, TINY)  # a shared vocabulary needs one size
 
@@ -281,10 +351,10 @@ def test_changing_future_target_tokens_leaves_earlier_outputs_unchanged():
     out = model(src, tgt, *masks(src, tgt))
     for t in (0, 3, 6):
         changed = tgt.clone()
-        changed[:, t + 1:] = (changed[:, t + 1:] + 1 - 4) % 9 + 4  # other real tokens
+        changed[:, t + 1 :] = (changed[:, t + 1 :] + 1 - 4) % 9 + 4  # other real tokens
         out2 = model(src, changed, *masks(src, changed))
         torch.testing.assert_close(out2[:, : t + 1], out[:, : t + 1])
-        assert not torch.allclose(out2[:, t + 1:], out[:, t + 1:])
+        assert not torch.allclose(out2[:, t + 1 :], out[:, t + 1 :])
 
 
 def test_appending_source_padding_leaves_the_output_unchanged():
@@ -313,39 +383,96 @@ def test_eval_mode_is_deterministic_and_train_mode_applies_dropout():
 def test_dropout_sits_exactly_where_section_5_4_puts_it():
     cfg = TINY
     model = tat.make_model(13, 13, cfg)
-    active = {name for name, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0}
-    expected = {"src_embed.1.dropout", "tgt_embed.1.dropout"}  # sums of embeddings and PE
-    expected |= {f"encoder.layers.{i}.sublayer.{j}.dropout" for i in range(cfg.N) for j in range(2)}
-    expected |= {f"decoder.layers.{i}.sublayer.{j}.dropout" for i in range(cfg.N) for j in range(3)}
+    active = {
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Dropout) and m.p > 0
+    }
+    # sums of embeddings and PE
+    expected = {"src_embed.1.dropout", "tgt_embed.1.dropout"}
+    expected |= {
+        f"encoder.layers.{i}.sublayer.{j}.dropout"
+        for i in range(cfg.N)
+        for j in range(2)
+    }
+    expected |= {
+        f"decoder.layers.{i}.sublayer.{j}.dropout"
+        for i in range(cfg.N)
+        for j in range(3)
+    }
     assert active == expected
-    assert all(m.p == cfg.P_drop for name, m in model.named_modules() if name in expected)
-    assert not any(isinstance(m, nn.Dropout) and type(m) is not nn.Dropout for m in model.modules())
-    # Our departures (not in the paper) add dropout inside every attention and every FFN, nowhere else.
+    assert all(
+        m.p == cfg.P_drop for name, m in model.named_modules() if name in expected
+    )
+    assert not any(
+        isinstance(m, nn.Dropout) and type(m) is not nn.Dropout for m in model.modules()
+    )
+    # Our departures (not in the paper) add dropout inside every attention and every
+    # FFN, nowhere else.
     more = tat.make_model(13, 13, cfg, attn_dropout=0.2, ffn_dropout=0.3)
-    extra = {name: m.p for name, m in more.named_modules() if isinstance(m, nn.Dropout) and m.p > 0}
+    extra = {
+        name: m.p
+        for name, m in more.named_modules()
+        if isinstance(m, nn.Dropout) and m.p > 0
+    }
     attn = [f"encoder.layers.{i}.self_attn" for i in range(cfg.N)]
-    attn += [f"decoder.layers.{i}.{kind}" for i in range(cfg.N) for kind in ("self_attn", "src_attn")]
-    ffn = [f"{stack}.layers.{i}.feed_forward" for stack in ("encoder", "decoder") for i in range(cfg.N)]
-    assert extra == ({name: cfg.P_drop for name in expected} | {f"{a}.dropout": 0.2 for a in attn}
-                     | {f"{f}.dropout": 0.3 for f in ffn})
+    attn += [
+        f"decoder.layers.{i}.{kind}"
+        for i in range(cfg.N)
+        for kind in ("self_attn", "src_attn")
+    ]
+    ffn = [
+        f"{stack}.layers.{i}.feed_forward"
+        for stack in ("encoder", "decoder")
+        for i in range(cfg.N)
+    ]
+    assert extra == (
+        {name: cfg.P_drop for name in expected}
+        | {f"{a}.dropout": 0.2 for a in attn}
+        | {f"{f}.dropout": 0.3 for f in ffn}
+    )
     assert len(extra) == 2 + cfg.N * (2 + 1 + 1) + cfg.N * (3 + 2 + 1)
 
 
 def _torch_transformer_like(model, cfg, norm_first):
     """nn.Transformer with the same sizes and our weights copied in."""
     d, h, N = cfg.d_model, cfg.h, cfg.N
-    enc_layer = nn.TransformerEncoderLayer(d, h, cfg.d_ff, 0.0, batch_first=True, norm_first=norm_first)
-    dec_layer = nn.TransformerDecoderLayer(d, h, cfg.d_ff, 0.0, batch_first=True, norm_first=norm_first)
+    enc_layer = nn.TransformerEncoderLayer(
+        d, h, cfg.d_ff, 0.0, batch_first=True, norm_first=norm_first
+    )
+    dec_layer = nn.TransformerDecoderLayer(
+        d, h, cfg.d_ff, 0.0, batch_first=True, norm_first=norm_first
+    )
     # The paper's post-norm stacks end with no extra norm; pre-norm stacks end with one.
-    encoder = nn.TransformerEncoder(enc_layer, N, norm=nn.LayerNorm(d) if norm_first else None,
-                                    enable_nested_tensor=False)
-    decoder = nn.TransformerDecoder(dec_layer, N, norm=nn.LayerNorm(d) if norm_first else None)
-    ref = nn.Transformer(d, h, N, N, cfg.d_ff, 0.0, batch_first=True, norm_first=norm_first,
-                         custom_encoder=encoder, custom_decoder=decoder).double()
+    encoder = nn.TransformerEncoder(
+        enc_layer,
+        N,
+        norm=nn.LayerNorm(d) if norm_first else None,
+        enable_nested_tensor=False,
+    )
+    decoder = nn.TransformerDecoder(
+        dec_layer, N, norm=nn.LayerNorm(d) if norm_first else None
+    )
+    ref = nn.Transformer(
+        d,
+        h,
+        N,
+        N,
+        cfg.d_ff,
+        0.0,
+        batch_first=True,
+        norm_first=norm_first,
+        custom_encoder=encoder,
+        custom_decoder=decoder,
+    ).double()
 
     def copy_mha(theirs, ours):
-        theirs.in_proj_weight.copy_(torch.cat([ours.w_q.weight, ours.w_k.weight, ours.w_v.weight]))
-        theirs.in_proj_bias.copy_(torch.cat([ours.w_q.bias, ours.w_k.bias, ours.w_v.bias]))
+        theirs.in_proj_weight.copy_(
+            torch.cat([ours.w_q.weight, ours.w_k.weight, ours.w_v.weight])
+        )
+        theirs.in_proj_bias.copy_(
+            torch.cat([ours.w_q.bias, ours.w_k.bias, ours.w_v.bias])
+        )
         theirs.out_proj.load_state_dict(ours.w_o.state_dict())
 
     with torch.no_grad():
@@ -361,7 +488,9 @@ def _torch_transformer_like(model, cfg, norm_first):
             theirs.linear1.load_state_dict(ours.feed_forward.w_1.state_dict())
             theirs.linear2.load_state_dict(ours.feed_forward.w_2.state_dict())
             for k in range(3):
-                getattr(theirs, f"norm{k + 1}").load_state_dict(ours.sublayer[k].norm.state_dict())
+                getattr(theirs, f"norm{k + 1}").load_state_dict(
+                    ours.sublayer[k].norm.state_dict()
+                )
         if norm_first:
             ref.encoder.norm.load_state_dict(model.encoder.norm.state_dict())
             ref.decoder.norm.load_state_dict(model.decoder.norm.state_dict())
@@ -379,56 +508,93 @@ def test_matches_torch_nn_transformer_with_copied_weights(norm_first):
     src_mask, tgt_mask = masks(src, tgt)
     ours = model(src, tgt, src_mask, tgt_mask)
     with torch.no_grad():
-        theirs = ref(model.src_embed(src), model.tgt_embed(tgt),
-                     tgt_mask=~tat.subsequent_mask(tgt.size(1))[0],  # torch: True = blocked
-                     src_key_padding_mask=src == tat.PAD, memory_key_padding_mask=src == tat.PAD)
+        theirs = ref(
+            model.src_embed(src),
+            model.tgt_embed(tgt),
+            tgt_mask=~tat.subsequent_mask(tgt.size(1))[0],  # torch: True = blocked
+            src_key_padding_mask=src == tat.PAD,
+            memory_key_padding_mask=src == tat.PAD,
+        )
     torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
 
 
 def test_untrained_model_decodes_end_to_end():
     model = tiny_model().eval()
     src = torch.tensor([[4, 5, 6, 7, 8]])
-    out = tat.greedy_decode(model, src, torch.ones(1, 1, 5, dtype=torch.bool), max_len=7, start_symbol=tat.BOS)
+    out = tat.greedy_decode(
+        model,
+        src,
+        torch.ones(1, 1, 5, dtype=torch.bool),
+        max_len=7,
+        start_symbol=tat.BOS,
+    )
     assert out.shape == (1, 7) and out[0, 0] == tat.BOS
     assert out.min() >= 0 and out.max() < 13
 
 
-@pytest.mark.parametrize("device, setting, path", [
-    ("cpu", "auto", "readable"), ("cuda", "auto", "fast"), ("cuda:1", "auto", "fast"),
-    ("cpu", "fast", "fast"), ("cuda", "readable", "readable"), (None, "auto", "readable"),
-])
+@pytest.mark.parametrize(
+    "device, setting, path",
+    [
+        ("cpu", "auto", "readable"),
+        ("cuda", "auto", "fast"),
+        ("cuda:1", "auto", "fast"),
+        ("cpu", "fast", "fast"),
+        ("cuda", "readable", "readable"),
+        (None, "auto", "readable"),
+    ],
+)
 def test_attention_auto_takes_the_fused_path_on_cuda_only(device, setting, path):
-    chosen, line = machinery.resolve_attention(setting, None if device is None else torch.device(device))
+    chosen, line = machinery.resolve_attention(
+        setting, None if device is None else torch.device(device)
+    )
     assert chosen == path
-    assert line.startswith(f"attention: {path} path (") and ("auto" in line) == (setting == "auto")
+    assert line.startswith(f"attention: {path} path (") and ("auto" in line) == (
+        setting == "auto"
+    )
 
 
 def test_attention_setting_is_checked_and_builds_its_class():
     with pytest.raises(ValueError, match="auto, readable or fast"):
         machinery.resolve_attention("flash")
-    for setting, cls in (("readable", tat.MultiHeadedAttention), ("fast", tat.FastMultiHeadedAttention),
-                         ("auto", tat.MultiHeadedAttention)):
+    for setting, cls in (
+        ("readable", tat.MultiHeadedAttention),
+        ("fast", tat.FastMultiHeadedAttention),
+        ("auto", tat.MultiHeadedAttention),
+    ):
         model = tat.make_model(11, 11, TINY, attention=setting)
         assert type(model.encoder.layers[0].self_attn) is cls
 
 
-# --- §3.5's alternative: learned positional embeddings (Table 3, row (E)) -------------------
+# --- §3.5's alternative: learned positional embeddings (Table 3, row (E))
+# -------------------
+
 
 def learned_model(**overrides):
     torch.manual_seed(0)
-    return tat.make_model(13, 13, tat.MODEL_PRESETS["tiny"], positional="learned", P_drop=0.0, **overrides).eval()
+    return tat.make_model(
+        13, 13, tat.MODEL_PRESETS["tiny"], positional="learned", P_drop=0.0, **overrides
+    ).eval()
 
 
 def test_learned_positions_add_one_trained_vector_per_position():
     model = learned_model()
     sinusoid = tat.make_model(13, 13, tat.MODEL_PRESETS["tiny"])
     cfg = tat.MODEL_PRESETS["tiny"]
-    assert tat.count_parameters(model) - tat.count_parameters(sinusoid) == 2 * cfg.max_len * cfg.d_model
+    assert (
+        tat.count_parameters(model) - tat.count_parameters(sinusoid)
+        == 2 * cfg.max_len * cfg.d_model
+    )
     table = model.tgt_embed[1]
-    assert isinstance(table, tat.LearnedPositionalEncoding) and table.weight.requires_grad
+    assert (
+        isinstance(table, tat.LearnedPositionalEncoding) and table.weight.requires_grad
+    )
     x = torch.randn(2, 5, cfg.d_model)
-    for offset in (0, 3):  # what is added is exactly rows offset … offset+4 of the table
-        torch.testing.assert_close(table(x, offset=offset) - x, table.weight[offset:offset + 5].expand(2, 5, -1))
+    # what is added is exactly rows offset … offset+4 of the table
+    for offset in (0, 3):
+        torch.testing.assert_close(
+            table(x, offset=offset) - x,
+            table.weight[offset : offset + 5].expand(2, 5, -1),
+        )
 
 
 def test_learned_positions_train_only_the_rows_of_positions_seen():
@@ -449,10 +615,15 @@ def test_learned_positions_keep_causality_and_padding_invariance():
     mask = tat.subsequent_mask(6)
     out = model(src, tgt, tat.padding_mask(src, tat.PAD), mask)
     changed = tgt.clone()
-    changed[:, 4:] = torch.randint(4, 13, (2, 2))  # only the future of position 3 differs
-    torch.testing.assert_close(model(src, changed, tat.padding_mask(src, tat.PAD), mask)[:, :4], out[:, :4])
+    # only the future of position 3 differs
+    changed[:, 4:] = torch.randint(4, 13, (2, 2))
+    torch.testing.assert_close(
+        model(src, changed, tat.padding_mask(src, tat.PAD), mask)[:, :4], out[:, :4]
+    )
     padded = torch.cat([src, torch.full((2, 3), tat.PAD)], dim=1)
-    torch.testing.assert_close(model(padded, tgt, tat.padding_mask(padded, tat.PAD), mask), out)
+    torch.testing.assert_close(
+        model(padded, tgt, tat.padding_mask(padded, tat.PAD), mask), out
+    )
 
 
 def test_cached_decoding_equals_full_recompute_with_learned_positions():
@@ -473,7 +644,8 @@ def test_positional_setting_is_checked():
 def test_n_dec_sets_the_decoder_depth_alone_and_zero_means_n():
     tiny = tat.MODEL_PRESETS["tiny"]
     same = tat.make_model(11, 11, tiny)
-    assert len(same.encoder.layers) == len(same.decoder.layers) == tiny.N  # §3.1: N of each
+    # §3.1: N of each
+    assert len(same.encoder.layers) == len(same.decoder.layers) == tiny.N
     shallow = tat.make_model(11, 11, tiny, N=3, N_dec=1)
     assert (len(shallow.encoder.layers), len(shallow.decoder.layers)) == (3, 1)
     with pytest.raises(ValueError, match="N_dec must be 0"):
@@ -487,17 +659,38 @@ def test_a_model_with_a_shallower_decoder_decodes_the_same_with_and_without_the_
     src_mask = tat.padding_mask(src, tat.PAD)
     with torch.no_grad():
         full = tat.greedy_decode(model, src, src_mask, 9, tat.BOS, tat.EOS, tat.PAD)
-        cached = tat.greedy_decode_cached(model, src, src_mask, 9, tat.BOS, tat.EOS, tat.PAD)
-        beams = [tat.beam_search(model, src, src_mask, 9, tat.BOS, tat.EOS, 3, 0.6, banned=[tat.PAD], cached=c)
-                 for c in (True, False)]
+        cached = tat.greedy_decode_cached(
+            model, src, src_mask, 9, tat.BOS, tat.EOS, tat.PAD
+        )
+        beams = [
+            tat.beam_search(
+                model,
+                src,
+                src_mask,
+                9,
+                tat.BOS,
+                tat.EOS,
+                3,
+                0.6,
+                banned=[tat.PAD],
+                cached=c,
+            )
+            for c in (True, False)
+        ]
     assert torch.equal(full, cached)
     assert beams[0] == beams[1]
 
 
-# --- d_k apart from d_model / h, and Table 3's parameter counts ---------------------------
+# --- d_k apart from d_model / h, and Table 3's parameter counts
+# ---------------------------
 
-@pytest.mark.parametrize("cls", [tat.MultiHeadedAttention, tat.FastMultiHeadedAttention])
-@pytest.mark.parametrize("h, d_model, d_k", [(8, 32, 2), (4, 32, 16), (3, 32, 5), (2, 6, 7)])
+
+@pytest.mark.parametrize(
+    "cls", [tat.MultiHeadedAttention, tat.FastMultiHeadedAttention]
+)
+@pytest.mark.parametrize(
+    "h, d_model, d_k", [(8, 32, 2), (4, 32, 16), (3, 32, 5), (2, 6, 7)]
+)
 def test_multi_head_attention_with_its_own_d_k(cls, h, d_model, d_k):
     torch.manual_seed(0)
     mha = cls(h, d_model, 0.0, d_k=d_k).double().eval()
@@ -505,7 +698,10 @@ def test_multi_head_attention_with_its_own_d_k(cls, h, d_model, d_k):
     for proj in (mha.w_q, mha.w_k, mha.w_v):
         assert (proj.in_features, proj.out_features) == (d_model, h * d_k)
     assert (mha.w_o.in_features, mha.w_o.out_features) == (h * d_k, d_model)
-    x, y = torch.randn(2, 3, d_model, dtype=torch.float64), torch.randn(2, 5, d_model, dtype=torch.float64)
+    x, y = (
+        torch.randn(2, 3, d_model, dtype=torch.float64),
+        torch.randn(2, 5, d_model, dtype=torch.float64),
+    )
     mask = torch.tensor([[[True] * 5], [[True] * 3 + [False] * 2]])
     out = mha(x, y, y, mask)
     assert out.shape == (2, 3, d_model)
@@ -516,8 +712,11 @@ def test_multi_head_attention_with_its_own_d_k(cls, h, d_model, d_k):
         ki = y @ mha.w_k.weight[rows].T + mha.w_k.bias[rows]
         vi = y @ mha.w_v.weight[rows].T + mha.w_v.bias[rows]
         heads.append(tat.attention(qi, ki, vi, mask)[0])
-    torch.testing.assert_close(out, mha.w_o(torch.cat(heads, dim=-1)), rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(mha(x, x, x), mha(x, x, x))  # self-attention (the fused branch) too
+    torch.testing.assert_close(
+        out, mha.w_o(torch.cat(heads, dim=-1)), rtol=1e-10, atol=1e-10
+    )
+    # self-attention (the fused branch) too
+    torch.testing.assert_close(mha(x, x, x), mha(x, x, x))
     with pytest.raises(ValueError):
         cls(3, 32, 0.0)  # 32 / 3 is no head size: d_k must be given
 
@@ -527,13 +726,20 @@ def test_make_model_passes_d_k_to_every_attention_and_the_readable_and_fast_path
     fast = tat.make_model(13, 13, TINY, d_k=3, attention="fast").double().eval()
     fast.load_state_dict(readable.state_dict())
     attns = [m for m in readable.modules() if isinstance(m, tat.MultiHeadedAttention)]
-    assert len(attns) == 3 * TINY.N and all(m.d_k == 3 and m.w_q.out_features == TINY.h * 3 for m in attns)
+    assert len(attns) == 3 * TINY.N and all(
+        m.d_k == 3 and m.w_q.out_features == TINY.h * 3 for m in attns
+    )
     src, tgt = random_batch()
-    torch.testing.assert_close(fast(src, tgt, *masks(src, tgt)), readable(src, tgt, *masks(src, tgt)),
-                               rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(
+        fast(src, tgt, *masks(src, tgt)),
+        readable(src, tgt, *masks(src, tgt)),
+        rtol=1e-10,
+        atol=1e-10,
+    )
     with pytest.raises(ValueError, match="d_k must be 0"):
         machinery.get_config("tiny", d_k=-1)
-    assert machinery.get_config("tiny", h=3, d_k=8).head_size == 8  # h need not divide d_model then
+    # h need not divide d_model then
+    assert machinery.get_config("tiny", h=3, d_k=8).head_size == 8
     with pytest.raises(ValueError, match="must divide d_model"):
         machinery.get_config("tiny", h=3)
 
@@ -549,14 +755,20 @@ def table3_count(**overrides) -> int:
 
 
 def expected_count(N=3, d_model=256, d_ff=1024, h=8, d_k=0, vocab=VOCAB) -> int:
-    """The same count by hand: a shared embedding (three-way tying, §3.4), the generator's bias, per
-    encoder layer one attention, one FFN and two LayerNorms, per decoder layer two attentions, one FFN
-    and three LayerNorms."""
+    """The same count by hand: a shared embedding (three-way tying, §3.4), the
+    generator's bias, per encoder layer one attention, one FFN and two LayerNorms, per
+    decoder layer two attentions, one FFN and three LayerNorms."""
     hd = h * (d_k or d_model // h)
-    mha = 3 * (d_model * hd + hd) + hd * d_model + d_model  # W^Q, W^K, W^V for all heads; W^O
+    # W^Q, W^K, W^V for all heads; W^O
+    mha = 3 * (d_model * hd + hd) + hd * d_model + d_model
     ffn = d_model * d_ff + d_ff + d_ff * d_model + d_model
     norm = 2 * d_model
-    return vocab * d_model + vocab + N * (mha + ffn + 2 * norm) + N * (2 * mha + ffn + 3 * norm)
+    return (
+        vocab * d_model
+        + vocab
+        + N * (mha + ffn + 2 * norm)
+        + N * (2 * mha + ffn + 3 * norm)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -568,7 +780,8 @@ def table3_base():
 
 @pytest.mark.parametrize("h", [1, 4, 16, 32])
 def test_table3_row_a_varies_the_heads_at_constant_computation(table3_base, h):
-    assert table3_count(h=h, d_k=256 // h) == table3_base  # d_k = d_v = d_model / h: h·d_k = d_model
+    # d_k = d_v = d_model / h: h·d_k = d_model
+    assert table3_count(h=h, d_k=256 // h) == table3_base
     assert table3_count(h=h) == table3_base  # d_k left at 0 means the same
 
 
@@ -577,21 +790,39 @@ def test_table3_row_b_smaller_keys_mean_fewer_parameters(table3_base):
     assert counts[8] < counts[16] < table3_base
     for d_k, n in counts.items():
         assert n == expected_count(d_k=d_k)
-        # every attention (N in the encoder, 2N in the decoder) loses 4·d_model·h·Δ weights and 3·h·Δ biases
+        # every attention (N in the encoder, 2N in the decoder) loses 4·d_model·h·Δ
+        # weights and 3·h·Δ biases
         delta = 8 * (256 // 8 - d_k)
         assert table3_base - n == 3 * 3 * (4 * 256 * delta + 3 * delta)
 
 
-@pytest.mark.parametrize("field, smaller, larger", [("N", 2, 4), ("d_model", 128, 512), ("d_ff", 512, 2048)])
-def test_table3_row_c_bigger_models_have_more_parameters(table3_base, field, smaller, larger):
+@pytest.mark.parametrize(
+    "field, smaller, larger", [("N", 2, 4), ("d_model", 128, 512), ("d_ff", 512, 2048)]
+)
+def test_table3_row_c_bigger_models_have_more_parameters(
+    table3_base, field, smaller, larger
+):
     small, large = table3_count(**{field: smaller}), table3_count(**{field: larger})
     assert small < table3_base < large
-    assert (small, large) == (expected_count(**{field: smaller}), expected_count(**{field: larger}))
+    assert (small, large) == (
+        expected_count(**{field: smaller}),
+        expected_count(**{field: larger}),
+    )
 
 
-@pytest.mark.parametrize("overrides", [dict(P_drop=0.0), dict(P_drop=0.2), dict(eps_ls=0.0), dict(eps_ls=0.2),
-                                       dict(P_drop=0.3, eps_ls=0.05)])
-def test_table3_row_d_dropout_and_label_smoothing_leave_the_count_alone(table3_base, overrides):
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(P_drop=0.0),
+        dict(P_drop=0.2),
+        dict(eps_ls=0.0),
+        dict(eps_ls=0.2),
+        dict(P_drop=0.3, eps_ls=0.05),
+    ],
+)
+def test_table3_row_d_dropout_and_label_smoothing_leave_the_count_alone(
+    table3_base, overrides
+):
     assert table3_count(**overrides) == table3_base
 
 
@@ -600,7 +831,15 @@ def test_table3_row_e_learned_positions_add_one_table_per_embedding(table3_base)
     model = tat.make_model(VOCAB, VOCAB, cfg)
     tables = [model.src_embed[1], model.tgt_embed[1]]
     assert all(isinstance(t, tat.LearnedPositionalEncoding) for t in tables)
-    assert tables[0].weight is not tables[1].weight  # the source and target each have their own
+    # the source and target each have their own
+    assert tables[0].weight is not tables[1].weight
     assert tat.count_parameters(model) - table3_base == cfg.max_len * cfg.d_model * 2
     sinusoid = tat.make_model(VOCAB, VOCAB, machinery.get_config("multi30k-small"))
-    assert sum(p.numel() for t in (sinusoid.src_embed[1], sinusoid.tgt_embed[1]) for p in t.parameters()) == 0
+    assert (
+        sum(
+            p.numel()
+            for t in (sinusoid.src_embed[1], sinusoid.tgt_embed[1])
+            for p in t.parameters()
+        )
+        == 0
+    )

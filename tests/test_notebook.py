@@ -1,4 +1,6 @@
-"""The notebook and the module: in sync, read top to bottom, quoting the paper exactly, quiet on import, executable."""
+"""The notebook and the module: in sync, read top to bottom, quoting the paper exactly,
+quiet on import, executable."""
+
 import os
 import re
 import subprocess
@@ -26,41 +28,60 @@ def test_notebook_and_module_have_the_same_cells():
 
 def test_no_code_cell_is_longer_than_60_lines_and_each_follows_prose():
     nb = jupytext.read(PY)
-    long = [(i, len(c.source.splitlines())) for i, c in enumerate(nb.cells)
-            if c.cell_type == "code" and len(c.source.splitlines()) > 60]
+    long = [
+        (i, len(c.source.splitlines()))
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "code" and len(c.source.splitlines()) > 60
+    ]
     assert not long, f"code cells over 60 lines (index, lines): {long}"
-    bare = [i for i, (a, b) in enumerate(zip(nb.cells, nb.cells[1:]), start=1)
-            if a.cell_type == "code" and b.cell_type == "code"]
+    bare = [
+        i
+        for i, (a, b) in enumerate(zip(nb.cells, nb.cells[1:]), start=1)
+        if a.cell_type == "code" and b.cell_type == "code"
+    ]
     assert not bare, f"code cells with no prose before them: {bare}"
 
 
 def globals_read_and_bound(source: str) -> tuple[set, set]:
-    """(module-level names a cell reads — in its own code or inside its functions and classes —,
-    module-level names it binds)."""
+    """(module-level names a cell reads — in its own code or inside its functions and
+    classes —, module-level names it binds)."""
     top = symtable.symtable(source, "cell", "exec")
-    bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()}
+    bound = {
+        s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()
+    }
     read = {s.get_name() for s in top.get_symbols() if s.is_referenced()}
     tables = list(top.get_children())
     while tables:
         t = tables.pop()
-        read |= {s.get_name() for s in t.get_symbols() if s.is_global() and s.is_referenced()}
+        read |= {
+            s.get_name() for s in t.get_symbols() if s.is_global() and s.is_referenced()
+        }
         tables += t.get_children()
     return read, bound
 
 
 def later_names(sources: list[str]) -> list[tuple[int, str, int]]:
-    """(cell, name, cell that first binds it) for every name a cell reads before any cell has bound it."""
+    """(cell, name, cell that first binds it) for every name a cell reads before any
+    cell has bound it."""
     first = {}
     scanned = [globals_read_and_bound(src) for src in sources]
     for i, (_, bound) in enumerate(scanned):
         for name in bound:
             first.setdefault(name, i)
-    return sorted((i, name, first[name]) for i, (read, _) in enumerate(scanned) for name in read
-                  if first.get(name, -1) > i)
+    return sorted(
+        (i, name, first[name])
+        for i, (read, _) in enumerate(scanned)
+        for name in read
+        if first.get(name, -1) > i
+    )
 
 
 def test_the_forward_reference_check_catches_a_name_used_before_its_cell():
-    cells_ = ["def f():\n    return helper(1)\n", "def helper(x):\n    return x\n", "y = f()\n"]
+    cells_ = [
+        "def f():\n    return helper(1)\n",
+        "def helper(x):\n    return x\n",
+        "y = f()\n",
+    ]
     assert later_names(cells_) == [(0, "helper", 1)]
     # locals, parameters and names of the same cell are not forward references
     assert later_names(["def g(helper):\n    return helper\n", "helper = 1\n"]) == []
@@ -70,7 +91,10 @@ def test_the_forward_reference_check_catches_a_name_used_before_its_cell():
 def test_every_cell_uses_only_names_defined_in_it_or_above():
     sources = [c.source for c in jupytext.read(PY).cells if c.cell_type == "code"]
     late = later_names(sources)
-    assert not late, "names used before the cell that defines them (cell, name, defined in cell): " + str(late)
+    assert not late, (
+        "names used before the cell that defines them (cell, name, defined in cell): "
+        + str(late)
+    )
 
 
 def test_jupytext_pairs_the_two_files():
@@ -83,7 +107,8 @@ def _squash(text: str) -> str:
 
 
 def quote_pieces(markdown: str):
-    """Runs of quoted text: paragraphs and bullets of '>' blocks, split at the elision mark […]."""
+    """Runs of quoted text: paragraphs and bullets of '>' blocks, split at the elision
+    mark […]."""
     pieces, current = [], []
     for line in markdown.splitlines() + [""]:
         if line.startswith(">"):
@@ -100,7 +125,9 @@ def quote_pieces(markdown: str):
     return [p.strip() for piece in pieces for p in piece.split("[…]") if p.strip()]
 
 
-@pytest.mark.skipif(not PAPER.is_file(), reason="paper excerpts not beside the repository")
+@pytest.mark.skipif(
+    not PAPER.is_file(), reason="paper excerpts not beside the repository"
+)
 def test_every_quote_is_the_papers_exact_wording():
     paper = _squash(PAPER.read_text(encoding="utf-8"))
     md = [c for t, c in cells(PY) if t == "markdown"]
@@ -115,22 +142,43 @@ def test_part_1_quotes_every_section_of_3_and_every_code_cell_follows_a_citation
     start = next(i for i, (t, c) in enumerate(all_cells) if c.startswith("# Part 1"))
     end = next(i for i, (t, c) in enumerate(all_cells) if c.startswith("# Part 2"))
     part1 = all_cells[start:end]
-    cited = set(re.findall(r"^— (§[\d.]+)", "\n".join(c for t, c in part1 if t == "markdown"), re.M))
-    for section in ("§3", "§3.1", "§3.2", "§3.2.1", "§3.2.2", "§3.2.3", "§3.3", "§3.4", "§3.5"):
+    cited = set(
+        re.findall(
+            r"^— (§[\d.]+)", "\n".join(c for t, c in part1 if t == "markdown"), re.M
+        )
+    )
+    for section in (
+        "§3",
+        "§3.1",
+        "§3.2",
+        "§3.2.1",
+        "§3.2.2",
+        "§3.2.3",
+        "§3.3",
+        "§3.4",
+        "§3.5",
+    ):
         assert section in cited, f"no quote cited as {section}"
     text_since_code = ""
     for kind, source in part1:
         if kind == "markdown":
             text_since_code += source
         else:
-            assert "§" in text_since_code, f"code cell without a § reference before it:\n{source[:200]}"
+            assert "§" in text_since_code, (
+                f"code cell without a § reference before it:\n{source[:200]}"
+            )
             text_since_code = ""
 
 
 def test_importing_the_module_prints_nothing_and_writes_nothing(tmp_path):
-    result = subprocess.run([sys.executable, "-c", "import the_annotated_transformer"], cwd=tmp_path,
-                            env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", "import the_annotated_transformer"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout == "" and result.stderr == ""
     assert list(tmp_path.iterdir()) == []
@@ -138,7 +186,9 @@ def test_importing_the_module_prints_nothing_and_writes_nothing(tmp_path):
 
 def test_committed_notebook_carries_outputs_of_a_full_run():
     nb = nbformat.read(NB, as_version=4)
-    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+    outputs = [
+        o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+    ]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
     text = "".join(o.get("text", "") for o in outputs)
     assert len(images) >= 5, "figures missing: run `make notebook`"
@@ -146,15 +196,27 @@ def test_committed_notebook_carries_outputs_of_a_full_run():
     assert not [o for o in outputs if o.get("output_type") == "error"]
 
 
-MACHINE_PATH = re.compile(r"""(?:^|[\s'"(=:])(/[\w.@+-]+/[\w.@+-]+|[A-Za-z]:\\)|shared/""", re.M)
+MACHINE_PATH = re.compile(
+    r"""(?:^|[\s'"(=:])(/[\w.@+-]+/[\w.@+-]+|[A-Za-z]:\\)|shared/""", re.M
+)
 
 
 def test_machine_path_pattern_catches_what_it_should():
-    for text in ("run folders under /tmp/annotated-transformer-x1", "from mirror ../shared/data/multi30k",
-                 "  /root/.venv/lib/python3.11/site-packages/tqdm/auto.py:21: Warning", 'path="/home/me/x"',
-                 "C:\\Users\\me"):
+    for text in (
+        "run folders under /tmp/annotated-transformer-x1",
+        "from mirror ../shared/data/multi30k",
+        "  /root/.venv/lib/python3.11/site-packages/tqdm/auto.py:21: Warning",
+        'path="/home/me/x"',
+        "C:\\Users\\me",
+    ):
         assert MACHINE_PATH.search(text), text
-    for text in ("2,500 tok/s", "runs/notebook/copy", "mirror $DATA_MIRROR/multi30k", "d_model/h = 64", "1/2"):
+    for text in (
+        "2,500 tok/s",
+        "runs/notebook/copy",
+        "mirror $DATA_MIRROR/multi30k",
+        "d_model/h = 64",
+        "1/2",
+    ):
         assert not MACHINE_PATH.search(text), text
 
 
@@ -163,32 +225,53 @@ def test_stored_outputs_name_no_path_of_the_machine_that_ran_them():
     found = []
     for i, c in enumerate(nb.cells):
         for o in c.get("outputs", []) if c.cell_type == "code" else []:
-            texts = [o.get("text", "")] + [v for k, v in o.get("data", {}).items() if k.startswith("text/")]
+            texts = [o.get("text", "")] + [
+                v for k, v in o.get("data", {}).items() if k.startswith("text/")
+            ]
             for t in texts:
                 t = "".join(t) if isinstance(t, list) else t
                 found += [(i, m.group(0)) for m in MACHINE_PATH.finditer(t)]
-    assert not found, f"absolute paths or shared/ in stored outputs (cell, match): {found}"
+    assert not found, (
+        f"absolute paths or shared/ in stored outputs (cell, match): {found}"
+    )
 
 
 def test_the_notebook_executes_top_to_bottom(tmp_path, mirror):
     from nbclient import NotebookClient
 
     nb = jupytext.read(PY)
-    env = {"NOTEBOOK_PROFILE": "smoke", "NOTEBOOK_RUNS": str(tmp_path / "runs"), "DATA_MIRROR": str(mirror),
-           "ANNOTATED_TRANSFORMER_DATA": str(tmp_path / "data"), "MPLBACKEND": "Agg",
-           # run elsewhere, the notebook still finds the package beside it
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = {
+        "NOTEBOOK_PROFILE": "smoke",
+        "NOTEBOOK_RUNS": str(tmp_path / "runs"),
+        "DATA_MIRROR": str(mirror),
+        "ANNOTATED_TRANSFORMER_DATA": str(tmp_path / "data"),
+        "MPLBACKEND": "Agg",
+        # run elsewhere, the notebook still finds the package beside it
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])
+        ),
+    }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel inherits this process's environment
     try:
-        NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+        NotebookClient(
+            nb,
+            timeout=600,
+            kernel_name="python3",
+            resources={"metadata": {"path": str(tmp_path)}},
+        ).execute()
     finally:
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    text = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    text = "".join(
+        o.get("text", "")
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+    )
     assert "profile: smoke" in text
     assert "copy task:" in text and "test BLEU" in text
 
@@ -196,4 +279,6 @@ def test_the_notebook_executes_top_to_bottom(tmp_path, mirror):
 def test_committed_notebook_carries_no_execution_timestamps():
     nb = nbformat.read(NB, as_version=4)
     stamped = [i for i, c in enumerate(nb.cells) if "execution" in c.metadata]
-    assert not stamped, f"cells with execution timestamps: {stamped[:10]}… (make notebook stores none)"
+    assert not stamped, (
+        f"cells with execution timestamps: {stamped[:10]}… (make notebook stores none)"
+    )

@@ -1,5 +1,6 @@
-"""REPRODUCTION_NOTES.md is an audit: its tables parse, every status is one of four, every
-row says what we chose, and every test it names as pinning a choice exists."""
+"""REPRODUCTION_NOTES.md is an audit: its tables parse, every status is one of four,
+every row says what we chose, and every test it names as pinning a choice exists."""
+
 import ast
 import re
 from pathlib import Path
@@ -35,20 +36,28 @@ def audit_rows(text: str) -> list[dict]:
             continue
         if not header or all(re.fullmatch(r":?-+:?", c) for c in cells):
             continue
-        assert len(cells) == len(header), f"line {lineno}: {len(cells)} cells, header has {len(header)}"
+        assert len(cells) == len(header), (
+            f"line {lineno}: {len(cells)} cells, header has {len(header)}"
+        )
         rows.append({"line": lineno, "header": header, **dict(zip(header, cells))})
     return rows
 
 
 def defined_tests(path: Path) -> set[str]:
-    """Names of the ``test_…`` functions in a test file, at module level or inside classes."""
+    """Names of the ``test_…`` functions in a test file, at module level or inside
+    classes."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-    return {node.name for node in ast.walk(tree)
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_")}
+    return {
+        node.name
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.name.startswith("test_")
+    }
 
 
 def unknown_references(rows: list[dict], tests_dir: Path = TESTS) -> list[str]:
-    """``tests/file.py::name`` references in ``pinned by`` that name no existing test function."""
+    """``tests/file.py::name`` references in ``pinned by`` that name no existing test
+    function."""
     cache: dict[str, set[str]] = {}
     bad = []
     for row in rows:
@@ -73,13 +82,17 @@ def test_the_audit_has_at_least_30_rows_with_the_six_columns(rows):
 
 
 def test_every_status_is_one_of_the_four(rows):
-    bad = [(row["line"], row["status"]) for row in rows if row["status"] not in STATUSES]
+    bad = [
+        (row["line"], row["status"]) for row in rows if row["status"] not in STATUSES
+    ]
     assert not bad, bad
 
 
 def test_every_row_has_a_topic_and_an_our_choice(rows):
     assert all(row["topic"] for row in rows)
-    empty = [row["line"] for row in rows if not row["our choice"] or row["our choice"] == "—"]
+    empty = [
+        row["line"] for row in rows if not row["our choice"] or row["our choice"] == "—"
+    ]
     assert not empty, empty
 
 
@@ -95,25 +108,44 @@ def test_every_named_test_exists(rows):
 
 
 def test_a_misspelt_or_missing_test_is_caught(rows, tmp_path):
-    row = {"line": 1, "pinned by": "tests/test_model.py::test_embeddings_are_scaled_by_sqrt_d_model"}
+    row = {
+        "line": 1,
+        "pinned by": "tests/test_model.py::test_embeddings_are_scaled_by_sqrt_d_model",
+    }
     assert unknown_references([row]) == []
-    misspelt = dict(row, **{"pinned by": "tests/test_model.py::test_embeddings_are_scaled_by_sqrt_dmodel"})
-    assert unknown_references([misspelt]) == ["line 1: tests/test_model.py::test_embeddings_are_scaled_by_sqrt_dmodel"]
+    misspelt = dict(
+        row,
+        **{
+            "pinned by": "tests/test_model.py::test_embeddings_are_scaled_by_sqrt_dmodel"
+        },
+    )
+    assert unknown_references([misspelt]) == [
+        "line 1: tests/test_model.py::test_embeddings_are_scaled_by_sqrt_dmodel"
+    ]
     no_file = dict(row, **{"pinned by": "tests/test_nowhere.py::test_anything"})
     assert len(unknown_references([no_file])) == 1
     # methods of test classes count; helpers that are not test_… do not
-    (tmp_path / "test_x.py").write_text("class TestA:\n    def test_inside(self):\n        pass\n"
-                                        "def helper():\n    pass\n")
-    refs = [{"line": 2, "pinned by": "tests/test_x.py::test_inside, tests/test_x.py::helper"}]
+    (tmp_path / "test_x.py").write_text(
+        "class TestA:\n    def test_inside(self):\n        pass\n"
+        "def helper():\n    pass\n"
+    )
+    refs = [
+        {
+            "line": 2,
+            "pinned by": "tests/test_x.py::test_inside, tests/test_x.py::helper",
+        }
+    ]
     assert unknown_references(refs, tmp_path) == ["line 2: tests/test_x.py::helper"]
 
 
 def test_the_table_parser_handles_escaped_bars_and_rejects_bad_statuses():
-    text = ("| topic | paper | status | our choice | alternatives | pinned by |\n"
-            "|---|---|---|---|---|---|\n"
-            "| lp | ((5+\\|Y\\|)/6)^α | PARTIAL | GNMT | — | — |\n"
-            "| x | y | MAYBE | z | — | — |\n"
-            "\n| other | table |\n|---|---|\n| not | audited |\n")
+    text = (
+        "| topic | paper | status | our choice | alternatives | pinned by |\n"
+        "|---|---|---|---|---|---|\n"
+        "| lp | ((5+\\|Y\\|)/6)^α | PARTIAL | GNMT | — | — |\n"
+        "| x | y | MAYBE | z | — | — |\n"
+        "\n| other | table |\n|---|---|\n| not | audited |\n"
+    )
     parsed = audit_rows(text)
     assert [r["topic"] for r in parsed] == ["lp", "x"]
     assert parsed[0]["paper"] == "((5+|Y|)/6)^α"

@@ -1,5 +1,6 @@
 """Code fits a page: the module, the package, the tests and the benchmarks are formatted
-by one formatter at 88 columns (ruff.toml), and no line is longer."""
+by one formatter at 88 columns (ruff.toml), and no line of the module, the package or the
+benchmarks is longer (tests may keep a long test name or assertion message)."""
 
 import shutil
 import subprocess
@@ -10,9 +11,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ["the_annotated_transformer.py", "machinery", "tests", "benchmarks"]
-RUFF = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+RUFF = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which(
+    "ruff"
+)
 
-pytestmark = pytest.mark.skipif(RUFF is None, reason="ruff is not installed (make install)")
+pytestmark = pytest.mark.skipif(
+    RUFF is None, reason="ruff is not installed (make install)"
+)
 
 
 def ruff(*args: str) -> subprocess.CompletedProcess:
