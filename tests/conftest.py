@@ -1,5 +1,4 @@
-"""Shared test setup: the repository root on sys.path, the data mirror fixture, and
-small helpers."""
+"""Shared test setup: the repository root on sys.path, the data mirror fixture, and small helpers."""
 
 import os
 import sys
@@ -27,8 +26,7 @@ def quiet(*args, **kwargs):
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """One intra-op thread: these tests share a small machine, and results must not
-    depend on it."""
+    """One intra-op thread: these tests share a small machine, and results must not depend on it."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -36,11 +34,9 @@ def one_thread():
 
 
 def tiny_cfg(run_dir, **overrides):
-    """The copy preset shrunk to a one-layer model; ``batch_tokens=240`` → 20 pairs, 10
-    batches per epoch.
+    """The copy preset shrunk to a one-layer model; ``batch_tokens=240`` → 20 pairs, 10 batches per epoch.
 
-    float32 whatever the CPU (exact comparisons); the precision tests (test_devices.py)
-    ask for theirs.
+    float32 whatever the CPU (exact comparisons); the precision tests (test_devices.py) ask for theirs.
     """
     import machinery
 

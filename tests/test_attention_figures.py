@@ -1,5 +1,4 @@
-"""The attention figures of Part 4: an overview that fits a page, and one head per kind
-a reader can read."""
+"""The attention figures of Part 4: an overview that fits a page, and one head per kind a reader can read."""
 
 import io
 
@@ -17,8 +16,7 @@ LEGIBLE_PX = 9.0  # smallest token label height we call legible, in CSS pixels a
 
 
 def saved_size(fig) -> tuple[int, int]:
-    """Width and height in pixels of ``fig`` saved as the notebook saves it (PNG, tight
-    bounding box)."""
+    """Width and height in pixels of ``fig`` saved as the notebook saves it (PNG, tight bounding box)."""
     from PIL import Image
 
     png = io.BytesIO()
@@ -41,8 +39,9 @@ def words(n: int, stem: str) -> list[str]:
 def test_sharpest_head_is_the_one_whose_rows_are_most_concentrated():
     weights = torch.full((3, 4, 5, 6), 1 / 6)  # every head uniform: the highest entropy
     weights[2, 1] = torch.eye(5, 6)  # one head puts all weight on one key per row
-    # sharper than uniform, not one-hot
-    weights[0, 3] = torch.softmax(torch.randn(5, 6) * 3, dim=-1)
+    weights[0, 3] = torch.softmax(
+        torch.randn(5, 6) * 3, dim=-1
+    )  # sharper than uniform, not one-hot
     assert machinery.sharpest_head(weights) == (2, 1)
 
 
@@ -65,8 +64,9 @@ def test_one_head_shows_every_token_legibly_at_page_width(src_len, tgt_len):
         ax = fig.axes[0]
         assert [t.get_text() for t in ax.get_yticklabels()] == rows
         assert [t.get_text() for t in ax.get_xticklabels()] == cols
-        # the page scales a wider image down to its column
-        shown = min(1.0, PAGE_COLUMN_PX / width)
+        shown = min(
+            1.0, PAGE_COLUMN_PX / width
+        )  # the page scales a wider image down to its column
         for label in ax.get_yticklabels() + ax.get_xticklabels():
             assert label.get_fontsize() * fig.dpi / 72 * shown >= LEGIBLE_PX, (
                 kind,

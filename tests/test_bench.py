@@ -277,8 +277,9 @@ def test_attention_with_the_written_out_softmax_is_eq1_values_and_gradients(
     import torch
 
     torch.manual_seed(0)
-    # (batch, h, len, d_k)
-    q, k, v = (torch.randn(2, 4, 7, 8, requires_grad=True) for _ in range(3))
+    q, k, v = (
+        torch.randn(2, 4, 7, 8, requires_grad=True) for _ in range(3)
+    )  # (batch, h, len, d_k)
     mask = torch.ones(2, 1, 7, 7, dtype=torch.bool)
     mask[1, ..., 5:] = False  # padding keys
     mask[1, :, 3, :] = False  # a row with nothing to attend to
@@ -336,11 +337,13 @@ def test_profile_step_profiles_the_preset_as_it_was(tmp_path):
         if line.startswith("| ") and not line.startswith("| kind")
     }
     assert "all" in rows and "dropout (masks and scaling, forward)" in rows
-    # the dropout modules' operators were found
-    assert rows["dropout (masks and scaling, forward)"][0] > 0
+    assert (
+        rows["dropout (masks and scaling, forward)"][0] > 0
+    )  # the dropout modules' operators were found
     parts = [values[0] for name, values in rows.items() if name != "all"]
-    # the kinds add up to the whole (rounding)
-    assert abs(sum(parts) - rows["all"][0]) <= 0.05 * (len(parts) + 1)
+    assert abs(sum(parts) - rows["all"][0]) <= 0.05 * (
+        len(parts) + 1
+    )  # the kinds add up to the whole (rounding)
     rate = [
         line
         for line in result.stdout.splitlines()
@@ -368,8 +371,9 @@ def test_profile_categories_tell_the_kinds_of_work_apart(monkeypatch):
         cat("aten::mul", ["aten::dropout", profile_step.DROPOUT_LABEL])
         == profile_step.CATEGORIES[2]
     )
-    # backward of a dropout: not told apart
-    assert cat("aten::mul", ["MulBackward0"]) == profile_step.CATEGORIES[6]
+    assert (
+        cat("aten::mul", ["MulBackward0"]) == profile_step.CATEGORIES[6]
+    )  # backward of a dropout: not told apart
     assert (
         cat("aten::_log_softmax", [])
         == cat("aten::gather", [])
@@ -389,13 +393,15 @@ def test_profile_categories_tell_the_kinds_of_work_apart(monkeypatch):
     for handle in handles:
         handle.remove()
     kinds = profile_step.by_category(prof.events(), steps=1)
-    # shapes were not recorded: no rate to give
-    assert profile_step.matmul_rate(prof.events()) == 0.0
+    assert (
+        profile_step.matmul_rate(prof.events()) == 0.0
+    )  # shapes were not recorded: no rate to give
     assert (
         kinds[profile_step.CATEGORIES[2]] > 0 and kinds[profile_step.CATEGORIES[0]] > 0
     )
-    # the labels are gone again
-    assert not model[1]._forward_pre_hooks and not model[2]._forward_hooks
+    assert (
+        not model[1]._forward_pre_hooks and not model[2]._forward_hooks
+    )  # the labels are gone again
 
 
 def test_the_bench_adam_per_tensor_is_neither_fused_nor_foreach(monkeypatch):

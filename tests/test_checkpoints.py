@@ -1,10 +1,8 @@
-"""Checkpoints and resuming: a resumed run is exactly the uninterrupted one (also after
-a signal mid-epoch), metrics written after the last checkpoint are dropped, checkpoints
-every few minutes, the last K kept, loading, refusing and averaging them, and a
-non-finite loss that stops training and keeps the last good checkpoint.
+"""Checkpoints and resuming: a resumed run is exactly the uninterrupted one (also after a signal mid-epoch),
+metrics written after the last checkpoint are dropped, checkpoints every few minutes, the last K kept, loading,
+refusing and averaging them, and a non-finite loss that stops training and keeps the last good checkpoint.
 
-Everything runs on the CPU with tiny models and shrunken copy data, in pytest's
-tmp_path.
+Everything runs on the CPU with tiny models and shrunken copy data, in pytest's tmp_path.
 """
 
 import dataclasses
@@ -32,12 +30,11 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 # --------------------------------------------------------------------------------------------
 # 1. Resuming is exact
-#    --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 
 
 def test_resume_gives_exactly_the_uninterrupted_run(tmp_path):
-    # 10 updates per epoch; stop at 7 (mid-epoch), then go on to 14 (across an epoch
-    # boundary)
+    # 10 updates per epoch; stop at 7 (mid-epoch), then go on to 14 (across an epoch boundary)
     cfg = tiny_cfg(tmp_path / "a", P_drop=0.1, epochs=2, max_steps=7)
     data = tiny_data(cfg)
     assert (
@@ -80,8 +77,7 @@ def test_resume_gives_exactly_the_uninterrupted_run(tmp_path):
 
 
 def signal_at_update(monkeypatch, k: int, signum=signal.SIGINT):
-    """Make the process send itself ``signum`` while update ``k`` (counting from 1) is
-    being applied."""
+    """Make the process send itself ``signum`` while update ``k`` (counting from 1) is being applied."""
     original = tat.make_optimizer
 
     def patched(model, cfg):
@@ -119,8 +115,9 @@ def test_a_signal_mid_epoch_saves_and_resuming_gives_the_uninterrupted_run(
     stopped = last_state(tmp_path / "a")
     assert (stopped["step"], stopped["epoch"], stopped["batch_in_epoch"]) == (5, 0, 5)
     run(cfg, data)  # the same command again: continues from update 6
-    # never interrupted
-    run(dataclasses.replace(cfg, run_dir=str(tmp_path / "b")), data)
+    run(
+        dataclasses.replace(cfg, run_dir=str(tmp_path / "b")), data
+    )  # never interrupted
 
     a, b = last_state(tmp_path / "a"), last_state(tmp_path / "b")
     assert a["step"] == b["step"] == 20
@@ -149,8 +146,9 @@ def test_a_signal_mid_epoch_saves_and_resuming_gives_the_uninterrupted_run(
 
 
 def test_resume_drops_metrics_written_after_the_checkpoint(tmp_path):
-    # 60 updates: records at 10, 20, …, 50 (train), 60
-    cfg = tiny_cfg(tmp_path / "run", epochs=6, warmup=40)
+    cfg = tiny_cfg(
+        tmp_path / "run", epochs=6, warmup=40
+    )  # 60 updates: records at 10, 20, …, 50 (train), 60
     data = tiny_data(cfg)
     run(dataclasses.replace(cfg, max_steps=30), data)
     metrics = tmp_path / "run" / "metrics.jsonl"
@@ -179,20 +177,22 @@ def test_checkpoints_every_few_minutes_inside_an_epoch(tmp_path, monkeypatch):
         return optimizer, scheduler
 
     monkeypatch.setattr(tat, "make_optimizer", ticking)
-    # 10 updates
-    cfg = tiny_cfg(tmp_path / "run", checkpoint_minutes=3, keep_checkpoints=100)
+    cfg = tiny_cfg(
+        tmp_path / "run", checkpoint_minutes=3, keep_checkpoints=100
+    )  # 10 updates
     run(cfg, tiny_data(cfg))
     steps = [
         int(p.stem.split("-")[1]) for p in machinery.checkpoint_paths(tmp_path / "run")
     ]
     assert steps == [3, 6, 9, 10]  # every 3 minutes, and the end of the epoch
-    # the epoch's own checkpoint is the last
-    assert last_state(tmp_path / "run")["batch_in_epoch"] == 0
+    assert (
+        last_state(tmp_path / "run")["batch_in_epoch"] == 0
+    )  # the epoch's own checkpoint is the last
 
 
 # --------------------------------------------------------------------------------------------
 # 2. Checkpoints: the last few kept, loaded, refused, averaged
-#    --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -232,8 +232,7 @@ def test_checkpoint_loads_with_its_own_config_and_vocabulary(short_run):
 
 
 def test_checkpoints_are_plain_data(short_run):
-    """torch.load(weights_only=True) accepts them: no pickled objects that could run
-    code."""
+    """torch.load(weights_only=True) accepts them: no pickled objects that could run code."""
     _, _, run_dir, _ = short_run
     state = torch.load(
         machinery.checkpoint_paths(run_dir)[-1], map_location="cpu", weights_only=True
@@ -273,15 +272,15 @@ def test_the_decoders_depth_is_checked_however_it_was_written(short_run):
     cfg, _, run_dir, _ = short_run
     last = machinery.checkpoint_paths(run_dir)[-1]
     assert cfg.N_dec == 0
-    # N_dec = N is the same model as 0
-    machinery.load_checkpoint(last, dataclasses.replace(cfg, N_dec=cfg.N))
+    machinery.load_checkpoint(
+        last, dataclasses.replace(cfg, N_dec=cfg.N)
+    )  # N_dec = N is the same model as 0
     with pytest.raises(
         machinery.CheckpointError, match=f"N: checkpoint {cfg.N} vs now {cfg.N + 1}"
     ) as refused:
-        # only the encoder differs
         machinery.load_checkpoint(
             last, dataclasses.replace(cfg, N=cfg.N + 1, N_dec=cfg.N)
-        )
+        )  # only the encoder differs
     assert "N_dec" not in str(refused.value)
     with pytest.raises(
         machinery.CheckpointError, match=f"N_dec: checkpoint {cfg.N} vs now {cfg.N + 1}"
@@ -335,7 +334,7 @@ def test_average_checkpoints_is_the_elementwise_mean(short_run):
 
 # --------------------------------------------------------------------------------------------
 # 3. A diverging loss stops training and keeps the last good checkpoint
-#    --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -347,8 +346,7 @@ def test_non_finite_loss_raises_and_keeps_last_good_checkpoint(
     real = tat.loss_sum  # the training loss, as the notebook's batch_loss computes it
 
     def poisoned(log_probs, target, eps_ls, pad=PAD):
-        """The real loss until the first epoch's checkpoint exists, then a non-finite
-        one."""
+        """The real loss until the first epoch's checkpoint exists, then a non-finite one."""
         loss = real(log_probs, target, eps_ls, pad)
         if torch.is_grad_enabled() and machinery.checkpoint_paths(cfg.run_dir):
             return loss * bad

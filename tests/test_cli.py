@@ -184,8 +184,9 @@ def test_translate_reads_arguments_a_file_or_stdin_and_prints_one_line_each(
     assert from_args.returncode == 0, from_args.stderr
     lines = from_args.stdout.splitlines()
     assert len(lines) == 3
-    # §6.1 limit: at most input length + 50 words
-    for sentence, line in zip(sentences, lines):
+    for sentence, line in zip(
+        sentences, lines
+    ):  # §6.1 limit: at most input length + 50 words
         assert len(line.split()) <= len(sentence.split()) + 50
         assert set(line.split()) <= {str(i) for i in range(1, 11)} | {"<unk>"}
     (tmp_path / "in.txt").write_text("\n".join(sentences) + "\n")
@@ -293,8 +294,11 @@ def test_evaluate_scores_files_and_prints_the_sacrebleu_signature(copy_run, tmp_
         assert "nrefs:1|case:mixed|eff:no|tok:none" in signature_line
         score = float(re.match(r"BLEU = (\d+\.\d\d) ", score_line).group(1))
         assert score == pytest.approx(expected.score, abs=0.005)
-        # 100 only for exact copies
-        assert (score == 100.0) == (hyps == references), (name, score, hyps)
+        assert (score == 100.0) == (hyps == references), (
+            name,
+            score,
+            hyps,
+        )  # 100 only for exact copies
         printed[name] = score_line
     assert printed["shifted.txt"] != printed["ref.txt"], (
         "the score does not depend on which reference is whose"
@@ -304,8 +308,9 @@ def test_evaluate_scores_files_and_prints_the_sacrebleu_signature(copy_run, tmp_
 def test_evaluate_defaults_to_the_test_split_and_fails_clearly(copy_run, tmp_path):
     result = run(["evaluate", "--run_dir", str(copy_run), "--beam", "1"], tmp_path)
     assert result.returncode == 0, result.stderr
-    # the copy task's 100 test sentences of 10 symbols
-    assert "ref_len = 1000" in result.stdout
+    assert (
+        "ref_len = 1000" in result.stdout
+    )  # the copy task's 100 test sentences of 10 symbols
     missing = run(["evaluate", "--run_dir", str(tmp_path / "nothing")], tmp_path)
     assert (
         missing.returncode == 2
@@ -335,8 +340,9 @@ def test_evaluate_scores_the_validation_split_too(copy_run, tmp_path):
         tmp_path,
     )
     assert valid.returncode == 0, valid.stderr
-    # the copy task's 160 validation sentences of 10 symbols, not its 100 test ones
-    assert "ref_len = 1600" in valid.stdout
+    assert (
+        "ref_len = 1600" in valid.stdout
+    )  # the copy task's 160 validation sentences of 10 symbols, not its 100 test ones
     first = run(
         [
             "evaluate",
@@ -372,8 +378,9 @@ def test_evaluate_first_scores_only_the_first_pairs(copy_run, tmp_path):
         tmp_path,
     )
     assert first.returncode == 0, first.stderr
-    # 4 + 5 words: the first two references, not all four (17)
-    assert "ref_len = 9" in first.stdout
+    assert (
+        "ref_len = 9" in first.stdout
+    )  # 4 + 5 words: the first two references, not all four (17)
     (tmp_path / "two.txt").write_text("\n".join(src[:2]) + "\n")
     same = run(
         [
@@ -395,8 +402,9 @@ def test_evaluate_first_scores_only_the_first_pairs(copy_run, tmp_path):
         ["evaluate", "--run_dir", str(copy_run), "--beam", "1", "--first", "9", *files],
         tmp_path,
     )
-    # all four pairs, and it says so
-    assert more.returncode == 0 and "ref_len = 17" in more.stdout
+    assert (
+        more.returncode == 0 and "ref_len = 17" in more.stdout
+    )  # all four pairs, and it says so
     assert "--first 9, but there are only 4 pairs: scoring all of them" in more.stderr
     zero = run(
         ["evaluate", "--run_dir", str(copy_run), "--first", "0", *files], tmp_path
@@ -449,8 +457,9 @@ def test_the_decoders_depth_is_an_option_in_both_spellings():
             ].N_dec
             == 1
         )
-    # §3.1: as many as N
-    assert machinery.config_from_args(["train", "--config", "tiny"])[1].N_dec == 0
+    assert (
+        machinery.config_from_args(["train", "--config", "tiny"])[1].N_dec == 0
+    )  # §3.1: as many as N
 
 
 def test_command_line_spellings_and_types():

@@ -61,8 +61,9 @@ def model(tmp_path_factory):
         machinery.train(cfg, log=quiet, progress=False, evaluate=False)
     ck = machinery.checkpoint_paths(tmp / "run")[-1]
     alone = {}
-    # each normal line translated on its own: what it must still give among bad ones
-    for line in NORMAL:
+    for line in (
+        NORMAL
+    ):  # each normal line translated on its own: what it must still give among bad ones
         out = io.StringIO()
         sys_stdout, sys.stdout = sys.stdout, out
         try:
@@ -219,8 +220,10 @@ OPTIONS = [
             (["--device", "cuda:99"], ("cuda:99",)),
             (["--dataset", "wmt"], ("dataset",)),
             (["--no_such_field", "1"], ("unrecognized",)),
-            # removed options: refused like unknown ones
-            (["--bf16", "false"], ("unrecognized", "--bf16")),
+            (
+                ["--bf16", "false"],
+                ("unrecognized", "--bf16"),
+            ),  # removed options: refused like unknown ones
             (["--fused_loss", "true"], ("unrecognized", "--fused_loss")),
         ]
     ],
@@ -305,14 +308,13 @@ FILES = [
         ("standard input, line 2", "invalid UTF-8"),
         stdin=b"1 2\n3 \xc3\x28 4\n5\n",
     ),
-    # line 1: bytes 0-9; line 2 holds the first byte that is not UTF-8
     Case(
         "binary file on stdin",
         lambda c: translate(c),
         2,
         ("standard input, line 2", "invalid UTF-8"),
         stdin=bytes(range(256)) * 3,
-    ),
+    ),  # line 1: bytes 0-9; line 2 holds the first byte that is not UTF-8
     Case(
         "evaluate missing --src",
         lambda c: evaluate(c, "nope.txt", "ref.txt"),
@@ -568,7 +570,8 @@ LINES = [
 
 
 def edited(c, name: str, edit: Callable) -> Path:
-    """A copy of the test checkpoint at ``c.tmp / name``, its state changed by ``edit``."""
+    """A copy of the test checkpoint at ``c.tmp / name``, its state changed by
+    ``edit``."""
     state = torch.load(c.ck, weights_only=True)
     edit(state)
     path = c.tmp / name
@@ -953,8 +956,9 @@ def names(run_dir: Path) -> list:
 def full_disk_on_second_save(c, monkeypatch):
     real, calls = torch.save, []
 
-    # the first checkpoint is written; the second finds the disk full half-way
-    def save(obj, f, *a, **k):
+    def save(
+        obj, f, *a, **k
+    ):  # the first checkpoint is written; the second finds the disk full half-way
         calls.append(1)
         if len(calls) == 2:
             f.write(b"PK\x03\x04 partial")
@@ -1242,8 +1246,9 @@ def test_training_fault_is_one_clear_line_and_loses_nothing(
     assert r.status == case.status, r.err
     assert "Traceback" not in r.err
     if case.status:
-        # after the progress bars: the one line that explains
-        last = r.err.strip().splitlines()[-1]
+        last = r.err.strip().splitlines()[
+            -1
+        ]  # after the progress bars: the one line that explains
         assert last.startswith("error:") and all(w in last for w in case.words), r.err
     if case.check:
         assert case.check(ctx, r), (r.out, r.err)

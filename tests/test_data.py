@@ -163,8 +163,9 @@ def fake_iwslt_archive(path: Path, de_extra=(), en_extra=()):
         "train.tags.de-en.de": "\n".join(de) + "\n",
         "train.tags.de-en.en": "\n".join(en) + "\n",
     }
-    # archive order must not decide the test order
-    members.update(reversed(list(xml.items())))
+    members.update(
+        reversed(list(xml.items()))
+    )  # archive order must not decide the test order
     with tarfile.open(path, "w:gz") as tar:
         d = tarfile.TarInfo("de-en")
         d.type = tarfile.DIRTYPE
@@ -287,8 +288,9 @@ def test_prepare_iwslt14_drops_metadata_and_the_ratio_filtered_pairs(prepared):
 def test_prepare_iwslt14_test_set_is_the_five_xml_sets_in_order(prepared):
     out, _, expected = prepared
     de, en = read_split(out, "test")
-    # dev2010, dev2012, tst2010, tst2011, tst2012
-    assert list(zip(de, en)) == expected["test"]
+    assert (
+        list(zip(de, en)) == expected["test"]
+    )  # dev2010, dev2012, tst2010, tst2011, tst2012
 
 
 def test_prepare_iwslt14_keeps_pairs_aligned_across_unicode_line_separators(tmp_path):
@@ -363,8 +365,9 @@ def _fake_multi30k_source(folder: Path) -> dict:
 
 def test_locate_multi30k_downloads_the_six_files(tmp_path, offline, monkeypatch):
     src = tmp_path / "remote"
-    # the record's pins, for these stand-in files
-    sums = MappingProxyType(_fake_multi30k_source(src))
+    sums = MappingProxyType(
+        _fake_multi30k_source(src)
+    )  # the record's pins, for these stand-in files
     record = dataclasses.replace(machinery.CORPORA["multi30k"], sha256=sums)
     add_corpus(monkeypatch, record)
     data_dir = tmp_path / "data"
@@ -395,8 +398,9 @@ def test_locate_multi30k_rejects_files_that_do_not_match_the_pinned_sha256(
     tmp_path, offline
 ):
     src = tmp_path / "remote"
-    # not the real files: the pinned checksums must refuse them
-    _fake_multi30k_source(src)
+    _fake_multi30k_source(
+        src
+    )  # not the real files: the pinned checksums must refuse them
     data_dir = tmp_path / "data"
     cfg = machinery.get_config(
         "tiny", dataset="multi30k", data_mirror="", data_dir=str(data_dir)
@@ -494,8 +498,9 @@ def test_mirror_iwslt14_vocab_is_built_from_train_only(mirror, tmp_path):
     test_de = [line.split() for line in machinery.read_lines(folder / "test.de")]
     test_only = Counter(t for sent in test_de for t in sent if t not in train_counts)
     token, n = test_only.most_common(1)[0]
-    # frequent enough that a vocab built with the test set would keep it
-    assert n >= cfg.min_freq
+    assert (
+        n >= cfg.min_freq
+    )  # frequent enough that a vocab built with the test set would keep it
     assert token not in vocab.stoi
     assert vocab([token]) == [UNK]
     i = next(i for i, sent in enumerate(test_de) if token in sent and sent)
@@ -674,8 +679,12 @@ def test_overlong_training_pairs_are_filtered_and_counted_but_test_is_kept(tmp_p
 def test_vocab_respects_min_freq_and_orders_by_frequency():
     sents = [["a", "b", "a", "c"], ["b", "a", "d", "<unk>"], ["e", "e", "c"]]
     v = tat.Vocab.build(sents, min_freq=2)
-    # a:3, then ties alphabetical
-    assert v.itos == list(SPECIALS) + ["a", "b", "c", "e"]
+    assert v.itos == list(SPECIALS) + [
+        "a",
+        "b",
+        "c",
+        "e",
+    ]  # a:3, then ties alphabetical
     assert "d" not in v.stoi
     assert tat.Vocab.build(sents, min_freq=1).itos[-1] == "d"
     assert len(tat.Vocab.build(sents, min_freq=4)) == len(SPECIALS)
@@ -733,8 +742,9 @@ def test_length_batches_are_reproducible_per_seed_and_epoch(lengths):
     assert tat.length_batches(lengths, 256, seed=4, epoch=1) != a
 
 
-# an even and an odd number of batches overall
-@pytest.mark.parametrize("n", [502, 501])
+@pytest.mark.parametrize(
+    "n", [502, 501]
+)  # an even and an odd number of batches overall
 def test_length_batches_split_disjointly_between_ranks(lengths, n):
     lengths = lengths[:n]
     full = tat.length_batches(lengths, 256, seed=5, epoch=0)
@@ -925,8 +935,9 @@ def test_a_new_data_set_is_one_record(tmp_path, offline, monkeypatch):
     )
     data = machinery.load_dataset(cfg, log=lambda *a: None)
     assert data.name == "toy-fr-en" and data.test_refs == sentences["en"]
-    # spaCy's French rules split the period
-    assert "chat" in data.src_vocab.stoi and "." in data.src_vocab.stoi
+    assert (
+        "chat" in data.src_vocab.stoi and "." in data.src_vocab.stoi
+    )  # spaCy's French rules split the period
     # the way back and the score follow the record: Moses detokenization, then
     # sacreBLEU's 13a, cased
     words = [data.tgt_vocab.lookup_tokens(t[1:-1]) for _, t in data.splits["test"]]

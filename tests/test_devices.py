@@ -1,7 +1,6 @@
-"""Devices and precision, proven on a CPU: the precision each machine gets, fp16 with a
-gradient scaler, tensors made on the device of the inputs (the `meta` device stands in
-for a GPU), one host synchronisation per update, and models moved to the device decoding
-is asked for.
+"""Devices and precision, proven on a CPU: the precision each machine gets, fp16 with a gradient
+scaler, tensors made on the device of the inputs (the `meta` device stands in for a GPU), one
+host synchronisation per update, and models moved to the device decoding is asked for.
 """
 
 import dataclasses
@@ -30,9 +29,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(autouse=True)
 def no_measuring(monkeypatch):
-    """`auto` precision and attention decided without timing: every candidate ties, so
-    float32 and the readable path (runs repeat exactly; tests of the measurement give
-    their own timer)."""
+    """`auto` precision and attention decided without timing: every candidate ties, so float32 and the readable
+    path (runs repeat exactly; tests of the measurement give their own timer)."""
     monkeypatch.setattr(
         machinery.training,
         "time_calls",
@@ -49,16 +47,15 @@ def tiny_data(cfg) -> machinery.Dataset:
 
 # --------------------------------------------------------------------------------------------
 # 1. Which precision `auto` picks, and why
-#    --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 
 
 @pytest.fixture
 def machine(monkeypatch):
     """Set what torch reports about the hardware.
 
-    ``capability`` is the CUDA compute capability; ``is_bf16_supported`` behaves as
-    torch's does: with emulation counted (its default) every CUDA GPU says yes, without
-    it only 8.0 and up.
+    ``capability`` is the CUDA compute capability; ``is_bf16_supported`` behaves as torch's does:
+    with emulation counted (its default) every CUDA GPU says yes, without it only 8.0 and up.
     """
 
     def set_(kernels="AVX512", avx512_bf16=False, amx=False, capability=(8, 0)):
@@ -81,12 +78,24 @@ def machine(monkeypatch):
 @pytest.mark.parametrize(
     "hardware, device, candidates, reason",
     [
-        # the common AVX2 CPU: nothing to measure
-        (dict(kernels="AVX2"), CPU, ["fp32"], "no native bf16"),
-        # AVX-512 without BF16
-        (dict(kernels="AVX512", avx512_bf16=False), CPU, ["fp32"], "no native bf16"),
-        # ATEN_CPU_CAPABILITY=avx2
-        (dict(kernels="AVX2", avx512_bf16=True), CPU, ["fp32"], "kernels: AVX2"),
+        (
+            dict(kernels="AVX2"),
+            CPU,
+            ["fp32"],
+            "no native bf16",
+        ),  # the common AVX2 CPU: nothing to measure
+        (
+            dict(kernels="AVX512", avx512_bf16=False),
+            CPU,
+            ["fp32"],
+            "no native bf16",
+        ),  # AVX-512 without BF16
+        (
+            dict(kernels="AVX2", avx512_bf16=True),
+            CPU,
+            ["fp32"],
+            "kernels: AVX2",
+        ),  # ATEN_CPU_CAPABILITY=avx2
         (
             dict(kernels="AVX512", avx512_bf16=True),
             CPU,
@@ -99,13 +108,25 @@ def machine(monkeypatch):
             ["fp32", "bf16"],
             "AMX",
         ),
-        # P100: fast fp16, no bf16
-        (dict(capability=(6, 0)), CUDA, ["fp32", "fp16"], "6.0"),
-        # consumer Pascal: fp16 at a fraction of fp32
-        (dict(capability=(6, 1)), CUDA, ["fp32"], "6.1"),
+        (
+            dict(capability=(6, 0)),
+            CUDA,
+            ["fp32", "fp16"],
+            "6.0",
+        ),  # P100: fast fp16, no bf16
+        (
+            dict(capability=(6, 1)),
+            CUDA,
+            ["fp32"],
+            "6.1",
+        ),  # consumer Pascal: fp16 at a fraction of fp32
         (dict(capability=(7, 0)), CUDA, ["fp32", "fp16"], "7.0"),  # V100
-        # T4, the free hosted-notebook GPU
-        (dict(capability=(7, 5)), CUDA, ["fp32", "fp16"], "7.5"),
+        (
+            dict(capability=(7, 5)),
+            CUDA,
+            ["fp32", "fp16"],
+            "7.5",
+        ),  # T4, the free hosted-notebook GPU
         (dict(capability=(8, 0)), CUDA, ["fp32", "bf16"], "8.0"),  # A100
         (dict(capability=(9, 0)), CUDA, ["fp32", "bf16"], "9.0"),  # H100
     ],
@@ -126,50 +147,44 @@ def test_auto_measures_only_the_precisions_the_hardware_has(
             machinery.resolve_precision("auto", device)
 
 
-# the measurements of issue 37: seconds for 40 updates of multi30k-small, and the AMD
-# EPYC's 2.4×
+# the measurements of issue 37: seconds for 40 updates of multi30k-small, and the AMD EPYC's 2.4×
 @pytest.mark.parametrize(
     "hardware, device, times, want, line",
     [
-        # the Intel Xeon, no AMX
         (
             dict(kernels="AVX512", avx512_bf16=True),
             CPU,
             {"fp32": 25.0, "bf16": 38.3},
             "fp32",
             "precision: float32 (auto: bf16 measured 0.65× float32's speed here)",
-        ),
-        # the AMD EPYC
+        ),  # the Intel Xeon, no AMX
         (
             dict(kernels="AVX512", avx512_bf16=True),
             CPU,
             {"fp32": 24.0, "bf16": 10.0},
             "bf16",
             "precision: bf16 autocast (auto: bf16 measured 2.40× float32's speed here)",
-        ),
-        # a near-tie keeps float32
+        ),  # the AMD EPYC
         (
             dict(kernels="AVX512", avx512_bf16=True),
             CPU,
             {"fp32": 1.0, "bf16": 0.95},
             "fp32",
             "precision: float32 (auto: bf16 measured 1.05× float32's speed here)",
-        ),
-        # a clear win: 10%
+        ),  # a near-tie keeps float32
         (
             dict(kernels="AVX512", avx512_bf16=True),
             CPU,
             {"fp32": 1.1, "bf16": 1.0},
             "bf16",
             "precision: bf16 autocast (auto: bf16 measured 1.10× float32's speed here)",
-        ),
+        ),  # a clear win: 10%
         (
             dict(capability=(7, 5)),
             CUDA,
             {"fp32": 3.0, "fp16": 1.0},
             "fp16",
-            "precision: fp16 autocast with a gradient scaler (auto: fp16 measured "
-            "3.00× float32's speed here)",
+            "precision: fp16 autocast with a gradient scaler (auto: fp16 measured 3.00× float32's speed here)",
         ),
         (
             dict(capability=(9, 0)),
@@ -190,8 +205,10 @@ def test_auto_precision_is_the_measured_faster_one_by_a_clear_margin(
 @pytest.mark.parametrize(
     "times, want",
     [
-        # the Intel Xeon in float32: a tie
-        ({"readable": 24.4, "fast": 24.5}, "readable"),
+        (
+            {"readable": 24.4, "fast": 24.5},
+            "readable",
+        ),  # the Intel Xeon in float32: a tie
         ({"readable": 1.0, "fast": 0.95}, "readable"),  # 5% is not a clear win
         ({"readable": 1.0, "fast": 0.5}, "fast"),
     ],
@@ -207,8 +224,7 @@ def test_auto_attention_is_the_measured_faster_path_by_a_clear_margin(times, wan
 
 
 def test_emulated_bf16_is_not_taken_for_native(machine):
-    # torch.cuda.is_bf16_supported() says yes on a T4 (it counts emulation): that must
-    # not make bf16 a candidate
+    # torch.cuda.is_bf16_supported() says yes on a T4 (it counts emulation): that must not make bf16 a candidate
     machine(capability=(7, 5))
     assert torch.cuda.is_bf16_supported() and not torch.cuda.is_bf16_supported(
         including_emulation=False
@@ -249,14 +265,14 @@ def test_time_calls_interleaves_warms_up_and_keeps_to_its_budget():
         "interleaved rounds, so a slow spell hits every candidate"
     )
     rounds = len(order) // 2
-    # one warm-up round, then timed ones
-    assert 2 <= rounds <= 8 and order == ["a", "b"] * rounds
+    assert (
+        2 <= rounds <= 8 and order == ["a", "b"] * rounds
+    )  # one warm-up round, then timed ones
     assert 0.015 < times["a"] < 0.05 and 0.05 < times["b"] < 0.1, times
 
 
 class FakeTimer:
-    """Stands in for `time_calls`: seconds per pass for each (precision, attention
-    path); notes what it was asked."""
+    """Stands in for `time_calls`: seconds per pass for each (precision, attention path); notes what it was asked."""
 
     def __init__(self, **seconds):
         self.seconds, self.asked = seconds, []
@@ -270,8 +286,7 @@ class FakeTimer:
 
 
 def auto_run(tmp_path, monkeypatch, timer, name="run", **overrides):
-    """Train the tiny config (auto precision and attention unless overridden); (log
-    lines, summary)."""
+    """Train the tiny config (auto precision and attention unless overridden); (log lines, summary)."""
     monkeypatch.setattr(machinery.training, "time_calls", timer)
     settings = dict(max_steps=2, precision="auto", attention="auto", P_drop=0.1)
     cfg = tiny_cfg(tmp_path / name, **{**settings, **overrides})
@@ -285,8 +300,9 @@ def auto_run(tmp_path, monkeypatch, timer, name="run", **overrides):
 def test_training_log_and_summary_say_what_auto_measured(
     tmp_path, monkeypatch, machine
 ):
-    # bf16 is a candidate: it is measured, and slower here
-    machine(kernels="AVX512", avx512_bf16=True)
+    machine(
+        kernels="AVX512", avx512_bf16=True
+    )  # bf16 is a candidate: it is measured, and slower here
     timer = FakeTimer(fp32=25.0, bf16=38.3, fp32_fast=26.0)
     logs, summary = auto_run(tmp_path, monkeypatch, timer)
     assert timer.asked == [
@@ -313,8 +329,9 @@ def test_training_log_and_summary_say_what_auto_measured(
         "readable",
     )
 
-    # no native bf16: float32 without measuring it; the attention paths still are
-    machine(kernels="AVX2")
+    machine(
+        kernels="AVX2"
+    )  # no native bf16: float32 without measuring it; the attention paths still are
     timer = FakeTimer(fp32=1.0, fp32_fast=0.5)
     logs, summary = auto_run(tmp_path, monkeypatch, timer, name="avx2")
     assert timer.asked == [[("fp32", "fast"), ("fp32", "readable")]]
@@ -334,15 +351,14 @@ def test_bf16_wins_where_it_measures_faster_and_the_attention_is_timed_in_it(
     machine(kernels="AVX512", avx512_bf16=True)
     timer = FakeTimer(fp32=2.4, bf16=1.0, bf16_fast=1.3, fp32_fast=0.5)
     logs, summary = auto_run(tmp_path, monkeypatch, timer)
-    # float32 with the fast path would be faster still; precision compares each at its
-    # better path: 0.5 vs 1.0
+    # float32 with the fast path would be faster still; precision compares each at its better path: 0.5 vs 1.0
     assert summary["precision"] == "fp32" and summary["attention"] == "fast", logs
     timer = FakeTimer(fp32=2.4, bf16=1.0, bf16_fast=1.3, fp32_fast=2.0)
     logs, summary = auto_run(tmp_path, monkeypatch, timer, name="bf16")
     assert (summary["precision"], summary["attention"]) == ("bf16", "readable"), logs
     assert (
-        "attention: readable path (auto: fast measured 0.77× readable's speed here, "
-        "in bf16)" in logs
+        "attention: readable path (auto: fast measured 0.77× readable's speed here, in bf16)"
+        in logs
     )
 
 
@@ -359,8 +375,7 @@ def test_asked_for_settings_and_a_resumed_run_measure_nothing(
     )
     assert (summary["precision"], summary["attention"]) == ("bf16", "fast")
     assert "attention: fast path (asked for)" in logs
-    # a run measured once keeps its choice when resumed, whatever a new measurement
-    # would say
+    # a run measured once keeps its choice when resumed, whatever a new measurement would say
     auto_run(
         tmp_path,
         monkeypatch,
@@ -386,13 +401,13 @@ def test_asked_for_settings_and_a_resumed_run_measure_nothing(
 def test_measuring_leaves_the_runs_random_streams_and_numbers_as_they_were(
     tmp_path, monkeypatch, machine
 ):
-    # with dropout: a measurement that drew from the streams would change every update
-    # after it
+    # with dropout: a measurement that drew from the streams would change every update after it
     machine(kernels="AVX512", avx512_bf16=True)
     measured = []
 
-    # really runs the passes (they use dropout), then says bf16 + readable
-    def real_timer(calls, device):
+    def real_timer(
+        calls, device
+    ):  # really runs the passes (they use dropout), then says bf16 + readable
         measured.append(machinery.time_calls(calls, device, budget_s=0.2))
         return {
             (p, a): 1.0 if p == "bf16" and a == "readable" else 3.0 for p, a in calls
@@ -436,15 +451,16 @@ def test_precision_setting():
 
 
 # --------------------------------------------------------------------------------------------
-# 2. Autocast runs on the CPU: bf16, and fp16 with a gradient scaler that resumes
-#    exactly
-#    --------------------------------------------------------------------------------------------
+# 2. Autocast runs on the CPU: bf16, and fp16 with a gradient scaler that resumes exactly
+# --------------------------------------------------------------------------------------------
 
 
 def spy_on_loss(monkeypatch) -> list:
     """Record (autocast on, its dtype, loss) for every training loss computed."""
-    # the training loss, as the notebook's batch_loss computes it
-    real, seen = (tat.loss_sum, [])
+    real, seen = (
+        tat.loss_sum,
+        [],
+    )  # the training loss, as the notebook's batch_loss computes it
 
     def spy(log_probs, target, eps_ls, pad=PAD):
         loss = real(log_probs, target, eps_ls, pad)
@@ -477,8 +493,7 @@ def test_bf16_autocast_trains_on_cpu(tmp_path, monkeypatch):
 
 @pytest.fixture
 def large_initial_scale(monkeypatch):
-    """A gradient scaler starting at 2**40, so that the first fp16 updates overflow and
-    are skipped."""
+    """A gradient scaler starting at 2**40, so that the first fp16 updates overflow and are skipped."""
     real = torch.amp.GradScaler
     monkeypatch.setattr(
         torch.amp,
@@ -523,8 +538,9 @@ def test_fp16_with_a_gradient_scaler_trains_and_resumes_exactly(
 
 def test_fp16_masks_give_masked_keys_zero_weight_and_no_nan():
     torch.manual_seed(0)
-    # large scores: anything but -inf could overflow or leak
-    q = (torch.randn(2, 4, 6, 8) * 30).half()
+    q = (
+        torch.randn(2, 4, 6, 8) * 30
+    ).half()  # large scores: anything but -inf could overflow or leak
     mask = torch.ones(2, 1, 6, 6, dtype=torch.bool)
     mask[0, ..., 4:] = False  # padding keys
     mask[1] = torch.tril(torch.ones(6, 6, dtype=torch.bool))  # causal
@@ -542,12 +558,11 @@ def test_fp16_masks_give_masked_keys_zero_weight_and_no_nan():
 
 # --------------------------------------------------------------------------------------------
 # 3. Device discipline: tensors are made where the inputs are
-#    --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 
 
 def test_forward_loss_and_backward_run_on_the_meta_device():
-    # a tensor made on the CPU inside the model, the masks or the loss would meet meta
-    # tensors and fail
+    # a tensor made on the CPU inside the model, the masks or the loss would meet meta tensors and fail
     cfg = machinery.get_config("tiny", N=1, d_model=32, d_ff=64, h=4)
     with torch.device("meta"):
         model = tat.make_model(14, 14, cfg)
@@ -565,8 +580,9 @@ def test_forward_loss_and_backward_run_on_the_meta_device():
     )
     assert kl.device == META
     model.zero_grad(set_to_none=True)
-    # what training calls, the notebook's and the package's
-    trained = tat.batch_loss(model, batch, 0.1)
+    trained = tat.batch_loss(
+        model, batch, 0.1
+    )  # what training calls, the notebook's and the package's
     trained.backward()
     assert trained.device == META and all(
         p.grad is not None and p.grad.device == META for p in model.parameters()
@@ -594,16 +610,17 @@ def test_batches_go_to_a_gpu_through_pinned_memory(monkeypatch):
     )
     batch = tat.make_batch([([1, 5, 2], [1, 6, 2])], [0])
     batch.to("cuda")
-    # src, src_mask, tgt, tgt_y, tgt_mask
-    assert len(pinned) == 5 and moves == [("cuda", True)] * 5
+    assert (
+        len(pinned) == 5 and moves == [("cuda", True)] * 5
+    )  # src, src_mask, tgt, tgt_y, tgt_mask
     pinned.clear(), moves.clear()
     batch.to("cpu")
     assert not pinned and moves == [("cpu", False)] * 5
 
 
 def host_syncs(monkeypatch) -> list:
-    """Count conversions of tensors to Python values made by the notebook's or the
-    package's own code (each one a host sync on a GPU)."""
+    """Count conversions of tensors to Python values made by the notebook's or the package's own code (each one
+    a host sync on a GPU)."""
     ours = {
         tat.__name__,
         *(name for name in sys.modules if name.split(".")[0] == "machinery"),
@@ -645,8 +662,7 @@ def test_decoding_moves_a_model_that_is_elsewhere(monkeypatch):
     )
     machinery.on_device(model, META)
     assert all(p.device == META for p in model.parameters())
-    # evaluate_test hands its model to on_device with the device it was asked for, and
-    # translate moves it there
+    # evaluate_test hands its model to on_device with the device it was asked for, and translate moves it there
     asked, moved = [], []
     monkeypatch.setattr(
         machinery.training,
@@ -677,16 +693,14 @@ def test_decoding_moves_a_model_that_is_elsewhere(monkeypatch):
 def test_decoding_takes_the_attention_path_of_the_device_it_runs_on(
     tmp_path, monkeypatch
 ):
-    # the checkpoint records the path its training used (readable, on a CPU); decoding
-    # on CUDA takes the fused one
+    # the checkpoint records the path its training used (readable, on a CPU); decoding on CUDA takes the fused one
     cfg = tiny_cfg(tmp_path / "run", max_steps=1, attention="readable")
     run(cfg, tiny_data(cfg))
     assert last_state(tmp_path / "run")["config"]["attention"] == "readable"
     asked, real = [], tat.make_model
 
     class Built(Exception):
-        """Stops load_for_inference once the model is built (there is no GPU to move it
-        to)."""
+        """Stops load_for_inference once the model is built (there is no GPU to move it to)."""
 
     def spy(*args, attention=None, **kwargs):
         asked.append(attention)
@@ -703,14 +717,13 @@ def test_decoding_takes_the_attention_path_of_the_device_it_runs_on(
 
 # --------------------------------------------------------------------------------------------
 # 4. Random-number states in checkpoints
-#    --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 
 
 def test_a_checkpoint_holding_four_gpus_rng_states_resumes_where_one_exists(
     monkeypatch,
 ):
-    # the older format: rank 0's list of every visible GPU's state; now one GPU is
-    # visible
+    # the older format: rank 0's list of every visible GPU's state; now one GPU is visible
     states = [torch.full((16,), i, dtype=torch.uint8) for i in range(4)]
     old = {
         "torch": torch.get_rng_state(),
@@ -731,8 +744,9 @@ def test_a_checkpoint_holding_four_gpus_rng_states_resumes_where_one_exists(
         and restored[0][1] == CUDA
     )
     restored.clear()
-    # a GPU the checkpoint knew nothing of: left as seeded
-    machinery.restore_rng(old, torch.device("cuda", 5))
+    machinery.restore_rng(
+        old, torch.device("cuda", 5)
+    )  # a GPU the checkpoint knew nothing of: left as seeded
     assert restored == []
 
 
@@ -751,9 +765,8 @@ def test_each_process_seeds_its_own_stream():
 
 
 # --------------------------------------------------------------------------------------------
-# 5. The IWSLT preset is fairseq's transformer_iwslt_de_en recipe (departures:
-#    REPRODUCTION_NOTES.md)
-#    --------------------------------------------------------------------------------------------
+# 5. The IWSLT preset is fairseq's transformer_iwslt_de_en recipe (departures: REPRODUCTION_NOTES.md)
+# --------------------------------------------------------------------------------------------
 
 
 def test_the_iwslt_preset_is_fairseqs_recipe():
@@ -777,8 +790,9 @@ def test_the_iwslt_preset_is_fairseqs_recipe():
         for s in range(1, 3 * cfg.warmup)
     )
     assert peak == pytest.approx(5e-4, rel=1e-6)
-    # the peak is at the warm-up's end
-    assert tat.rate(cfg.warmup, cfg.d_model, cfg.lr_factor, cfg.warmup) == peak
+    assert (
+        tat.rate(cfg.warmup, cfg.d_model, cfg.lr_factor, cfg.warmup) == peak
+    )  # the peak is at the warm-up's end
     assert tat.rate(
         4 * cfg.warmup, cfg.d_model, cfg.lr_factor, cfg.warmup
     ) == pytest.approx(peak / 2)
@@ -806,10 +820,12 @@ def test_allocator_note_says_whether_glibc_keeps_freed_memory(monkeypatch):
         missing.startswith("memory: not ")
         and "MALLOC_TRIM_THRESHOLD_=17179869184" in missing
     )
-    # off the CPU (CUDA has its own allocator)
-    assert machinery.allocator_note(torch.device("meta"), {}) == ""
-    # musl, or not known
-    monkeypatch.setattr(machinery.devices.platform, "libc_ver", lambda: ("", ""))
+    assert (
+        machinery.allocator_note(torch.device("meta"), {}) == ""
+    )  # off the CPU (CUDA has its own allocator)
+    monkeypatch.setattr(
+        machinery.devices.platform, "libc_ver", lambda: ("", "")
+    )  # musl, or not known
     assert machinery.allocator_note(cpu, {}) == ""
     monkeypatch.setattr(machinery.devices.sys, "platform", "darwin")
     assert machinery.allocator_note(cpu, {}) == ""

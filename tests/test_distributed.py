@@ -1,9 +1,9 @@
-"""Several processes, proven with Gloo on a CPU: the backend each run gets, collectives
-on the training device, resuming on another number of processes (and without a shared
-disk), per-process random streams, and one process per machine preparing the data.
+"""Several processes, proven with Gloo on a CPU: the backend each run gets, collectives on the
+training device, resuming on another number of processes (and without a shared disk), per-process
+random streams, and one process per machine preparing the data.
 
-The multi-process runs are small (a one-layer copy model, a few updates) and each is a
-fresh `torchrun` of two processes; the generous time limits only guard against a hang.
+The multi-process runs are small (a one-layer copy model, a few updates) and each is a fresh
+`torchrun` of two processes; the generous time limits only guard against a hang.
 """
 
 import dataclasses
@@ -32,9 +32,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(autouse=True)
 def no_measuring(monkeypatch):
-    """`auto` precision and attention decided without timing: every candidate ties, so
-    float32 and the readable path (runs repeat exactly; tests of the measurement give
-    their own timer)."""
+    """`auto` precision and attention decided without timing: every candidate ties, so float32 and the readable
+    path (runs repeat exactly; tests of the measurement give their own timer)."""
     monkeypatch.setattr(
         machinery.training,
         "time_calls",
@@ -52,8 +51,9 @@ MODEL = dict(
     precision="fp32",
     attention="readable",
 )
-# 10 pairs a batch: 20 batches an epoch
-SETTINGS = dict(batch_tokens=120, epochs=1, eps_ls=0.1)
+SETTINGS = dict(
+    batch_tokens=120, epochs=1, eps_ls=0.1
+)  # 10 pairs a batch: 20 batches an epoch
 
 
 def cfg_for(run_dir, **overrides) -> machinery.Config:
@@ -76,7 +76,7 @@ def global_batches(cfg) -> list:
 
 # --------------------------------------------------------------------------------------------
 # 1. The backend follows the run's device
-#    --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -84,8 +84,11 @@ def global_batches(cfg) -> list:
     [
         (False, "auto", "gloo"),  # a CPU-only machine
         (True, "auto", "nccl"),  # a GPU machine
-        # --device cpu on a GPU machine: Gloo, or DDP and every collective fail
-        (True, "cpu", "gloo"),
+        (
+            True,
+            "cpu",
+            "gloo",
+        ),  # --device cpu on a GPU machine: Gloo, or DDP and every collective fail
     ],
 )
 def test_the_backend_follows_the_device_the_run_uses(
@@ -128,7 +131,7 @@ def test_the_stop_flag_is_reduced_on_the_training_device(monkeypatch):
 
 # --------------------------------------------------------------------------------------------
 # 2. Multi-process runs
-#    --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 
 SCRIPT = """
 import hashlib, json, os, sys, time
@@ -139,18 +142,14 @@ import machinery.training
 import the_annotated_transformer as tat
 
 torch.set_num_threads(1)
-run_dir, out, settings, own_dirs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]),
-sys.argv[4]
+run_dir, out, settings, own_dirs = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 rank = int(os.environ["RANK"])
-# machines without a shared disk: only the first holds the run directory
-if own_dirs == "1" and rank:
+if own_dirs == "1" and rank:  # machines without a shared disk: only the first holds the run directory
     run_dir = f"{run_dir}-rank{rank}"
-# ... only the second holds it (process 0 is whichever machine sorts first)
-if own_dirs == "2" and not rank:
+if own_dirs == "2" and not rank:  # ... only the second holds it (process 0 is whichever machine sorts first)
     run_dir = f"{run_dir}-rank{rank}"
 nan_in_rank = settings.pop("nan_in_rank", None)
-times = settings.pop("times_by_rank", None)  # what `auto`'s measurement says in each
-process
+times = settings.pop("times_by_rank", None)  # what `auto`'s measurement says in each process
 if times:
     machinery.training.time_calls = lambda calls, device: {
         (p, a): times[rank].get(f"{p}_{a}", 1.0) for p, a in calls}
@@ -165,12 +164,10 @@ def checked(name):  # every tensor our code hands a collective, noted with its d
         return real(tensor, *args, **kwargs)
     return wrapper
 
-for name in ("all_reduce", "broadcast", "reduce", "all_gather",
-"all_gather_into_tensor", "reduce_scatter"):
+for name in ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter"):
     setattr(dist, name, checked(name))
 
-# notes the order in which processes prepare the data
-def load_dataset(cfg, log=print, url_base=None):
+def load_dataset(cfg, log=print, url_base=None):  # notes the order in which processes prepare the data
     with open(out + "/load_order.txt", "a") as f:
         f.write(f"start {rank}\\n")
     if rank == 0:
@@ -181,8 +178,7 @@ def load_dataset(cfg, log=print, url_base=None):
 
 machinery.training.load_dataset = load_dataset  # the package's functions `train` calls
 real_setup, real_update = machinery.training.setup, machinery.training.update
-real_make_batch, real_batch_loss, runs = tat.make_batch, tat.batch_loss, []  # the
-notebook's parts
+real_make_batch, real_batch_loss, runs = tat.make_batch, tat.batch_loss, []  # the notebook's parts
 
 def make_batch(pairs, idx):
     if pairs is data.splits["train"]:
@@ -193,31 +189,26 @@ def setup(*args, **kwargs):
     runs.append(real_setup(*args, **kwargs))
     record["device"] = str(runs[0].device)
     record["broadcast_buffers"] = runs[0].train_model.broadcast_buffers
-    record["attention"], record["precision"] = runs[0].cfg.attention,
-    runs[0].cfg.precision
+    record["attention"], record["precision"] = runs[0].cfg.attention, runs[0].cfg.precision
     return runs[0]
 
 def update(run, micro):
     if record["rng_at_first_update"] is None:
-        record["rng_at_first_update"] =
-        hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
+        record["rng_at_first_update"] = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()
     return real_update(run, micro)
 
-def batch_loss(*args, **kwargs):  # with nan_in_rank: that process's training loss turns
-NaN
+def batch_loss(*args, **kwargs):  # with nan_in_rank: that process's training loss turns NaN
     loss = real_batch_loss(*args, **kwargs)
     return loss * float("nan") if rank == nan_in_rank else loss
 
 machinery.training.setup, machinery.training.update = setup, update
 tat.make_batch, tat.batch_loss = make_batch, batch_loss
 try:
-    summary = machinery.train(cfg, log=lambda *a, **k: None, progress=False,
-    evaluate=False)
+    summary = machinery.train(cfg, log=lambda *a, **k: None, progress=False, evaluate=False)
     record["steps"], record["world_size"] = summary["steps"], summary["world_size"]
 except machinery.TrainingDiverged as e:
     record["diverged"] = str(e)
-record["params"] = [float(p.detach().double().sum()) for p in
-runs[0].model.parameters()]
+record["params"] = [float(p.detach().double().sum()) for p in runs[0].model.parameters()]
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump(record, f)
 dist.destroy_process_group()
@@ -225,13 +216,13 @@ dist.destroy_process_group()
 
 
 def torchrun(tmp_path, run_dir, settings: dict, own_dirs: str = "0") -> list[dict]:
-    """Train ``copy`` with ``settings`` on two Gloo processes; what each process
-    recorded."""
+    """Train ``copy`` with ``settings`` on two Gloo processes; what each process recorded."""
     script = tmp_path / "train_two.py"
     script.write_text(textwrap.dedent(SCRIPT))
     out = Path(str(run_dir) + "-records")
-    # a second run of the same directory records afresh
-    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(
+        out, ignore_errors=True
+    )  # a second run of the same directory records afresh
     out.mkdir(parents=True)
     env = {
         **os.environ,
@@ -319,12 +310,12 @@ def test_two_process_training_equals_one_process_accumulating(tmp_path):
 
 
 def test_two_processes_stopped_and_resumed_give_exactly_the_uninterrupted_run(tmp_path):
-    # with dropout on: each process must get its own random stream back, not the first
-    # one's
+    # with dropout on: each process must get its own random stream back, not the first one's
     settings = dict(SETTINGS, P_drop=0.1)
     torchrun(tmp_path, tmp_path / "a", dict(settings, max_steps=4))
-    # the same command, resumed
-    torchrun(tmp_path, tmp_path / "a", dict(settings, max_steps=7))
+    torchrun(
+        tmp_path, tmp_path / "a", dict(settings, max_steps=7)
+    )  # the same command, resumed
     torchrun(tmp_path, tmp_path / "b", dict(settings, max_steps=7))  # never stopped
     a, b = last_state(tmp_path / "a"), last_state(tmp_path / "b")
     assert a["step"] == b["step"] == 7
@@ -377,8 +368,9 @@ def test_stopped_on_two_processes_the_epoch_ends_on_one_with_exactly_the_batches
         "each process's own state"
     )
 
-    # the same run, now one process, to the end of the epoch
-    cfg = cfg_for(tmp_path / "run", P_drop=0.1)
+    cfg = cfg_for(
+        tmp_path / "run", P_drop=0.1
+    )  # the same run, now one process, to the end of the epoch
     second, logs = batches_of_a_run(monkeypatch, cfg)
     assert any("fresh streams" in str(line) for line in logs), logs
     everything = global_batches(cfg)
@@ -396,8 +388,7 @@ def test_stopped_on_one_process_two_processes_without_a_shared_disk_continue_in_
     cfg = cfg_for(tmp_path / "run", P_drop=0.1, max_steps=5)
     first, _ = batches_of_a_run(monkeypatch, cfg)
     assert len(first) == 5
-    # the second process has an empty run directory of its own: it must take the first
-    # one's checkpoint
+    # the second process has an empty run directory of its own: it must take the first one's checkpoint
     records = torchrun(
         tmp_path, tmp_path / "run", dict(SETTINGS, P_drop=0.1), own_dirs="1"
     )
@@ -423,8 +414,7 @@ def test_stopped_on_one_process_two_processes_without_a_shared_disk_continue_in_
 def test_machines_without_a_shared_disk_resume_from_the_newest_checkpoint_whichever_holds_it(
     tmp_path, monkeypatch
 ):
-    # torchrun's c10d rendezvous makes any machine process 0: here the one that held no
-    # checkpoint. Before issue 37
+    # torchrun's c10d rendezvous makes any machine process 0: here the one that held no checkpoint. Before issue 37
     # only process 0 looked, found none, and both trained silently from step 0.
     cfg = cfg_for(tmp_path / "run", P_drop=0.1, max_steps=5)
     first, _ = batches_of_a_run(monkeypatch, cfg)
@@ -445,8 +435,7 @@ def test_machines_without_a_shared_disk_resume_from_the_newest_checkpoint_whiche
 
 
 def test_the_first_process_measures_for_all_and_every_process_follows_it(tmp_path):
-    # process 1's measurement would pick the fast path; process 0's, which decides,
-    # keeps the readable one
+    # process 1's measurement would pick the fast path; process 0's, which decides, keeps the readable one
     times = [
         {"fp32_readable": 1.0, "fp32_fast": 1.05},
         {"fp32_readable": 1.0, "fp32_fast": 0.5},
@@ -470,7 +459,7 @@ def test_the_first_process_measures_for_all_and_every_process_follows_it(tmp_pat
 
 # --------------------------------------------------------------------------------------------
 # 3. Resume positions, in one process
-#    --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("world, accum", [(1, 1), (2, 1), (1, 3), (3, 2)])
@@ -493,8 +482,9 @@ def test_epoch_updates_deal_out_exactly_the_batches_not_consumed(world, accum):
         )
         if updates:
             assert consumed[-1] == end
-        # after update k every batch before consumed[k] was taken, none after
-        for k in range(len(updates)):
+        for k in range(
+            len(updates)
+        ):  # after update k every batch before consumed[k] was taken, none after
             upto = sorted(
                 b for u, _, _ in per_rank for micro in u[: k + 1] for b in micro
             )
@@ -504,8 +494,7 @@ def test_epoch_updates_deal_out_exactly_the_batches_not_consumed(world, accum):
 def test_accumulation_changed_mid_epoch_continues_where_the_last_update_ended(
     tmp_path, monkeypatch
 ):
-    # the loop this once was: accum 1 → 4 left no update to take, and the epoch never
-    # ended
+    # the loop this once was: accum 1 → 4 left no update to take, and the epoch never ended
     cfg = cfg_for(tmp_path / "run", max_steps=3)
     first, _ = batches_of_a_run(monkeypatch, cfg)
     second, _ = batches_of_a_run(
@@ -513,8 +502,11 @@ def test_accumulation_changed_mid_epoch_continues_where_the_last_update_ended(
     )
     assert first + second == global_batches(cfg)
     state = last_state(tmp_path / "run")
-    # 17 batches, 4 an update
-    assert (state["step"], state["epoch"], state["batch_in_epoch"]) == (3 + 5, 1, 0)
+    assert (state["step"], state["epoch"], state["batch_in_epoch"]) == (
+        3 + 5,
+        1,
+        0,
+    )  # 17 batches, 4 an update
 
 
 def test_another_batch_size_mid_epoch_is_refused_in_one_line(tmp_path):

@@ -1,5 +1,4 @@
-"""The hosted-notebook cell's decisions, with the environment faked: nothing is
-installed here."""
+"""The hosted-notebook cell's decisions, with the environment faked: nothing is installed here."""
 
 import re
 import sys
@@ -44,8 +43,10 @@ def test_a_hosted_notebook_installs_only_what_is_missing(environ, modules):
     )
     assert set(plan) == {"hosted", "install"}, "no figures are fetched any more"
     assert plan["hosted"]
-    # torch is never installed
-    assert sorted(plan["install"]) == ["sacrebleu==2.6.0", "sentencepiece==0.2.3"]
+    assert sorted(plan["install"]) == [
+        "sacrebleu==2.6.0",
+        "sentencepiece==0.2.3",
+    ]  # torch is never installed
     complete = machinery.hosted_setup_plan(environ, modules, has_all_but())
     assert complete == {"hosted": True, "install": []}
 

@@ -24,19 +24,12 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 KATEX_INSTALLED = (ROOT / "web" / "node_modules" / "katex" / "package.json").is_file()
 # Headless Chromium as root, offline and quiet: no sandbox (root), no GPU, and none of
 # the background requests (updates, sync, first-run pages) that would reach the network.
-# fmt: skip
 CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--no-first-run",
+    "--no-sandbox", "--disable-gpu", "--no-first-run",
     "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--disable-default-apps",
-    "--disable-extensions",
-    "--no-default-browser-check",
-    "--metrics-recording-only",
-]
+    "--disable-component-update", "--disable-sync", "--disable-default-apps",
+    "--disable-extensions", "--no-default-browser-check", "--metrics-recording-only",
+]  # fmt: skip
 WIDTHS = (1280, 390)
 HEIGHT = 900  # the viewport's height: one "screen"
 MENTION = re.compile(r"§\s?\d+(?:\.\d+)*|\bEq\.\s?\d+|\b(?:Figure|Table|Part)\s\d+")
@@ -78,8 +71,9 @@ def markdown_formulas(notebook: Path) -> int:
     for cell in nbformat.read(notebook, as_version=4).cells:
         if cell.cell_type != "markdown":
             continue
-        # block quotes: inside
-        text = re.sub(r"^ {0,3}> ?", "", cell.source, flags=re.M)
+        text = re.sub(
+            r"^ {0,3}> ?", "", cell.source, flags=re.M
+        )  # block quotes: inside
         text = re.sub(r"```.*?```", "", text, flags=re.S)  # fenced code
         text = re.sub(r"(`+)(?!`).+?(?<!`)\1(?!`)", "", text, flags=re.S)  # code spans
         display = re.findall(r"\$\$.+?\$\$", text, flags=re.S)

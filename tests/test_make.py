@@ -50,8 +50,9 @@ def test_notebook_target_stores_outputs_without_execution_timestamps(tmp_path):
             nbformat.v4.new_code_cell("x = 1"),
         ]
     )
-    # left by an earlier run
-    nb.cells[2].metadata["execution"] = {"iopub.status.busy": "2026-01-01T00:00:00Z"}
+    nb.cells[2].metadata["execution"] = {
+        "iopub.status.busy": "2026-01-01T00:00:00Z"
+    }  # left by an earlier run
     nb.metadata["kernelspec"] = {
         "name": "python3",
         "display_name": "Python 3",

@@ -1,5 +1,4 @@
-"""Part 1 invariants: every §3 component, the masks, and agreement with
-torch.nn.Transformer."""
+"""Part 1 invariants: every §3 component, the masks, and agreement with torch.nn.Transformer."""
 
 import dataclasses
 import math
@@ -33,8 +32,7 @@ def masks(src, tgt):
     return src_mask, tgt_mask
 
 
-# --- shapes
-# -----------------------------------------------------------------------------
+# --- shapes -----------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("preset", ["tiny", "base"])
@@ -79,8 +77,9 @@ def test_every_component_has_the_documented_shape(preset):
     out = model(src, tgt, *masks(src, tgt))
     assert out.shape == (b, n, d)
     assert model.generator(out).shape == (b, n, 11)
-    # §3.2.2: d_k = d_model / h
-    assert cfg.d_k == 0 and cfg.head_size * cfg.h == cfg.d_model
+    assert (
+        cfg.d_k == 0 and cfg.head_size * cfg.h == cfg.d_model
+    )  # §3.2.2: d_k = d_model / h
     assert mha.d_k == cfg.head_size
 
 
@@ -91,8 +90,7 @@ def test_clones_are_independent_copies():
     assert all(torch.equal(layers[0].weight, layer.weight) for layer in layers)
 
 
-# --- attention and masks
-# ----------------------------------------------------------------
+# --- attention and masks ----------------------------------------------------------------
 
 
 def test_subsequent_mask_allows_exactly_the_past_and_present():
@@ -111,8 +109,7 @@ def test_attention_is_equation_1_and_rows_sum_to_one():
         torch.randn(2, 4, 7, 3, dtype=torch.float64),
     )
     out, p = tat.attention(q, k, v)
-    # PyTorch's own scaled dot-product attention (scale 1/sqrt(d_k) by default) is the
-    # reference.
+    # PyTorch's own scaled dot-product attention (scale 1/sqrt(d_k) by default) is the reference.
     torch.testing.assert_close(
         out, F.scaled_dot_product_attention(q, k, v), rtol=1e-12, atol=1e-12
     )
@@ -122,8 +119,7 @@ def test_attention_is_equation_1_and_rows_sum_to_one():
         p, F.scaled_dot_product_attention(q, k, eye), rtol=1e-12, atol=1e-12
     )
     torch.testing.assert_close(p.sum(-1), torch.ones(2, 4, 5, dtype=torch.float64))
-    # Only the products q·k matter: q scaled up and k scaled down by the same factor
-    # give the same weights,
+    # Only the products q·k matter: q scaled up and k scaled down by the same factor give the same weights,
     # q scaled alone does not.
     torch.testing.assert_close(
         tat.attention(q * 8**0.5, k / 8**0.5, v)[1], p, rtol=1e-12, atol=1e-12
@@ -198,8 +194,7 @@ def test_fast_path_equals_readable_path(norm_first):
     torch.testing.assert_close(b(x, kk, vv), a(x, kk, vv), rtol=1e-10, atol=1e-10)
 
 
-# --- layer norm, feed-forward, embeddings, positional encoding
-# --------------------------
+# --- layer norm, feed-forward, embeddings, positional encoding --------------------------
 
 
 def test_layer_norm_formula_matches_nn_layernorm():
@@ -215,12 +210,12 @@ def test_layer_norm_formula_matches_nn_layernorm():
 
 def test_sublayer_connection_is_post_norm_by_default_and_pre_norm_as_option():
     torch.manual_seed(0)
-    # positions far from mean 0, variance 1
-    x = torch.randn(2, 3, 8, dtype=torch.float64) * 3 + 1
+    x = (
+        torch.randn(2, 3, 8, dtype=torch.float64) * 3 + 1
+    )  # positions far from mean 0, variance 1
     f = nn.Linear(8, 8).double()
     post = tat.SublayerConnection(8, 0.0).double()
-    # With the initial gain 1 and bias 0, LayerNorm(x + Sublayer(x)) has mean 0 and
-    # variance 1 at every position
+    # With the initial gain 1 and bias 0, LayerNorm(x + Sublayer(x)) has mean 0 and variance 1 at every position
     # (variance s / (s + eps) for a sum of variance s).
     out = post(x, f)
     s2 = (x + f(x)).var(-1, unbiased=False)
@@ -230,16 +225,14 @@ def test_sublayer_connection_is_post_norm_by_default_and_pre_norm_as_option():
     torch.testing.assert_close(
         out.var(-1, unbiased=False), s2 / (s2 + 1e-5), rtol=1e-12, atol=1e-12
     )
-    # With a learned gain and bias: LayerNorm(x + Sublayer(x)), as F.layer_norm computes
-    # it with the module's own
+    # With a learned gain and bias: LayerNorm(x + Sublayer(x)), as F.layer_norm computes it with the module's own
     # gain and bias.
     with torch.no_grad():
         nn.init.normal_(post.norm.weight)
         nn.init.normal_(post.norm.bias)
     expected = F.layer_norm(x + f(x), (8,), post.norm.weight, post.norm.bias, eps=1e-5)
     torch.testing.assert_close(post(x, f), expected, rtol=1e-12, atol=1e-12)
-    # Pre-norm: the output minus its input is the sub-layer applied to the normalised
-    # input; the sum itself is
+    # Pre-norm: the output minus its input is the sub-layer applied to the normalised input; the sum itself is
     # not normalised.
     pre = tat.SublayerConnection(8, 0.0, norm_first=True).double()
     with torch.no_grad():
@@ -256,22 +249,19 @@ def test_sublayer_connection_is_post_norm_by_default_and_pre_norm_as_option():
 
 
 def test_feed_forward_is_equation_2():
-    # Eq. 2, max(0, xW1 + b1)W2 + b2, with d_model = 2, d_ff = 3 and small whole
-    # numbers, worked out by hand.
+    # Eq. 2, max(0, xW1 + b1)W2 + b2, with d_model = 2, d_ff = 3 and small whole numbers, worked out by hand.
     ff = tat.PositionwiseFeedForward(2, 3).double()
     with torch.no_grad():
-        # nn.Linear stores W1 transposed
-        ff.w_1.weight.copy_(torch.tensor([[1.0, -1.0], [2.0, 0.0], [0.0, 1.0]]))
+        ff.w_1.weight.copy_(
+            torch.tensor([[1.0, -1.0], [2.0, 0.0], [0.0, 1.0]])
+        )  # nn.Linear stores W1 transposed
         ff.w_1.bias.copy_(torch.tensor([0.0, -1.0, 0.5]))
         ff.w_2.weight.copy_(torch.tensor([[1.0, 1.0, 1.0], [-1.0, 0.0, 2.0]]))
         ff.w_2.bias.copy_(torch.tensor([0.5, 0.0]))
     x = torch.tensor([[[3.0, 1.0], [-1.0, 2.0], [0.0, 0.0]]], dtype=torch.float64)
-    # x = (3, 1):  xW1 + b1 = (2, 5, 1.5), all kept;       W2 rows: 2 + 5 + 1.5 + 0.5 =
-    # 9,  -2 + 0 + 3 = 1
-    # x = (-1, 2): xW1 + b1 = (-3, -3, 2.5) → (0, 0, 2.5); 2.5 + 0.5 = 3,
-    # 2 · 2.5 = 5
-    # x = (0, 0):  xW1 + b1 = (0, -1, 0.5) → (0, 0, 0.5);  0.5 + 0.5 = 1,
-    # 2 · 0.5 = 1
+    # x = (3, 1):  xW1 + b1 = (2, 5, 1.5), all kept;       W2 rows: 2 + 5 + 1.5 + 0.5 = 9,  -2 + 0 + 3 = 1
+    # x = (-1, 2): xW1 + b1 = (-3, -3, 2.5) → (0, 0, 2.5); 2.5 + 0.5 = 3,                  2 · 2.5 = 5
+    # x = (0, 0):  xW1 + b1 = (0, -1, 0.5) → (0, 0, 0.5);  0.5 + 0.5 = 1,                  2 · 0.5 = 1
     expected = torch.tensor([[[9.0, 1.0], [3.0, 5.0], [1.0, 1.0]]], dtype=torch.float64)
     torch.testing.assert_close(ff(x), expected, rtol=0, atol=1e-12)
     # Applied to each position separately and identically.
@@ -288,8 +278,9 @@ def test_embeddings_are_scaled_by_sqrt_d_model():
         emb = tat.Embeddings(d_model, 10)
         ramp = torch.linspace(-1.0, 1.0, d_model)
         with torch.no_grad():
-            # token k's vector: k · ramp
-            emb.lut.weight.copy_(torch.arange(10.0).unsqueeze(1) * ramp)
+            emb.lut.weight.copy_(
+                torch.arange(10.0).unsqueeze(1) * ramp
+            )  # token k's vector: k · ramp
         expected = sqrt_d_model * ids.unsqueeze(-1).float() * ramp
         torch.testing.assert_close(emb(ids), expected)
 
@@ -319,8 +310,7 @@ def test_pe_at_pos_plus_k_is_a_linear_function_of_pe_at_pos():
     assert (pe[check] @ M - pe[check + k + 1]).abs().max() > 1e-2
 
 
-# --- the whole model
-# --------------------------------------------------------------------
+# --- the whole model --------------------------------------------------------------------
 
 
 def test_weight_sharing_is_one_tensor():
@@ -388,8 +378,10 @@ def test_dropout_sits_exactly_where_section_5_4_puts_it():
         for name, m in model.named_modules()
         if isinstance(m, nn.Dropout) and m.p > 0
     }
-    # sums of embeddings and PE
-    expected = {"src_embed.1.dropout", "tgt_embed.1.dropout"}
+    expected = {
+        "src_embed.1.dropout",
+        "tgt_embed.1.dropout",
+    }  # sums of embeddings and PE
     expected |= {
         f"encoder.layers.{i}.sublayer.{j}.dropout"
         for i in range(cfg.N)
@@ -407,8 +399,7 @@ def test_dropout_sits_exactly_where_section_5_4_puts_it():
     assert not any(
         isinstance(m, nn.Dropout) and type(m) is not nn.Dropout for m in model.modules()
     )
-    # Our departures (not in the paper) add dropout inside every attention and every
-    # FFN, nowhere else.
+    # Our departures (not in the paper) add dropout inside every attention and every FFN, nowhere else.
     more = tat.make_model(13, 13, cfg, attn_dropout=0.2, ffn_dropout=0.3)
     extra = {
         name: m.p
@@ -565,8 +556,7 @@ def test_attention_setting_is_checked_and_builds_its_class():
         assert type(model.encoder.layers[0].self_attn) is cls
 
 
-# --- §3.5's alternative: learned positional embeddings (Table 3, row (E))
-# -------------------
+# --- §3.5's alternative: learned positional embeddings (Table 3, row (E)) -------------------
 
 
 def learned_model(**overrides):
@@ -589,8 +579,10 @@ def test_learned_positions_add_one_trained_vector_per_position():
         isinstance(table, tat.LearnedPositionalEncoding) and table.weight.requires_grad
     )
     x = torch.randn(2, 5, cfg.d_model)
-    # what is added is exactly rows offset … offset+4 of the table
-    for offset in (0, 3):
+    for offset in (
+        0,
+        3,
+    ):  # what is added is exactly rows offset … offset+4 of the table
         torch.testing.assert_close(
             table(x, offset=offset) - x,
             table.weight[offset : offset + 5].expand(2, 5, -1),
@@ -615,8 +607,9 @@ def test_learned_positions_keep_causality_and_padding_invariance():
     mask = tat.subsequent_mask(6)
     out = model(src, tgt, tat.padding_mask(src, tat.PAD), mask)
     changed = tgt.clone()
-    # only the future of position 3 differs
-    changed[:, 4:] = torch.randint(4, 13, (2, 2))
+    changed[:, 4:] = torch.randint(
+        4, 13, (2, 2)
+    )  # only the future of position 3 differs
     torch.testing.assert_close(
         model(src, changed, tat.padding_mask(src, tat.PAD), mask)[:, :4], out[:, :4]
     )
@@ -644,8 +637,9 @@ def test_positional_setting_is_checked():
 def test_n_dec_sets_the_decoder_depth_alone_and_zero_means_n():
     tiny = tat.MODEL_PRESETS["tiny"]
     same = tat.make_model(11, 11, tiny)
-    # §3.1: N of each
-    assert len(same.encoder.layers) == len(same.decoder.layers) == tiny.N
+    assert (
+        len(same.encoder.layers) == len(same.decoder.layers) == tiny.N
+    )  # §3.1: N of each
     shallow = tat.make_model(11, 11, tiny, N=3, N_dec=1)
     assert (len(shallow.encoder.layers), len(shallow.decoder.layers)) == (3, 1)
     with pytest.raises(ValueError, match="N_dec must be 0"):
@@ -681,8 +675,7 @@ def test_a_model_with_a_shallower_decoder_decodes_the_same_with_and_without_the_
     assert beams[0] == beams[1]
 
 
-# --- d_k apart from d_model / h, and Table 3's parameter counts
-# ---------------------------
+# --- d_k apart from d_model / h, and Table 3's parameter counts ---------------------------
 
 
 @pytest.mark.parametrize(
@@ -715,8 +708,9 @@ def test_multi_head_attention_with_its_own_d_k(cls, h, d_model, d_k):
     torch.testing.assert_close(
         out, mha.w_o(torch.cat(heads, dim=-1)), rtol=1e-10, atol=1e-10
     )
-    # self-attention (the fused branch) too
-    torch.testing.assert_close(mha(x, x, x), mha(x, x, x))
+    torch.testing.assert_close(
+        mha(x, x, x), mha(x, x, x)
+    )  # self-attention (the fused branch) too
     with pytest.raises(ValueError):
         cls(3, 32, 0.0)  # 32 / 3 is no head size: d_k must be given
 
@@ -738,8 +732,9 @@ def test_make_model_passes_d_k_to_every_attention_and_the_readable_and_fast_path
     )
     with pytest.raises(ValueError, match="d_k must be 0"):
         machinery.get_config("tiny", d_k=-1)
-    # h need not divide d_model then
-    assert machinery.get_config("tiny", h=3, d_k=8).head_size == 8
+    assert (
+        machinery.get_config("tiny", h=3, d_k=8).head_size == 8
+    )  # h need not divide d_model then
     with pytest.raises(ValueError, match="must divide d_model"):
         machinery.get_config("tiny", h=3)
 
@@ -755,12 +750,13 @@ def table3_count(**overrides) -> int:
 
 
 def expected_count(N=3, d_model=256, d_ff=1024, h=8, d_k=0, vocab=VOCAB) -> int:
-    """The same count by hand: a shared embedding (three-way tying, §3.4), the
-    generator's bias, per encoder layer one attention, one FFN and two LayerNorms, per
-    decoder layer two attentions, one FFN and three LayerNorms."""
+    """The same count by hand: a shared embedding (three-way tying, §3.4), the generator's bias, per
+    encoder layer one attention, one FFN and two LayerNorms, per decoder layer two attentions, one FFN
+    and three LayerNorms."""
     hd = h * (d_k or d_model // h)
-    # W^Q, W^K, W^V for all heads; W^O
-    mha = 3 * (d_model * hd + hd) + hd * d_model + d_model
+    mha = (
+        3 * (d_model * hd + hd) + hd * d_model + d_model
+    )  # W^Q, W^K, W^V for all heads; W^O
     ffn = d_model * d_ff + d_ff + d_ff * d_model + d_model
     norm = 2 * d_model
     return (
@@ -780,8 +776,9 @@ def table3_base():
 
 @pytest.mark.parametrize("h", [1, 4, 16, 32])
 def test_table3_row_a_varies_the_heads_at_constant_computation(table3_base, h):
-    # d_k = d_v = d_model / h: h·d_k = d_model
-    assert table3_count(h=h, d_k=256 // h) == table3_base
+    assert (
+        table3_count(h=h, d_k=256 // h) == table3_base
+    )  # d_k = d_v = d_model / h: h·d_k = d_model
     assert table3_count(h=h) == table3_base  # d_k left at 0 means the same
 
 
@@ -790,8 +787,7 @@ def test_table3_row_b_smaller_keys_mean_fewer_parameters(table3_base):
     assert counts[8] < counts[16] < table3_base
     for d_k, n in counts.items():
         assert n == expected_count(d_k=d_k)
-        # every attention (N in the encoder, 2N in the decoder) loses 4·d_model·h·Δ
-        # weights and 3·h·Δ biases
+        # every attention (N in the encoder, 2N in the decoder) loses 4·d_model·h·Δ weights and 3·h·Δ biases
         delta = 8 * (256 // 8 - d_k)
         assert table3_base - n == 3 * 3 * (4 * 256 * delta + 3 * delta)
 
@@ -831,8 +827,9 @@ def test_table3_row_e_learned_positions_add_one_table_per_embedding(table3_base)
     model = tat.make_model(VOCAB, VOCAB, cfg)
     tables = [model.src_embed[1], model.tgt_embed[1]]
     assert all(isinstance(t, tat.LearnedPositionalEncoding) for t in tables)
-    # the source and target each have their own
-    assert tables[0].weight is not tables[1].weight
+    assert (
+        tables[0].weight is not tables[1].weight
+    )  # the source and target each have their own
     assert tat.count_parameters(model) - table3_base == cfg.max_len * cfg.d_model * 2
     sinusoid = tat.make_model(VOCAB, VOCAB, machinery.get_config("multi30k-small"))
     assert (

@@ -1,5 +1,4 @@
-"""The notebook and the module: in sync, read top to bottom, quoting the paper exactly,
-quiet on import, executable."""
+"""The notebook and the module: in sync, read top to bottom, quoting the paper exactly, quiet on import, executable."""
 
 import os
 import re
@@ -43,8 +42,8 @@ def test_no_code_cell_is_longer_than_60_lines_and_each_follows_prose():
 
 
 def globals_read_and_bound(source: str) -> tuple[set, set]:
-    """(module-level names a cell reads — in its own code or inside its functions and
-    classes —, module-level names it binds)."""
+    """(module-level names a cell reads — in its own code or inside its functions and classes —,
+    module-level names it binds)."""
     top = symtable.symtable(source, "cell", "exec")
     bound = {
         s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported()
@@ -61,8 +60,7 @@ def globals_read_and_bound(source: str) -> tuple[set, set]:
 
 
 def later_names(sources: list[str]) -> list[tuple[int, str, int]]:
-    """(cell, name, cell that first binds it) for every name a cell reads before any
-    cell has bound it."""
+    """(cell, name, cell that first binds it) for every name a cell reads before any cell has bound it."""
     first = {}
     scanned = [globals_read_and_bound(src) for src in sources]
     for i, (_, bound) in enumerate(scanned):
@@ -107,8 +105,7 @@ def _squash(text: str) -> str:
 
 
 def quote_pieces(markdown: str):
-    """Runs of quoted text: paragraphs and bullets of '>' blocks, split at the elision
-    mark […]."""
+    """Runs of quoted text: paragraphs and bullets of '>' blocks, split at the elision mark […]."""
     pieces, current = [], []
     for line in markdown.splitlines() + [""]:
         if line.startswith(">"):

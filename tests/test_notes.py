@@ -1,5 +1,5 @@
-"""REPRODUCTION_NOTES.md is an audit: its tables parse, every status is one of four,
-every row says what we chose, and every test it names as pinning a choice exists."""
+"""REPRODUCTION_NOTES.md is an audit: its tables parse, every status is one of four, every
+row says what we chose, and every test it names as pinning a choice exists."""
 
 import ast
 import re
@@ -44,8 +44,7 @@ def audit_rows(text: str) -> list[dict]:
 
 
 def defined_tests(path: Path) -> set[str]:
-    """Names of the ``test_…`` functions in a test file, at module level or inside
-    classes."""
+    """Names of the ``test_…`` functions in a test file, at module level or inside classes."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     return {
         node.name
@@ -56,8 +55,7 @@ def defined_tests(path: Path) -> set[str]:
 
 
 def unknown_references(rows: list[dict], tests_dir: Path = TESTS) -> list[str]:
-    """``tests/file.py::name`` references in ``pinned by`` that name no existing test
-    function."""
+    """``tests/file.py::name`` references in ``pinned by`` that name no existing test function."""
     cache: dict[str, set[str]] = {}
     bad = []
     for row in rows:

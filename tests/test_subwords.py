@@ -1,5 +1,5 @@
-"""§5.1 byte-pair encoding: a joint subword vocabulary, built from the training split
-only, cached, and carried by checkpoints so that a checkpoint alone can translate."""
+"""§5.1 byte-pair encoding: a joint subword vocabulary, built from the training split only,
+cached, and carried by checkpoints so that a checkpoint alone can translate."""
 
 import dataclasses
 import gzip
@@ -30,8 +30,7 @@ ENGLISH = {
 
 
 def small_mirror(root: Path, test_extra: str = "") -> Path:
-    """A Multi30k-shaped mirror of short made-up captions; ``test_extra`` is appended to
-    the first test source."""
+    """A Multi30k-shaped mirror of short made-up captions; ``test_extra`` is appended to the first test source."""
     folder = root / "multi30k"
     folder.mkdir(parents=True)
     train = [
@@ -67,8 +66,7 @@ def bpe_cfg(mirror: Path, tmp_path: Path, **kw) -> machinery.Config:
 
 @pytest.fixture(scope="module")
 def multi30k_bpe(tmp_path_factory, mirror):
-    """The multi30k-small preset's BPE data set, from the real mirror (skipped without
-    it)."""
+    """The multi30k-small preset's BPE data set, from the real mirror (skipped without it)."""
     if not (mirror / "multi30k").is_dir():
         pytest.skip(f"no Multi30k in the data mirror at {mirror}")
     cfg = machinery.get_config(
@@ -95,8 +93,9 @@ def test_pieces_decode_back_to_the_sentence(multi30k_bpe):
         ]
         pieces = data.subwords.encode(lines)
         assert data.subwords.decode(pieces) == lines
-        # rare words are split
-        assert sum(map(len, pieces)) > sum(len(line.split()) for line in lines)
+        assert sum(map(len, pieces)) > sum(
+            len(line.split()) for line in lines
+        )  # rare words are split
 
 
 def test_no_unk_on_the_training_text_and_one_shared_vocabulary(multi30k_bpe):
@@ -121,16 +120,18 @@ def test_a_rare_compound_is_spelled_with_known_pieces(multi30k_bpe):
 
 
 def test_the_bpe_model_is_built_from_the_training_split_only(tmp_path):
-    # Ω occurs only in the test set
-    mirror = small_mirror(tmp_path / "m", test_extra=" Ω")
+    mirror = small_mirror(
+        tmp_path / "m", test_extra=" Ω"
+    )  # Ω occurs only in the test set
     data = machinery.load_dataset(bpe_cfg(mirror, tmp_path), log=quiet)
     assert not any("Ω" in piece for piece in data.src_vocab.itos)
     first_test_source = data.splits["test"][0][0]
     assert first_test_source[0] == BOS and first_test_source[-1] == EOS
     assert UNK in first_test_source  # the unseen character becomes <unk> …
     assert data.stats["test_unk_share"] > 0
-    # … and never in training
-    assert not any(UNK in ids for pair in data.splits["train"] for ids in pair)
+    assert not any(
+        UNK in ids for pair in data.splits["train"] for ids in pair
+    )  # … and never in training
     # retraining on the training lines alone gives the very same model
     files = machinery.locate_dataset("multi30k", bpe_cfg(mirror, tmp_path)).files[
         "train"
@@ -174,8 +175,7 @@ def test_the_checkpoint_carries_the_bpe_model_and_translates_alone(bpe_run):
     state = machinery.load_checkpoint(path)
     subwords = machinery.checkpoint_subwords(state)
     assert subwords == data.subwords
-    # everything needed to translate comes from the checkpoint file: model settings,
-    # weights, pieces
+    # everything needed to translate comes from the checkpoint file: model settings, weights, pieces
     saved = machinery.config_from_dict(state["config"])
     model = tat.make_model(len(subwords.vocab), len(subwords.vocab), saved)
     model.load_state_dict(state["model"])

@@ -1,12 +1,11 @@
-"""Part 2 (training) as invariants: the Eq. 3 schedule and Adam, label smoothing and the
-loss, the production update (`machinery.update`) as the notebook's `train_step`, Part
-4's runs using the notebook's definitions as a reader has edited them, gradient
-accumulation, the copy preset learning to copy, the run plan and its clock, the default
-preset.
+"""Part 2 (training) as invariants: the Eq. 3 schedule and Adam, label smoothing and the loss, the
+production update (`machinery.update`) as the notebook's `train_step`, Part 4's runs using the notebook's
+definitions as a reader has edited them, gradient accumulation, the copy preset learning to copy, the run
+plan and its clock, the default preset.
 
-Everything runs on the CPU with tiny models and shrunken copy data; every run writes
-into pytest's tmp_path, never into the repository. Resuming and checkpoints:
-test_checkpoints.py; decoding: test_decoding.py; the command line: test_cli.py.
+Everything runs on the CPU with tiny models and shrunken copy data; every run writes into
+pytest's tmp_path, never into the repository. Resuming and checkpoints: test_checkpoints.py;
+decoding: test_decoding.py; the command line: test_cli.py.
 """
 
 import contextlib
@@ -42,9 +41,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(autouse=True)
 def no_measuring(monkeypatch):
-    """`auto` precision and attention decided without timing: every candidate ties, so
-    float32 and the readable path (runs repeat exactly; tests of the measurement give
-    their own timer)."""
+    """`auto` precision and attention decided without timing: every candidate ties, so float32 and the readable
+    path (runs repeat exactly; tests of the measurement give their own timer)."""
     monkeypatch.setattr(
         machinery.training,
         "time_calls",
@@ -53,8 +51,7 @@ def no_measuring(monkeypatch):
 
 
 def varlen_data(cfg, n: int = 120, seed: int = 0) -> machinery.Dataset:
-    """Copy pairs of 1–10 symbols, so that batches hold different token counts and
-    padding."""
+    """Copy pairs of 1–10 symbols, so that batches hold different token counts and padding."""
     base = tiny_data(cfg)
     rng = random.Random(seed)
     n_symbols = len(base.src_vocab)
@@ -77,7 +74,7 @@ def varlen_data(cfg, n: int = 120, seed: int = 0) -> machinery.Dataset:
 
 # --------------------------------------------------------------------------------------------
 # 1. The learning-rate schedule (§5.3, Eq. 3) and Adam's settings
-#    --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -99,9 +96,8 @@ def test_rate_is_equation_3(step, d_model, factor, warmup):
 
 
 def eq3(step, d_model, factor, warmup):
-    """Eq. 3 written piecewise, as the paper's prose describes it (not as the module
-    computes it): linear from 0 to the peak d_model^-0.5 · warmup^-0.5 at step = warmup,
-    then ∝ step^-0.5."""
+    """Eq. 3 written piecewise, as the paper's prose describes it (not as the module computes it):
+    linear from 0 to the peak d_model^-0.5 · warmup^-0.5 at step = warmup, then ∝ step^-0.5."""
     peak = 1.0 / math.sqrt(d_model * warmup)
     return factor * (
         peak * step / warmup if step <= warmup else peak * math.sqrt(warmup / step)
@@ -151,8 +147,9 @@ def test_adam_uses_the_papers_betas_and_eps():
 
 def test_fused_adam_takes_the_same_steps_as_the_per_tensor_loop():
     torch.manual_seed(0)
-    # no dropout; float64: no rounding noise for Adam to amplify
-    model = tat.make_model(11, 11, machinery.PRESETS["tiny"]).double().eval()
+    model = (
+        tat.make_model(11, 11, machinery.PRESETS["tiny"]).double().eval()
+    )  # no dropout; float64: no rounding noise for Adam to amplify
     twin = copy.deepcopy(model)
     fused, _ = tat.make_optimizer(model, machinery.get_config("tiny"))
     assert fused.defaults["fused"]  # the CPU has Adam's fused kernel
@@ -194,8 +191,9 @@ def test_update_k_applies_equation_3_at_step_k():
 
 
 def test_logged_lr_is_the_one_each_update_applied(tmp_path):
-    # 60 updates; a training record every 50
-    cfg = tiny_cfg(tmp_path / "lr", epochs=6, warmup=40)
+    cfg = tiny_cfg(
+        tmp_path / "lr", epochs=6, warmup=40
+    )  # 60 updates; a training record every 50
     run(cfg, tiny_data(cfg))
     records = [
         json.loads(line)
@@ -210,7 +208,7 @@ def test_logged_lr_is_the_one_each_update_applied(tmp_path):
 
 # --------------------------------------------------------------------------------------------
 # 2. Label smoothing (§5.4)
-#    --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 
 
 def smoothed_entropy(K: int, eps: float) -> float:
@@ -332,8 +330,7 @@ def test_loss_sum_is_the_cross_entropy_it_wraps(eps):
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    """The bit patterns of a float tensor: equal bits, not merely equal values (+0 and
-    -0 differ)."""
+    """The bit patterns of a float tensor: equal bits, not merely equal values (+0 and -0 differ)."""
     return t.contiguous().view(
         {2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
     )
@@ -390,8 +387,7 @@ def test_the_production_update_is_the_notebooks_train_step_bit_for_bit(tmp_path)
 
 
 def test_a_production_run_ends_at_the_weights_of_the_notebooks_train_loop(tmp_path):
-    # one epoch of `train` (set-up, batches, updates, validation, checkpoint) against
-    # Part 2's loop
+    # one epoch of `train` (set-up, batches, updates, validation, checkpoint) against Part 2's loop
     cfg = tiny_cfg(tmp_path / "run", P_drop=0.1, eps_ls=0.1)
     data = tiny_data(cfg)
     summary = run(cfg, data)
@@ -415,8 +411,7 @@ def test_a_production_run_ends_at_the_weights_of_the_notebooks_train_loop(tmp_pa
 def test_a_change_to_a_notebook_cell_takes_effect_in_part_4s_runs(
     tmp_path, monkeypatch
 ):
-    # a reader who redefines `batch_loss` in its cell replaces the name in the
-    # notebook's namespace
+    # a reader who redefines `batch_loss` in its cell replaces the name in the notebook's namespace
     calls = []
     original = tat.batch_loss
 
@@ -435,11 +430,11 @@ def test_a_change_to_a_notebook_cell_takes_effect_in_part_4s_runs(
         ]
         == 3
     )
-    # every micro-batch
-    assert calls == [tat.make_batch(data.splits["train"], idx).ntokens for idx in first]
+    assert calls == [
+        tat.make_batch(data.splits["train"], idx).ntokens for idx in first
+    ]  # every micro-batch
 
-    # and a change to what the cell computes changes the run: without label smoothing,
-    # the
+    # and a change to what the cell computes changes the run: without label smoothing, the
     # run is exactly the one with eps_ls = 0
     monkeypatch.setattr(
         tat,
@@ -468,15 +463,13 @@ def test_a_change_to_a_notebook_cell_takes_effect_in_part_4s_runs(
 
 
 def test_the_package_finds_the_running_notebook_else_imports_the_module(monkeypatch):
-    # run as a script or a notebook kernel, the notebook is __main__ and defines the
-    # marker
+    # run as a script or a notebook kernel, the notebook is __main__ and defines the marker
     notebook_main = types.ModuleType("__main__")
     notebook_main.ANNOTATED_TRANSFORMER_NOTEBOOK = True
     monkeypatch.setitem(sys.modules, "__main__", notebook_main)
     assert machinery.notebook() is notebook_main
     assert machinery.parts.notebook() is notebook_main
-    # any other __main__ (pytest, the command line, a script importing the package): the
-    # module
+    # any other __main__ (pytest, the command line, a script importing the package): the module
     monkeypatch.setitem(sys.modules, "__main__", types.ModuleType("__main__"))
     assert machinery.notebook() is tat
     unmarked = types.ModuleType("__main__")
@@ -489,13 +482,12 @@ def test_the_package_finds_the_running_notebook_else_imports_the_module(monkeypa
 
 # --------------------------------------------------------------------------------------------
 # 3. Gradient accumulation: an update computes the same gradient however it is split
-#    --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 
 
 @pytest.fixture
 def recorded_grads(monkeypatch):
-    """Patch make_optimizer so that every optimizer step records the gradient it
-    applies."""
+    """Patch make_optimizer so that every optimizer step records the gradient it applies."""
     grads = []
     original = tat.make_optimizer
 
@@ -545,8 +537,7 @@ def test_accumulated_update_has_the_gradient_of_the_whole_batch(
     b0, b1 = tat.length_batches(lengths, cfg.batch_tokens, cfg.seed, epoch=0)[:2]
     n0, n1 = tat.make_batch(pairs, b0).ntokens, tat.make_batch(pairs, b1).ntokens
     assert n0 != n1, (
-        "pick data whose two micro-batches differ in size, or per-batch normalisation "
-        "passes too"
+        "pick data whose two micro-batches differ in size, or per-batch normalisation passes too"
     )
 
     run(cfg, data)  # one update over the micro-batches b0, b1
@@ -564,8 +555,7 @@ def test_accumulated_update_has_the_gradient_of_the_whole_batch(
     split_grads, whole_grads = recorded_grads
     assert_same_grads(split_grads, whole_grads)
 
-    # and that gradient is the one of the mean loss per target token (of the initial
-    # model)
+    # and that gradient is the one of the mean loss per target token (of the initial model)
     torch.manual_seed(cfg.seed)
     model = tat.make_model(len(data.src_vocab), len(data.tgt_vocab), cfg)
     batch = tat.make_batch(pairs, b0 + b1)
@@ -579,18 +569,16 @@ def test_accumulated_update_has_the_gradient_of_the_whole_batch(
 
 # --------------------------------------------------------------------------------------------
 # 4. The copy preset learns the copy task
-#    --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_copy_preset_learns_to_copy(tmp_path, seed):
-    """Not one tuned seed: measured at BLEU 99.1–100 over seeds 1–8 in bf16, so 90
-    leaves a wide margin.
+    """Not one tuned seed: measured at BLEU 99.1–100 over seeds 1–8 in bf16, so 90 leaves a wide margin.
 
-    bf16 as asked for: `auto` measures float32 faster for this small model on an AMD
-    EPYC (bf16 0.76×), and in float32 seed 1 reaches only BLEU 69.8 after the preset's
-    16 epochs (seeds 2–8: 94.4–100) — noted for the preset, not hidden by picking seeds.
-    """
+    bf16 as asked for: `auto` measures float32 faster for this small model on an AMD EPYC (bf16 0.76×), and in
+    float32 seed 1 reaches only BLEU 69.8 after the preset's 16 epochs (seeds 2–8: 94.4–100) — noted for the
+    preset, not hidden by picking seeds."""
     cfg = machinery.get_config(
         "copy",
         device="cpu",
@@ -603,10 +591,8 @@ def test_copy_preset_learns_to_copy(tmp_path, seed):
     summary = machinery.train(cfg, data=data, log=quiet, progress=False)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     print(
-        f"\ncopy preset, seed {seed}: test BLEU {summary['bleu']:.2f} after "
-        f"{summary['steps']} updates in {wall:.1f} s "
-        f"wall, {cpu:.1f} s CPU ({torch.get_num_threads()} thread); "
-        f"{summary['precision']}, "
+        f"\ncopy preset, seed {seed}: test BLEU {summary['bleu']:.2f} after {summary['steps']} updates in {wall:.1f} s "
+        f"wall, {cpu:.1f} s CPU ({torch.get_num_threads()} thread); {summary['precision']}, "
         f"{summary['attention']} attention ({summary['auto']})"
     )
     assert summary["bleu"] >= 90, f"copy preset reached only BLEU {summary['bleu']:.2f}"
@@ -614,7 +600,7 @@ def test_copy_preset_learns_to_copy(tmp_path, seed):
 
 # --------------------------------------------------------------------------------------------
 # 5. The run says how long it will take and whether its model suits its data
-#    --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 
 
 def test_run_plan_counts_updates_and_flags_a_model_too_big_for_its_data():
@@ -692,8 +678,9 @@ def test_validation_takes_the_first_max_valid_sentences_pairs(
         seen.append(list(pairs))
         return real(model, pairs, cfg, device)
 
-    # what `train` calls
-    monkeypatch.setattr(machinery.training, "evaluate_loss", evaluate_loss)
+    monkeypatch.setattr(
+        machinery.training, "evaluate_loss", evaluate_loss
+    )  # what `train` calls
     cfg = tiny_cfg(tmp_path, max_valid_sentences=limit)
     data = machinery.make_copy_data(cfg)
     run(cfg, data)
@@ -704,7 +691,7 @@ def test_validation_takes_the_first_max_valid_sentences_pairs(
 
 # --------------------------------------------------------------------------------------------
 # 6. Keeping a GPU busy, proven on the CPU: batches built ahead, and compiled training
-#    --------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------
 
 
 def test_prefetched_yields_in_order_builds_ahead_and_hands_on_errors():
@@ -733,8 +720,11 @@ def test_prefetched_yields_in_order_builds_ahead_and_hands_on_errors():
 
     with pytest.raises(ValueError, match="batch 3"):
         list(machinery.prefetched(broken, 6, depth=2))
-    # in turn, as a CPU run builds them
-    assert list(machinery.prefetched(make, 3, depth=0)) == [0, 1, 4]
+    assert list(machinery.prefetched(make, 3, depth=0)) == [
+        0,
+        1,
+        4,
+    ]  # in turn, as a CPU run builds them
 
 
 def test_a_run_with_batches_built_ahead_ends_exactly_where_one_building_them_in_turn_does(
@@ -765,13 +755,13 @@ def test_probe_batch_is_real_pairs_of_median_length_within_its_tokens():
     batch = machinery.probe_batch(pairs, 64)
     assert batch.src.numel() <= 64 and batch.tgt.size(0) == batch.src.size(0) >= 2
     median = sorted(len(t) for _, t in pairs)[len(pairs) // 2]
-    # tgt is the target less its last token
-    assert abs(batch.tgt.size(1) + 1 - median) <= 1
+    assert (
+        abs(batch.tgt.size(1) + 1 - median) <= 1
+    )  # tgt is the target less its last token
 
 
 def compile_count(monkeypatch, cfg, data, backend: str) -> tuple[dict, int, float]:
-    """Train ``cfg`` compiled with ``backend``; (summary, graphs dynamo compiled,
-    seconds)."""
+    """Train ``cfg`` compiled with ``backend``; (summary, graphs dynamo compiled, seconds)."""
     from torch._dynamo.utils import counters
 
     real = torch.compile
@@ -791,10 +781,8 @@ def compile_count(monkeypatch, cfg, data, backend: str) -> tuple[dict, int, floa
 def test_compiled_training_on_bucketed_batches_compiles_at_most_three_times_and_trains_as_eager(
     tmp_path, monkeypatch
 ):
-    # dynamo and AOT autograd as `--compile` runs them; "aot_eager" leaves out only
-    # inductor's C++ code generation
-    # (the next test), which keeps this one to seconds. Batches of 1–10 symbols: shapes
-    # change every update.
+    # dynamo and AOT autograd as `--compile` runs them; "aot_eager" leaves out only inductor's C++ code generation
+    # (the next test), which keeps this one to seconds. Batches of 1–10 symbols: shapes change every update.
     cfg = tiny_cfg(tmp_path / "compiled", max_steps=8, epochs=2, compile=True)
     data = varlen_data(cfg)
     shapes = {
@@ -808,22 +796,17 @@ def test_compiled_training_on_bucketed_batches_compiles_at_most_three_times_and_
     }
     summary, graphs, seconds = compile_count(monkeypatch, cfg, data, "aot_eager")
     print(
-        f"\n--compile on {len(shapes)} batch shapes: {graphs} compilations, "
-        f"{seconds:.1f} s for 8 updates"
+        f"\n--compile on {len(shapes)} batch shapes: {graphs} compilations, {seconds:.1f} s for 8 updates"
     )
     assert summary["steps"] == 8 and len(shapes) >= 5
-    # measured: 3 — the first shape, then one recompilation as each dimension
-    # (sentences, length) turns dynamic
+    # measured: 3 — the first shape, then one recompilation as each dimension (sentences, length) turns dynamic
     assert graphs <= 3, (
-        f"{graphs} compilations for {len(shapes)} shapes: one per batch shape, not "
-        "dynamic"
+        f"{graphs} compilations for {len(shapes)} shapes: one per batch shape, not dynamic"
     )
     run(dataclasses.replace(cfg, compile=False, run_dir=str(tmp_path / "eager")), data)
     a, b = last_state(tmp_path / "compiled"), last_state(tmp_path / "eager")
-    # the same training up to rounding — but for the key projections' biases, whose true
-    # gradient is zero (softmax
-    # ignores what they add to a query's every score): Adam scales their rounding noise
-    # to learning-rate steps
+    # the same training up to rounding — but for the key projections' biases, whose true gradient is zero (softmax
+    # ignores what they add to a query's every score): Adam scales their rounding noise to learning-rate steps
     for k in a["model"]:
         atol = 1e-2 if k.endswith("w_k.bias") else 1e-6
         torch.testing.assert_close(
@@ -850,16 +833,14 @@ def test_compiled_training_with_inductor_on_the_cpu(tmp_path, monkeypatch):
 
     if not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
         pytest.skip(
-            "torch.compile's default backend (inductor) needs a C++ compiler on a "
-            "CPU; none on PATH"
+            "torch.compile's default backend (inductor) needs a C++ compiler on a CPU; none on PATH"
         )
     cfg = tiny_cfg(tmp_path / "run", max_steps=2, compile=True)
     summary, graphs, seconds = compile_count(
         monkeypatch, cfg, tiny_data(cfg), "inductor"
     )
     print(
-        f"\n--compile with inductor: {graphs} compilation(s), {seconds:.1f} s for 2 "
-        "updates of one shape"
+        f"\n--compile with inductor: {graphs} compilation(s), {seconds:.1f} s for 2 updates of one shape"
     )
     assert summary["steps"] == 2 and graphs == 1
     assert all(

@@ -73,10 +73,9 @@ def test_every_image_output_gets_alt_text_and_its_own_is_kept():
     outputs = build.with_alt_text(nb).cells[1].outputs
     assert outputs[0].metadata["image/png"]["alt"] == "Figure: A plot of the schedule:"
     assert outputs[1].metadata["image/png"]["alt"] == "its own words"
-    # input untouched
     assert (
         "metadata" not in nb.cells[1].outputs[0] or not nb.cells[1].outputs[0].metadata
-    )
+    )  # input untouched
 
 
 def test_prompts_warnings_and_progress_bars_stay_out_of_the_page():
@@ -117,8 +116,9 @@ def test_prompts_warnings_and_progress_bars_stay_out_of_the_page():
     html, _ = build.make_exporter(formulas).from_notebook_node(
         nb, resources={"page_css": "", "page_js": ""}
     )
-    # printed output and results stay
-    assert "loss 2.5" in html and "loss 1.9" in html and "42" in html
+    assert (
+        "loss 2.5" in html and "loss 1.9" in html and "42" in html
+    )  # printed output and results stay
     for debris in ("Warning", "40%|", "In [7]", "In&nbsp;[7]", "Out[7]", "$x^2$"):
         assert debris not in html, debris
     assert formulas == [{"tex": "x^2", "display": False}]
@@ -142,22 +142,12 @@ def test_heading_ids_are_short_ascii_from_the_notebooks_structure():
         "## Results\n\n## Label smoothing\n\n## Label smoothing"
     )
     ids = build.heading_ids(headings)
-    # fmt: skip
     assert [ids[id(h)] for h in headings] == [
-        "title",
-        "prelude",
-        "part-3",
-        "part-3-first-run-greedy",
-        "part-3-incremental-decoding-cache",
-        "part-2",
-        "s5-4",
-        "s5-4-label-smoothing",
-        "s3-2-1",
-        "part-2-iwslt14-german-english",
-        "results",
-        "part-2-label-smoothing",
+        "title", "prelude", "part-3", "part-3-first-run-greedy",
+        "part-3-incremental-decoding-cache", "part-2", "s5-4", "s5-4-label-smoothing",
+        "s3-2-1", "part-2-iwslt14-german-english", "results", "part-2-label-smoothing",
         "part-2-label-smoothing-2",
-    ]
+    ]  # fmt: skip
 
 
 def test_mentions_link_to_what_carries_them_and_nothing_else():
@@ -173,15 +163,11 @@ def test_mentions_link_to_what_carries_them_and_nothing_else():
     for h in headings:
         h["id"] = ids[id(h)]
     targets = build.mention_targets(soup, headings)
-    # fmt: skip
     assert targets == {
-        "Part 1": "part-1",
-        "§3": "part-1",
-        "§3.2": "s3-2",
-        "Table 3": "part-1-table-3-scale",
-        "§6.2": "part-1-table-3-scale",
+        "Part 1": "part-1", "§3": "part-1", "§3.2": "s3-2",
+        "Table 3": "part-1-table-3-scale", "§6.2": "part-1-table-3-scale",
         "§3.5": "part-1-learned-positions",
-    }
+    }  # fmt: skip
     assert build.link_mentions(soup, soup, targets) == 5
     linked = [a.get_text() for a in soup.find_all("a", class_="xref")]
     assert linked == ["Part\u00a01", "§3.2", "§6.2", "Table\u00a03", "§3.5"]
@@ -244,8 +230,10 @@ def test_a_high_dpi_figure_is_shown_at_half_its_pixels():
 
     assert shown(1440, 800) == (720, 400)  # drawn at 2×
     assert shown(700, 300) == (700, 300)  # drawn at 1×
-    # IPython's retina
-    assert shown(1440, 800, {"image/png": {"width": 480}}) == (480, 267)
+    assert shown(1440, 800, {"image/png": {"width": 480}}) == (
+        480,
+        267,
+    )  # IPython's retina
 
 
 def test_text_outputs_lose_moses_escapes():
@@ -269,16 +257,11 @@ def test_a_long_code_cell_folds_after_its_first_lines_and_never_inside_a_string(
 def test_the_command_line_cell_and_empty_cells_are_left_out():
     import nbformat
 
-    # fmt: skip
-    nb = nbformat.v4.new_notebook(
-        cells=[
-            nbformat.v4.new_code_cell("x = 1"),
-            nbformat.v4.new_code_cell(""),
-            nbformat.v4.new_code_cell(
-                'if __name__ == "__main__" and not IN_NOTEBOOK:\n    main()'
-            ),
-        ]
-    )
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("x = 1"), nbformat.v4.new_code_cell(""),
+        nbformat.v4.new_code_cell(
+            'if __name__ == "__main__" and not IN_NOTEBOOK:\n    main()'),
+    ])  # fmt: skip
     assert [c.source for c in build.prepare(nb).cells] == ["x = 1"]
 
 
