@@ -1,5 +1,6 @@
 """Code fits a page: the module, the package, the tests and the benchmarks are formatted
-by one formatter at 88 columns (ruff.toml), and no line is longer."""
+by one formatter at 88 columns (ruff.toml), and no line of the module, the package or the
+benchmarks is longer (tests may keep a long test name or assertion message)."""
 
 import shutil
 import subprocess
