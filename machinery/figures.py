@@ -249,9 +249,12 @@ def show_figure(fig, alt: str) -> None:
 
 
 def show_image(path: str, alt: str) -> None:
-    """Display the PNG at ``path`` as a cell output carrying ``alt`` text: stored in the
-    notebook, so hosted notebooks show it too (they cannot show relative Markdown
-    image paths)."""
+    """Display the PNG at ``path`` (relative paths: from here, else from the
+    repository) as a cell output carrying ``alt`` text: stored in the notebook, so
+    hosted notebooks show it too (they cannot show relative Markdown image paths)."""
     from IPython.display import Image, display
 
+    path = Path(path)
+    if not path.is_absolute() and not path.is_file():  # run from another folder
+        path = Path(__file__).resolve().parents[1] / path  # the repository's own
     display(Image(filename=str(path)), metadata={"image/png": {"alt": alt}})
