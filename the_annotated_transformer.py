@@ -2419,7 +2419,10 @@ if IN_NOTEBOOK:
     read = [w.lstrip("▁") or w for w in m30k_data.tgt_vocab.lookup_tokens(out_ids[:-1])]
     labels = {"encoder": (words, words), "decoder_self": (out, read),
               "decoder_src": (out, words)}  # fmt: skip
-    print(" ".join(out))
+    pieces = m30k_data.tgt_vocab.lookup_tokens(out_ids[1:-1])  # without <s> and </s>
+    print(
+        m30k_data.subwords.decode([pieces])[0] if m30k_data.subwords else " ".join(out)
+    )
     machinery.show_figure(
         machinery.draw_attention_overview(maps),
         "Small heat maps of every layer and head for the three kinds of attention.",
