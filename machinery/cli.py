@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, NoReturn, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -676,12 +676,13 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
-def script(argv: Sequence[str]) -> int:
+def script(argv: Sequence[str]) -> NoReturn:
     """``python the_annotated_transformer.py …``: :func:`main`, with Ctrl-C handled at
     both ends — our addition. Ctrl-C is Python's again while it runs (the module's
     start-up handler printed one line and left); once it has returned, another Ctrl-C
     (a second press, ~50 ms after the first) ends the process at once, quietly, with
-    the same status, rather than tracing back out of an exit handler."""
+    the same status, rather than tracing back out of an exit handler. It does not
+    return: the process ends with the status."""
     signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         status = main(argv)
@@ -694,4 +695,8 @@ def script(argv: Sequence[str]) -> int:
             sys.stdout.flush()
         except OSError:
             _quiet_stdout()
-    return status
+    if sys.stderr is not None:
+        sys.stderr.flush()
+    # Leave now: interpreter shutdown puts SIGINT's default action back, so a Ctrl-C
+    # arriving then would end the process by the signal instead of with ``status``.
+    os._exit(status)
