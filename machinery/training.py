@@ -17,7 +17,6 @@ import os
 import queue
 import random
 import signal
-import sys
 import threading
 import time
 import warnings
@@ -47,29 +46,25 @@ from .devices import (
     resolve_attention,
     resolve_device,
     resolve_precision,
-    restore_rng,
     seed_process,
     time_calls,
     unwrap,
 )
 from .figures import plot_curves
 from .parts import notebook
+from .resuming import find_checkpoint, newest_readable_checkpoint, resume  # noqa: F401
 from .runfiles import (
-    CheckpointError,
     Position,
     RunFiles,
     TrainingInterrupted,
-    UnreadableCheckpoint,
     average_checkpoints,
     checkpoint_paths,
     epoch_updates,
-    load_checkpoint,
-    resume_position,
     write_atomic,
 )
 
 if TYPE_CHECKING:
-    from the_annotated_transformer import Batch, EncoderDecoder, Subwords, Vocab
+    from the_annotated_transformer import Batch, EncoderDecoder
 
 
 class TrainingDiverged(RuntimeError):
@@ -177,165 +172,6 @@ class Run(Trainer):
     found: list = field(default_factory=list)
     # how precision and attention were decided: lines for the log and results.json
     decided: dict = field(default_factory=dict)
-
-
-# Resuming: the newest checkpoint that can be read, with everything it recorded.
-
-
-def newest_readable_checkpoint(
-    run_dir: Path,
-    cfg: Config,
-    src_vocab: Vocab,
-    tgt_vocab: Vocab,
-    subwords: Optional[Subwords],
-    tidy: bool,
-) -> Optional[tuple[Path, dict]]:
-    """(path, state) of the newest checkpoint of ``run_dir`` that can be read; None if
-    there is none — our addition.
-
-    Newer ones that cannot be read (truncated by a power loss) are skipped with a
-    warning and, if ``tidy`` (the process that writes), renamed to ``*.unreadable`` so
-    that the rotation never keeps them in place of good ones. A checkpoint that reads
-    but does not fit ``cfg`` or the vocabularies is an error, as is a directory where
-    none can be read.
-    """
-    paths = checkpoint_paths(run_dir)
-    bad = []
-    for path in reversed(paths):
-        try:
-            state = load_checkpoint(path, cfg, src_vocab, tgt_vocab, subwords)
-        except UnreadableCheckpoint as e:
-            bad.append(path)
-            if tidy:
-                print(
-                    f"warning: {e}; falling back to the checkpoint before it",
-                    file=sys.stderr,
-                )
-            continue
-        if tidy:
-            for b in bad:
-                os.replace(b, b.with_name(b.name + ".unreadable"))
-        return path, state
-    if bad:
-        raise CheckpointError(
-            f"none of the {len(bad)} checkpoint(s) in {run_dir} can be read; move them "
-            "away to start the run over"
-        )
-    return None
-
-
-# Resuming on several machines: each may hold checkpoints on its own disk, and which
-# machine is process 0 is not fixed (torchrun's c10d rendezvous ignores --node_rank).
-# So every process reports the newest checkpoint in its own run directory (one
-# `all_gather`), and the lowest-ranked process holding the newest reads it and hands it
-# to the others (a broadcast) — after DDP's own first broadcast of the weights, which
-# saw only the fresh model. The position is checked against the settings now in force
-# (`resume_position`, above): another number of processes or `accum_steps` continues
-# the same global order of batches; another `batch_tokens` inside an epoch cannot, and
-# is refused in one line.
-
-
-def _newest_step(run_dir: Path) -> int:
-    """The step of the newest checkpoint in ``run_dir`` by its name; -1 if none."""
-    paths = checkpoint_paths(run_dir)
-    return int(paths[-1].stem.split("-")[-1]) if paths else -1
-
-
-def find_checkpoint(
-    files: RunFiles,
-    cfg: Config,
-    data: Dataset,
-    rank: int,
-    world: int,
-    log: Callable = print,
-) -> Optional[tuple[Path, dict]]:
-    """(path, state) of the newest checkpoint any process holds, in every process; None
-    when no process holds one (our addition).
-
-    The holder's unreadable newer files are skipped as in
-    :func:`newest_readable_checkpoint`; an error there stops every process.
-    """
-    steps = [_newest_step(files.dir)]
-    if world > 1:
-        steps = [None] * world
-        dist.all_gather_object(steps, _newest_step(files.dir))
-    newest = max(steps)
-    if newest < 0:
-        return None
-    holder = steps.index(newest)
-    found, error = None, None
-    if rank == holder:
-        try:
-            found = newest_readable_checkpoint(
-                files.dir,
-                cfg,
-                data.src_vocab,
-                data.tgt_vocab,
-                data.subwords,
-                tidy=files.write,
-            )
-        except CheckpointError as e:
-            error = str(e)
-    if world > 1:
-        box = [found, error]
-        dist.broadcast_object_list(box, src=holder)
-        found, error = box
-        behind = {r: s for r, s in enumerate(steps) if s < newest}
-        if behind:
-            held = [f"step {s}" if s >= 0 else "none" for s in behind.values()]
-            log(
-                f"resuming from the checkpoint of step {newest} that process {holder} "
-                f"holds; process(es) {', '.join(map(str, behind))} held "
-                + ", ".join(held)
-            )
-    if error:
-        raise CheckpointError(error)
-    return found
-
-
-def resume(run: Run) -> Position:
-    """Restore the checkpoint ``setup`` found (the newest any process holds): model,
-    optimizer, schedule, scaler, RNGs; nothing if there is none.
-
-    Metrics logged after that checkpoint are dropped, so the resumed run logs no step
-    twice.
-    """
-    found = run.found.pop() if run.found else None
-    if found is None:
-        run.files.repair_metrics(0)
-        return Position()
-    path, state = found
-    pos, layout = resume_position(state, run.cfg, path)
-    run.model.load_state_dict(state["model"])
-    run.optimizer.load_state_dict(state["optimizer"])
-    run.scheduler.load_state_dict(state["scheduler"])
-    if state.get("scaler"):
-        run.scaler.load_state_dict(state["scaler"])
-    now = {
-        "world_size": run.world,
-        "accum_steps": run.cfg.accum_steps,
-        "batch_tokens": run.cfg.batch_tokens,
-    }
-    ranks = state["rng"].get("ranks")
-    if ranks is not None and len(ranks) == run.world:
-        restore_rng(ranks[run.rank], run.device)
-    elif ranks is None and run.world == 1:
-        # an older checkpoint: one process's streams
-        restore_rng(state["rng"], run.device)
-    else:
-        seed_process(run.cfg.seed, run.rank, pos.step)
-        run.log(
-            f"the checkpoint holds the random streams of {len(ranks or [0])} "
-            "process(es); "
-            f"{run.world} continue with fresh streams of their own"
-        )
-    run.log(
-        f"resumed from {path} at step {pos.step} (epoch {pos.epoch + 1}, "
-        f"{pos.batch_in_epoch} of its batches done)"
-        + ("" if layout == now else f"; written with {layout}, continuing with {now}")
-    )
-    run.files.repair_metrics(pos.step)
-    return pos
 
 
 # ### Validation
