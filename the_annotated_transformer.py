@@ -81,7 +81,6 @@ import math
 import os
 import random
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from types import MappingProxyType
@@ -100,7 +99,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
-from tqdm.auto import tqdm
 
 ANNOTATED_TRANSFORMER_NOTEBOOK = True  # how the machinery finds these definitions
 IN_NOTEBOOK = __name__ == "__main__" and "ipykernel" in sys.modules
@@ -143,14 +141,7 @@ import machinery  # noqa: E402  (after the hosted checkout above)
 from machinery import CORPORA, MODEL_PRESETS, ModelConfig, TrainingDiverged  # noqa: E402
 
 if IN_NOTEBOOK:
-    import importlib.util
-
-    def importable(name: str) -> bool:
-        return importlib.util.find_spec(name) is not None
-
-    machinery.hosted_setup(
-        machinery.hosted_setup_plan(os.environ, sys.modules, importable)
-    )
+    machinery.hosted_setup()  # in Colab or Kaggle: installs what is missing
 
 
 # %% [markdown]
@@ -209,8 +200,7 @@ class EncoderDecoder(nn.Module):
         return self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)
 
     def encode(self, src, src_mask):
-        r"""Map source token ids (batch, src_len) to $\mathbf{z}$ (batch, src_len,
-        d_model)."""
+        r"""Source ids (batch, src_len) → $\mathbf{z}$ (batch, src_len, d_model)."""
         return self.encoder(self.src_embed(src), src_mask)
 
     def decode(self, memory, src_mask, tgt, tgt_mask):
@@ -219,8 +209,7 @@ class EncoderDecoder(nn.Module):
 
 
 class Generator(nn.Module):
-    r"""The pre-softmax linear transformation and softmax of §3.4 (as
-    log-probabilities)."""
+    """The pre-softmax linear transformation and softmax of §3.4, as log-probs."""
 
     def __init__(self, d_model: int, vocab: int):
         super().__init__()
@@ -245,8 +234,7 @@ class Generator(nn.Module):
 
 # %%
 def clones(module: nn.Module, N: int) -> nn.ModuleList:
-    r"""$N$ identical, independently parameterised copies of ``module`` (the stacks of
-    §3.1)."""
+    r"""$N$ independently parameterised copies of ``module`` (the stacks of §3.1)."""
     return nn.ModuleList([copy.deepcopy(module) for _ in range(N)])
 
 
@@ -264,8 +252,7 @@ class Encoder(nn.Module):
         self.norm = nn.LayerNorm(layer.size) if norm_first else nn.Identity()
 
     def forward(self, x, mask):
-        """Pass (batch, src_len, d_model) through each layer; ``mask`` is the source
-        mask."""
+        """(batch, src_len, d_model) through each layer; ``mask``: the source mask."""
         for layer in self.layers:
             x = layer(x, mask)
         return self.norm(x)
@@ -329,8 +316,7 @@ class SublayerConnection(nn.Module):
         self.norm_first = norm_first
 
     def forward(self, x, sublayer: Callable):
-        """Apply ``sublayer`` (a function of (batch, len, d_model)) with residual and
-        norm."""
+        """``sublayer`` (of (batch, len, d_model)) with residual and norm."""
         if self.norm_first:
             return x + self.dropout(sublayer(self.norm(x)))
         return self.norm(x + self.dropout(sublayer(x)))
@@ -339,14 +325,7 @@ class SublayerConnection(nn.Module):
 class EncoderLayer(nn.Module):
     """One encoder layer of §3.1: self-attention, then the feed-forward network."""
 
-    def __init__(
-        self,
-        size: int,
-        self_attn,
-        feed_forward,
-        dropout: float,
-        norm_first: bool = False,
-    ):
+    def __init__(self, size, self_attn, feed_forward, dropout, norm_first=False):
         super().__init__()
         self.self_attn = self_attn
         self.feed_forward = feed_forward
@@ -373,8 +352,7 @@ class EncoderLayer(nn.Module):
 
 # %%
 class Decoder(nn.Module):
-    r"""The decoder stack of §3.1: $N$ identical layers (plus a final norm for
-    pre-norm)."""
+    r"""The decoder stack of §3.1: $N$ identical layers (+ a norm for pre-norm)."""
 
     def __init__(self, layer: nn.Module, N: int, norm_first: bool = False):
         super().__init__()
@@ -382,25 +360,17 @@ class Decoder(nn.Module):
         self.norm = nn.LayerNorm(layer.size) if norm_first else nn.Identity()
 
     def forward(self, x, memory, src_mask, tgt_mask):
-        """(batch, tgt_len, d_model) attending to ``memory`` (batch, src_len,
-        d_model)."""
+        """(batch, tgt_len, d_model), attending to ``memory`` (batch, src_len, ·)."""
         for layer in self.layers:
             x = layer(x, memory, src_mask, tgt_mask)
         return self.norm(x)
 
 
 class DecoderLayer(nn.Module):
-    """One decoder layer of §3.1: masked self-attention, encoder-decoder attention,
-    FFN."""
+    """One decoder layer of §3.1: self-attention, encoder-decoder attention, FFN."""
 
     def __init__(
-        self,
-        size: int,
-        self_attn,
-        src_attn,
-        feed_forward,
-        dropout: float,
-        norm_first: bool = False,
+        self, size, self_attn, src_attn, feed_forward, dropout, norm_first=False
     ):
         super().__init__()
         self.size = size
@@ -436,14 +406,12 @@ class DecoderLayer(nn.Module):
 
 # %%
 def subsequent_mask(size: int, device=None) -> torch.Tensor:
-    """Causal mask (1, size, size): position i may attend to positions j ≤ i — §3.1,
-    §3.2.3."""
+    """Causal mask (1, size, size): position i may attend to j ≤ i — §3.1, §3.2.3."""
     return torch.ones(1, size, size, dtype=torch.bool, device=device).tril()
 
 
 def padding_mask(ids: torch.Tensor, pad: int) -> torch.Tensor:
-    """Key mask (batch, 1, len) for token ids (batch, len): every real token may be
-    attended to, padding not."""
+    """Key mask (batch, 1, len) of ids (batch, len): real tokens True, padding False."""
     return (ids != pad).unsqueeze(-2)  # (batch, 1, len)
 
 
@@ -586,8 +554,7 @@ def _():
 
 # %%
 def per_head(mask):
-    """A (batch, len_q|1, len_k) mask as (batch, 1, len_q|1, len_k): the same for every
-    head (None stays None)."""
+    """A (batch, len_q|1, len_k) mask as (batch, 1, len_q|1, len_k), for every head."""
     # (batch, 1, len_q|1, len_k)
     return mask.unsqueeze(1) if mask is not None and mask.dim() == 3 else mask
 
@@ -631,13 +598,11 @@ class MultiHeadedAttention(nn.Module):
         return x.transpose(1, 2).reshape(batch, length, self.h * self.d_k)
 
     def project_q(self, query):
-        r"""$QW^Q_i$ for every head: (batch, len_q, d_model) → (batch, h, len_q,
-        d_k)."""
+        r"""$QW^Q_i$ of every head: (batch, len_q, d_model) → (batch, h, len_q, d_k)."""
         return self.split_heads(self.w_q(query))
 
     def project_kv(self, key, value):
-        r"""$KW^K_i$ and $VW^V_i$ for every head: (batch, len_k, d_model) → 2 × (batch,
-        h, len_k, d_k)."""
+        r"""$KW^K_i$, $VW^V_i$ of every head: → 2 × (batch, h, len_k, d_k)."""
         return self.split_heads(self.w_k(key)), self.split_heads(self.w_v(value))
 
     def attend(self, q, k, v, mask=None):
@@ -865,8 +830,7 @@ class LearnedPositionalEncoding(nn.Module):
         self.weight = nn.Parameter(torch.zeros(max_len, d_model))
 
     def forward(self, x, offset: int = 0):
-        """(batch, len, d_model) → same shape, with the vectors of positions offset …
-        offset+len−1 added."""
+        """(batch, len, d_model) + the vectors of positions offset … offset+len−1."""
         end = offset + x.size(1)
         if end > self.weight.size(0):
             raise ValueError(
@@ -884,16 +848,13 @@ POSITIONAL = MappingProxyType(
 # %% [markdown]
 # ## Aside: the fused attention path
 #
-# The readable `MultiHeadedAttention` of §3.2.2 spells out every step.
-# `FastMultiHeadedAttention` computes the same function with the same parameters (so
-# checkpoints move freely between the two), but (1) when query, key and value are one
-# tensor it does their projections as one matrix product, and (2) it calls
-# `torch.nn.functional.scaled_dot_product_attention`, which picks a fused kernel
-# (FlashAttention or memory-efficient attention on a GPU) and never materialises the
-# attention weights. A test shows both give the same numbers. Which is faster depends on
-# the device — on GPUs the fused kernels win; on CPUs we have seen either path ahead —
-# so a run with `attention="auto"` times both on its own device before it starts and
-# logs what it measured (`make bench` has the figures).
+# `FastMultiHeadedAttention` computes the function of §3.2.2 with the same parameters
+# (checkpoints move freely between the two), but does the three projections of
+# self-attention as one matrix product and calls PyTorch's
+# `scaled_dot_product_attention`, which picks a fused kernel (FlashAttention on a GPU)
+# and never materialises the attention weights. A test shows both give the same
+# numbers. Which is faster depends on the device, so `attention="auto"` times both on
+# the run's own device before it starts (`make bench` has figures).
 
 
 # %%
@@ -918,18 +879,8 @@ class FastMultiHeadedAttention(MultiHeadedAttention):
             return self.combine(*heads, mask)
         return super().forward(query, key, value, mask)
 
-    def project_kv(self, key, value):
-        """Both projections as one product when key and value are one tensor."""
-        if key is not value:
-            return super().project_kv(key, value)
-        weight = torch.cat([self.w_k.weight, self.w_v.weight])  # (2·h·d_k, d_model)
-        bias = torch.cat([self.w_k.bias, self.w_v.bias])
-        k, v = F.linear(key, weight, bias).chunk(2, dim=-1)  # 2 × (batch, len_k, h·d_k)
-        return self.split_heads(k), self.split_heads(v)  # (batch, h, len_k, d_k)
-
     def attend(self, q, k, v, mask=None):
-        """Eq. 1 through PyTorch's fused kernel; shapes as in the readable
-        ``attend``."""
+        """Eq. 1 by PyTorch's fused kernel; shapes as in the readable ``attend``."""
         p = self.dropout.p if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
 
@@ -1034,38 +985,9 @@ def _():
 # path between any two words is one layer long and all positions are computed at once;
 # an RNN must walk the sequence, one step per token. The price is the $n^2$ term:
 # attention costs less than a recurrent layer only while $n < d$, which holds for
-# sentences (tens of tokens) against $d_{\text{model}} = 512$. The small measurement
-# below times one self-attention layer against one `nn.LSTM` layer of the same width. On
-# a CPU, where both are limited by arithmetic rather than by parallelism, it mostly
-# shows the $n^2$ term: attention's time grows faster with $n$ than the LSTM's. What
-# Table 1 counts in attention's favour — $O(1)$ sequential operations instead of $O(n)$
-# — pays off on parallel hardware, which a 2-core CPU is not.
-
-
-# %%
-def time_layer(fn, *args, repeats: int = 3) -> float:
-    """Best wall-clock time of ``fn(*args)`` in milliseconds over ``repeats`` runs."""
-    best = float("inf")
-    with torch.no_grad():
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn(*args)
-            best = min(best, time.perf_counter() - t0)
-    return best * 1e3
-
-
-@example
-def _():
-    d = 256
-    self_attn = MultiHeadedAttention(8, d, 0.0).eval()
-    lstm = nn.LSTM(d, d, batch_first=True).eval()
-    print(" n   self-attention (ms)   LSTM (ms)")
-    for n in (16, 64, 256):
-        x = torch.randn(8, n, d)
-        print(
-            f"{n:3d}   {time_layer(self_attn, x, x, x):10.2f}   "
-            f"{time_layer(lstm, x):14.2f}"
-        )
+# sentences (tens of tokens) against $d_{\text{model}} = 512$. What Table 1 counts in
+# attention's favour — $O(1)$ sequential operations instead of $O(n)$ — pays off on
+# parallel hardware, which computes all positions of a layer at once.
 
 
 # %% [markdown]
@@ -1148,8 +1070,7 @@ BOS, EOS, PAD, UNK = range(4)  # ids of the specials in every Vocab
 
 # %%
 class Vocab:
-    """Token ↔ id mapping with the specials ``<s> </s> <blank> <unk>`` first (ids
-    0–3)."""
+    """Token ↔ id mapping, the specials ``<s> </s> <blank> <unk>`` first (ids 0–3)."""
 
     def __init__(self, itos: Sequence[str]):
         if tuple(itos[: len(SPECIALS)]) != SPECIALS:
@@ -1198,15 +1119,12 @@ class Vocab:
 # §3.4 share one matrix between both embeddings and the output layer.
 #
 # We use **sentencepiece** (`model_type="bpe"`) rather than writing the merges out: it
-# is fast (about half a second on Multi30k), deterministic, and its model is one small
-# file of bytes that a checkpoint can carry, so a checkpoint alone is enough to
-# translate. It works on raw text: a space becomes part of the next piece (`▁`), so
-# decoding the pieces gives the sentence back exactly, with no detokenizer. Its ids are
-# laid out to match `Vocab`: the four specials first, so `<blank>` is padding and
-# `<unk>` (printed as `<unk>`) is used only for a character never seen in training. The
-# model is trained on the **training split only** and cached beside the word
-# vocabularies, under a key made from the training files and the settings. `Config.vocab
-# = "words"` keeps the word-level vocabulary.
+# is fast, deterministic, and its model is a few bytes a checkpoint can carry, so a
+# checkpoint alone is enough to translate. It works on raw text: a space becomes part of
+# the next piece (`▁`), so decoding the pieces gives the sentence back exactly. Its ids
+# match `Vocab`'s: the four specials first, so `<unk>` is used only for a character
+# never seen in training. Like the vocabulary, it is trained on the **training split
+# only** and cached; `Config.vocab = "words"` keeps the word-level vocabulary.
 
 
 # %%
@@ -1230,8 +1148,7 @@ class Subwords:
 
     @classmethod
     def train(cls, sentences: Iterable[str], vocab_size: int) -> "Subwords":
-        """Learn a BPE model of at most ``vocab_size`` pieces (specials included) from
-        ``sentences``."""
+        """A BPE model of at most ``vocab_size`` pieces (specials included)."""
         import io
 
         import sentencepiece as spm
@@ -1293,8 +1210,7 @@ def pad_sequences(seqs: Sequence[Sequence[int]], pad: int = PAD) -> torch.Tensor
 
 
 class Batch:
-    """A training batch: ``src``, ``tgt`` (decoder input), ``tgt_y`` (what to predict),
-    masks, ``ntokens``."""
+    """A batch: ``src``, ``tgt`` (decoder input), ``tgt_y`` (targets), masks."""
 
     def __init__(
         self, src: torch.Tensor, tgt: torch.Tensor | None = None, pad: int = PAD
@@ -1316,18 +1232,13 @@ class Batch:
 
     def to(self, device) -> "Batch":
         """The same batch on ``device``; to a GPU through pinned memory, so the copy
-        overlaps computation."""
-        device = torch.device(device)
-        # non_blocking copies from ordinary (pageable) memory are synchronous
-        pin = device.type == "cuda"
+        overlaps computation (from pageable memory it would be synchronous)."""
+        pin = torch.device(device).type == "cuda"
         for name in ("src", "src_mask", "tgt", "tgt_y", "tgt_mask"):
             if hasattr(self, name):
                 t = getattr(self, name)
-                setattr(
-                    self,
-                    name,
-                    (t.pin_memory() if pin else t).to(device, non_blocking=pin),
-                )
+                t = t.pin_memory() if pin else t
+                setattr(self, name, t.to(device, non_blocking=pin))
         return self
 
 
@@ -1351,8 +1262,7 @@ def length_batches(
     rank: int = 0,
     world_size: int = 1,
 ) -> list[list[int]]:
-    """Index batches of similar-length pairs with ≤ ``batch_tokens`` padded tokens per
-    side."""
+    """Batches of similar-length pairs, ≤ ``batch_tokens`` padded tokens a side."""
     rng = random.Random(f"{seed}-{epoch}")
     order = list(range(len(lengths)))
     if shuffle:
@@ -1499,8 +1409,7 @@ class LabelSmoothing(nn.Module):
     def true_dist(
         self, target: torch.Tensor, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
-        """The smoothed target distribution q, (n, K); rows of padding positions are
-        zero."""
+        """The smoothed target distribution q (n, K); padding positions' rows are 0."""
         q = torch.full(
             (target.size(0), self.size),
             self.smoothing / self.size,
@@ -1601,8 +1510,7 @@ def batch_loss(
 def train_step(
     model: EncoderDecoder, batch: Batch, optimizer, scheduler, eps_ls: float
 ) -> tuple[float, float]:
-    """One optimizer update on ``batch`` — §5.3, §5.4: (loss per target token, rate
-    used)."""
+    """One update on ``batch`` — §5.3, §5.4: (loss per target token, rate used)."""
     loss = batch_loss(model, batch, eps_ls)
     if not math.isfinite(loss.item()):
         raise TrainingDiverged(f"loss is {loss.item()}")
@@ -1662,9 +1570,8 @@ def _():
 # al., 2016), a maximum output length of input length + 50, and stopping early when
 # possible. This part builds that up: greedy decoding first (the readable version), a
 # key/value cache that makes each step cost one position instead of the whole prefix,
-# beam search on top of the same step function, and `translate`, which decodes a test
-# set in batches. The parameters come from the end of training (Part 2) or from a
-# checkpoint (Part 4).
+# beam search on top of the same step function, and BLEU. The parameters come from the
+# end of training (Part 2) or from a checkpoint (Part 4).
 
 
 # %% [markdown]
@@ -1674,18 +1581,16 @@ def _():
 # start symbol, and repeatedly append the most probable next token. A *decoder state*
 # feeds one token per sentence and returns the scores of the next one; the readable one,
 # `FullRecomputeDecoder`, runs the decoder over the whole prefix each time.
-# `greedy_search` is the loop around any such state: it takes the argmax for a whole
+# `greedy_decode` is the loop around such a state: it takes the argmax for a whole
 # batch at once and stops when every sentence has produced the end symbol or the length
 # limit is reached (§6.1 uses input length + 50). The start symbol and the padding
 # symbol are never chosen: their scores are set to $-\infty$ before the argmax
-# (`ban_tokens`), since neither can occur inside a target sentence. An untrained model
-# produces noise, but every piece above has now run end to end.
+# (`ban_tokens`), since neither can occur inside a target sentence.
 
 
 # %%
 def ban_tokens(scores, tokens: Sequence[int]):
-    """``scores`` (..., vocab) with the ids in ``tokens`` set to −∞, so decoding never
-    picks them (§6.1)."""
+    """``scores`` (..., vocab) with ``tokens`` at −∞: decoding never picks them."""
     tokens = list(tokens)
     if not tokens:
         return scores
@@ -1726,8 +1631,7 @@ class FullRecomputeDecoder:
 
 
 # %% [markdown]
-# `greedy_decode` is that loop around the readable state; the cached state below plugs
-# into the same loop.
+# The loop around such a state; the cached state below plugs into the same loop.
 
 
 # %%
@@ -1740,36 +1644,19 @@ def greedy_decode(
     start_symbol: int,
     end_symbol: int | None = None,
     pad: int | None = None,
+    decoder: type = FullRecomputeDecoder,
 ):
-    """Batched greedy decoding (§3: auto-regressive generation), recomputing the whole
-    prefix each step.
+    """Batched greedy decoding (§3: auto-regressive generation): feed each newest token
+    to a ``decoder`` state and append the argmax, until every sentence has ended.
 
     ``src`` (batch, src_len) → token ids (batch, ≤ max_len) beginning with
     ``start_symbol``. A sentence that has produced ``end_symbol`` is padded with ``pad``
-    (default: the end symbol) afterwards, and decoding stops early once all have
-    finished. ``start_symbol`` and ``pad`` are never generated.
+    (default: the end symbol) afterwards. ``start_symbol`` and ``pad`` are never
+    generated. ``decoder`` is :class:`FullRecomputeDecoder` or, below, the cached
+    :class:`IncrementalDecoder`: the same tokens, at another cost.
     """
-    state = FullRecomputeDecoder(model, model.encode(src, src_mask), src_mask)
-    return greedy_search(
-        state, src.size(0), max_len, start_symbol, end_symbol, pad, src.device
-    )
-
-
-def greedy_search(
-    state,
-    batch: int,
-    max_len: int,
-    start_symbol: int,
-    end_symbol: int | None,
-    pad: int | None,
-    device,
-):
-    """The loop of greedy decoding (§3): feed each newest token to ``state`` and append
-    the argmax, until all end.
-
-    ``state.step(tokens (batch,))`` returns next-token scores (batch, vocab):
-    :class:`FullRecomputeDecoder` or the cached :class:`IncrementalDecoder`.
-    """
+    batch, device = src.size(0), src.device
+    state = decoder(model, model.encode(src, src_mask), src_mask)
     ys = torch.full((batch, 1), start_symbol, dtype=torch.long, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     fill = end_symbol if pad is None else pad
@@ -1786,7 +1673,7 @@ def greedy_search(
 
 
 # %% [markdown]
-# An untrained model decodes noise, but every piece above now runs end to end.
+# An untrained model decodes noise, but every piece above now runs end to end:
 
 
 # %%
@@ -1843,9 +1730,8 @@ class IncrementalDecoder:
     def __init__(self, model: EncoderDecoder, memory, src_mask):
         self.model = model
         self.src_mask = src_mask  # (batch, 1, src_len)
-        layers = (
-            model.decoder.layers
-        )  # per layer: (k, v), each (batch, h, src_len, d_k)
+        layers = model.decoder.layers
+        # per layer: (k, v), each (batch, h, src_len, d_k)
         self.cross = [x.src_attn.project_kv(memory, memory) for x in layers]
         # per layer: (k, v), (batch, h, t, d_k)
         self.self_kv: list = [None] * len(model.decoder.layers)
@@ -1877,8 +1763,7 @@ class IncrementalDecoder:
         return a.combine(q, k, v)
 
     def _src_attn(self, i: int, a: MultiHeadedAttention, y):
-        """Encoder-decoder attention of the newest position, with the cached projections
-        of ``memory``."""
+        """Encoder-decoder attention of the newest position (``memory`` cached)."""
         k, v = self.cross[i]
         return a.combine(a.project_q(y), k, v, self.src_mask)
 
@@ -1893,61 +1778,13 @@ class IncrementalDecoder:
 
 
 # %% [markdown]
-# Greedy decoding on top of it is the same loop, `greedy_search`, with one call to
-# `step` per token instead of a full decoder pass (§3). Same arguments, same result: a
-# test checks that both produce exactly the same tokens, in float64 and float32, with
-# padded sources in the batch, for the readable and the fast attention class, post-norm
-# and pre-norm.
-
-
-# %%
-@torch.no_grad()
-def greedy_decode_cached(
-    model: EncoderDecoder,
-    src,
-    src_mask,
-    max_len: int,
-    start_symbol: int,
-    end_symbol: int | None = None,
-    pad: int | None = None,
-):
-    """Batched greedy decoding (§3) with :class:`IncrementalDecoder`; the tokens of
-    :func:`greedy_decode`."""
-    memory = model.encode(src, src_mask)
-    state = IncrementalDecoder(model, memory, src_mask)
-    return greedy_search(
-        state, src.size(0), max_len, start_symbol, end_symbol, pad, src.device
-    )
-
-
-# %% [markdown]
-# What the cache saves grows with the output (§3's auto-regression): the full recompute
-# does $1 + 2 + … + T$ position-steps of decoder work for $T$ tokens, the cache $T$. The
-# table below times both on an untrained model with $d_{\text{model}}=256$ (no end
-# symbol, so every sentence runs to the given length) and checks they produced the same
-# tokens.
-
-
-# %%
-@example
-def _():
-    torch.manual_seed(0)
-    cfg = MODEL_PRESETS["tiny"]
-    model = make_model(1000, 1000, cfg, N=3, d_model=256, d_ff=1024, h=8).eval()
-    src = torch.randint(4, 1000, (32, 20))
-    mask = torch.ones(32, 1, 20, dtype=torch.bool)
-    print("output length   full recompute (s)   cached (s)   speed-up   same tokens")
-    for length in (10, 25, 50, 100) if PROFILE == "full" else (10,):
-        t0 = time.perf_counter()
-        full = greedy_decode(model, src, mask, length + 1, start_symbol=0)
-        t1 = time.perf_counter()
-        fast = greedy_decode_cached(model, src, mask, length + 1, start_symbol=0)
-        t2 = time.perf_counter()
-        print(
-            f"{length:13d}   {t1 - t0:18.3f}   {t2 - t1:10.3f}   "
-            f"{(t1 - t0) / (t2 - t1):8.1f}×   "
-            f"{torch.equal(full, fast)}"
-        )
+# Greedy decoding on top of it is the same loop with the other state,
+# `greedy_decode(..., decoder=IncrementalDecoder)`: one call to `step` per token instead
+# of a full decoder pass. A test checks that both produce exactly the same tokens, in
+# float64 and float32, with padded sources in the batch, for the readable and the fast
+# attention class, post-norm and pre-norm. What the cache saves grows with the output:
+# for $T$ tokens the full recompute does $1 + 2 + … + T$ position-steps of decoder work,
+# the cache $T$ (`make bench` times both).
 
 
 # %% [markdown]
@@ -1956,21 +1793,14 @@ def _():
 # §6.1 translates with beam search (beam size 4, length penalty $\alpha = 0.6$, citing
 # Wu et al. 2016), sets the maximum output length to the input length + 50, and
 # terminates early when possible (our summary of §6.1, not a quotation). The pieces, in
-# order: the length limit, the length penalty, beam search, and `translate`, which
-# decodes a whole set of sentences either greedily or with a beam.
+# order: the length limit, the length penalty, and beam search.
 #
-# **The length limit, precisely.** For a source sentence with $n$ tokens (BPE pieces or
-# words, whatever the vocabulary holds; not counting `<s>`, `</s>` and padding), at most
-# $n + $ `max_decode_extra` tokens are generated after `<s>`, and a final `</s>` counts
-# as one of them. So a translation that stops by itself has at most $n + 49$ tokens and
-# `</s>`, and one cut by the limit has exactly $n + 50$ tokens, without `</s>`. The same
-# rule holds for greedy, cached greedy and beam search, and tests check it exactly for
-# all three. The paper's models never meet the other limit, ours: the positional
-# encoding covers `max_len` positions, so the limit is min($n + 50$, `max_len` − 1), and
-# the target `<s>` $y_1 \dots y_L$ always fits. A source of more than `max_len` tokens
-# (with `<s>` and `</s>`) cannot be encoded at all; `translate` refuses it before
-# decoding anything, naming it, and the command line skips such lines and translates the
-# rest.
+# **The length limit, precisely.** For a source sentence of $n$ tokens (not counting
+# `<s>`, `</s>` and padding), at most $n + $ `max_decode_extra` tokens are generated
+# after `<s>`, a final `</s>` included; tests check this exactly for greedy, cached
+# greedy and beam search. The positional encoding covers `max_len` positions, so the
+# limit is min($n + 50$, `max_len` − 1); a longer source cannot be encoded at all, and
+# the command line skips such lines, naming them, and translates the rest.
 #
 # **Special tokens.** No decoder ever emits `<s>` or `<blank>` (their scores are set to
 # $-\infty$). `<unk>` is an ordinary token to the decoder: the model may produce it, and
@@ -1999,8 +1829,7 @@ def length_penalty(length, alpha: float):
 
 @torch.no_grad()
 def _beam_init(model, src, src_mask, beam_size: int, cached: bool):
-    """Encode once and build the decoder state for batch × beam rows (beam search,
-    §6.1)."""
+    """Encode once; a decoder state for batch × beam rows (beam search, §6.1)."""
     # (batch·k, src_len, d_model)
     memory = model.encode(src, src_mask).repeat_interleave(beam_size, dim=0)
     mask = src_mask.repeat_interleave(beam_size, dim=0)  # (batch·k, 1, src_len)
@@ -2105,68 +1934,11 @@ def beam_search(
 
 
 # %% [markdown]
-# `translate` decodes a list of id sequences in batches of similar length (so a batch
-# wastes little padding) and returns token lists without `<s>` and cut at `</s>`:
-# greedily with `beam_size=1`, otherwise with beam search; with the key/value cache
-# whenever the model is an `EncoderDecoder`. The result does not depend on how sentences
-# are batched. Decoding runs on the device it is asked for: the model is moved there
-# first.
-
-
-# %%
-@torch.no_grad()
-def translate(
-    model: EncoderDecoder,
-    sources: Sequence[list[int]],
-    tgt_vocab: Vocab,
-    cfg,
-    device,
-    progress: bool = False,
-    beam_size: int = 1,
-    alpha: float = 0.0,
-    cached: bool | None = None,
-) -> list[list[str]]:
-    """Translations (token lists, without <s>, cut at </s>) of id sequences — §6.1
-    decoding, batched by length.
-
-    ``beam_size=1`` is greedy decoding, otherwise :func:`beam_search` with length
-    penalty ``alpha``. ``cached`` (default: when the model is an
-    :class:`EncoderDecoder`) uses the key/value cache. At most min(n +
-    ``cfg.max_decode_extra``, ``cfg.max_len`` − 1) tokens follow <s> (see above);
-    sources longer than ``cfg.max_len`` raise ``ValueError``."""
-    if too_long := [i for i, s in enumerate(sources) if len(s) > cfg.max_len]:
-        raise ValueError(
-            f"sources {too_long[:10]} are longer than max_len={cfg.max_len} positions"
-        )
-    model = model.to(device)
-    model.eval()
-    if cached is None:
-        cached = isinstance(model, EncoderDecoder)
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-    out: list = [None] * len(sources)
-    starts = range(0, len(order), cfg.eval_batch_size)
-    for s in tqdm(starts, desc="decoding", disable=not progress, leave=False):
-        idx = order[s : s + cfg.eval_batch_size]
-        src = pad_sequences([sources[i] for i in idx]).to(device)
-        src_mask = padding_mask(src, PAD)  # (batch, 1, src_len)
-        # (batch,)
-        limits = max_output_tokens(src, cfg.max_decode_extra).clamp(max=cfg.max_len - 1)
-        if beam_size == 1:
-            decode = greedy_decode_cached if cached else greedy_decode
-            ys = decode(model, src, src_mask, 1 + int(limits.max()), BOS, EOS, PAD)
-            # each sentence's own limit
-            rows = [row[1 : 1 + n] for row, n in zip(ys.tolist(), limits.tolist())]
-        else:
-            args = (limits, BOS, EOS, beam_size, alpha, [PAD], cached)
-            rows = beam_search(model, src, src_mask, *args)
-        for i, row in zip(idx, rows):
-            out[i] = tgt_vocab.lookup_tokens(
-                row[: row.index(EOS)] if EOS in row else row
-            )
-    return out
-
-
-# %% [markdown]
+# To decode a whole test set, `machinery.translate` sorts the sentences by length into
+# batches (so a batch wastes little padding), decodes each greedily or with the beam
+# above — with the key/value cache — and returns token lists cut at `</s>`, in the
+# order they came; the result does not depend on the batching (a test checks it).
+#
 # Then ids become text and sacreBLEU scores it, each data set as its record says. BPE
 # pieces are joined back by sentencepiece; a word-level vocabulary's Multi30k output is
 # detokenized with sacremoses. Multi30k is scored against the raw, cased references with
@@ -2180,8 +1952,7 @@ def translate(
 def detokenize(
     tokens_list: Sequence[list[str]], dataset: str, subwords: Subwords | None = None
 ) -> list[str]:
-    """Token lists → strings in the form ``dataset``'s references have (its record
-    says); BPE pieces are decoded."""
+    """Token lists → strings in the form of ``dataset``'s references (its record)."""
     if subwords is not None:
         return subwords.decode(tokens_list)
     if CORPORA[dataset].detokenize == "moses":
@@ -2201,8 +1972,7 @@ class Bleu(NamedTuple):
 
 
 def bleu(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> Bleu:
-    """Corpus BLEU (§6.1's metric) with sacreBLEU, tokenized as ``dataset``'s record
-    says — the one BLEU here."""
+    """Corpus BLEU (§6.1's metric) by sacreBLEU, as ``dataset``'s record says."""
     import sacrebleu
 
     tokenize = CORPORA[dataset].bleu_tokenize
