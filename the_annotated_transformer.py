@@ -2104,15 +2104,25 @@ if IN_NOTEBOOK:
     table3 = json.loads(TABLE3.read_text()) if TABLE3.is_file() else {"rows": []}
     done = [r for r in table3["rows"] if r.get("status") == "done"]
     seeds = [r["bleu"] for r in done if r["group"] == "base"]
-    print(f"budget: {table3.get('budget')}; base seeds: {seeds}")
-    print("row            params  ppl   BLEU   greedy | paper: ppl  BLEU  params")
+    budget = table3.get("budget") or {}
+    print(
+        f"every row: {budget.get('epochs')} epochs of {budget.get('preset')}, the last "
+        f"checkpoint scored; base seeds: {', '.join(f'{x:.2f}' for x in seeds)} BLEU"
+    )
+    print("row          params  ppl   BLEU  greedy vs seeds | paper: ppl  BLEU params")
     for r in done:
-        p = r["paper"] or {}
+        p, bleu = r["paper"] or {}, r["bleu"]
+        # against the base's seeds: the difference from their mean, and whether the
+        # row lies inside their range (then it is within the noise)
+        inside = min(seeds) <= bleu <= max(seeds)
+        versus = f"{bleu - sum(seeds) / len(seeds):+5.1f}{' ~' if inside else '  '}"
         print(
-            f"{r['name']:13s} {r['params'] / 1e6:6.2f}M {r['valid_ppl']:5.2f} "
-            f"{r['bleu']:6.2f} {r['bleu_greedy']:6.2f} | {p.get('ppl_dev', '')!s:>9} "
-            f"{p.get('bleu_dev', '')!s:>5} {p.get('params_million', '')!s:>5}"
+            f"{r['name']:11s} {r['params'] / 1e6:6.2f}M {r['valid_ppl']:5.2f} "
+            f"{bleu:6.2f} {r['bleu_greedy']:6.2f} {versus:>8} | "
+            f"{p.get('ppl_dev', '')!s:>9} {p.get('bleu_dev', '')!s:>5} "
+            f"{p.get('params_million') or '':>5}"
         )
+    print("vs seeds: BLEU minus the seeds' mean; ~ inside the seeds' range (noise)")
     if Path("results/table3.png").is_file():
         alt = "Test BLEU of each Table 3 variation beside the band of the base's seeds."
         display(
@@ -2211,13 +2221,10 @@ if IN_NOTEBOOK:
 # published IWSLT14 numbers are. Where `make train` left its run in `runs/`, its scores
 # are shown instead; on a CPU without one, the reported run's summary in `results/`.
 #
-# In a hosted notebook (Colab, Kaggle) on a free T4 the full recipe's 50 epochs take
-# 1–2 hours, more than a free session is sure to last, so there it trains 15: about
-# 1,475 updates an epoch of ~780 GFLOP each, at the 12–16 TFLOP/s a T4 sustains in fp16
-# (a fifth to a quarter of its peak; the ~10 ms of host work an update needs overlaps
-# the ~50–65 ms of GPU work), is 18–24 minutes, and validation, data preparation and
-# the test set's beam search bring it to about 30–35 minutes — an estimate, not yet
-# measured on a T4. Set `ANNOTATED_TRANSFORMER_FULL=1` for the full 50 epochs.
+# In a hosted notebook (Colab, Kaggle) the full recipe's 50 epochs would outlast a free
+# session, so there it trains 15 (about half an hour on a T4 by our estimate from the
+# model's FLOPs, not yet measured; the estimate is in `results/README.md`). Set
+# `ANNOTATED_TRANSFORMER_FULL=1` for the full 50 epochs.
 
 # %%
 if IN_NOTEBOOK:
