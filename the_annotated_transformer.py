@@ -1254,15 +1254,10 @@ class Batch:
 
 # %%
 def length_batches(
-    lengths: Sequence[tuple[int, int]],
-    batch_tokens: int,
-    seed: int = 0,
-    epoch: int = 0,
-    shuffle: bool = True,
-    rank: int = 0,
-    world_size: int = 1,
+    lengths, batch_tokens, seed=0, epoch=0, shuffle=True, rank=0, world_size=1
 ) -> list[list[int]]:
-    """Batches of similar-length pairs, ≤ ``batch_tokens`` padded tokens a side."""
+    """Index batches of similar-length pairs, given each pair's (source, target)
+    lengths: at most ``batch_tokens`` tokens, padding included, on either side."""
     rng = random.Random(f"{seed}-{epoch}")
     order = list(range(len(lengths)))
     if shuffle:
@@ -1680,16 +1675,10 @@ def greedy_decode(
 @example
 def _():
     untrained = make_model(11, 11, MODEL_PRESETS["tiny"]).eval()
-    print(
-        "untrained model's output:",
-        greedy_decode(
-            untrained,
-            torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]),
-            torch.ones(1, 1, 10, dtype=torch.bool),
-            max_len=10,
-            start_symbol=0,
-        )[0].tolist(),
-    )
+    src = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]])
+    mask = torch.ones(1, 1, 10, dtype=torch.bool)
+    ys = greedy_decode(untrained, src, mask, max_len=10, start_symbol=0)
+    print("untrained model's output:", ys[0].tolist())
 
 
 # %% [markdown]
@@ -2016,11 +2005,8 @@ if IN_NOTEBOOK:
 
 # %%
 if IN_NOTEBOOK:
-    copy_cfg = machinery.get_config(
-        "copy", run_dir=str(NOTEBOOK_RUNS / "copy"), **SMOKE
-    )
-    # no bars in stored outputs
-    copy_summary = machinery.train(copy_cfg, progress=False)
+    copy_cfg = machinery.get_config("copy", run_dir=f"{NOTEBOOK_RUNS}/copy", **SMOKE)
+    copy_summary = machinery.train(copy_cfg, progress=False)  # no bars in outputs
     print(
         f"copy task: {copy_summary['steps']} updates, BLEU {copy_summary['bleu']:.1f}"
     )
