@@ -96,22 +96,15 @@ from .devices import (  # noqa: F401
     unwrap,
 )
 from .training import (  # noqa: F401
-    LONG_MINUTES,
-    OVERSIZED,
     PREFETCH,
     PROBE_TOKENS,
     Run,
     Trainer,
     TrainingDiverged,
-    UpdateClock,
     decide_compute,
-    evaluate_loss,
-    evaluate_test,
     find_checkpoint,
     measure_compute,
     newest_readable_checkpoint,
-    plan_run,
-    planned_updates,
     prefetched,
     probe_batch,
     resume,
@@ -119,6 +112,17 @@ from .training import (  # noqa: F401
     train,
     train_epoch,
     update,
+)
+from .evaluation import (  # noqa: F401
+    evaluate_loss,
+    evaluate_test,
+)
+from .planning import (  # noqa: F401
+    LONG_MINUTES,
+    OVERSIZED,
+    UpdateClock,
+    plan_run,
+    planned_updates,
 )
 from .figures import (  # noqa: F401
     ATTENTION_KINDS,
@@ -158,4 +162,7 @@ from .hosted import (  # noqa: F401
 )
 from .parts import (  # noqa: F401
     notebook,
+)
+from .translation import (  # noqa: F401
+    translate,
 )

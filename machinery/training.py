@@ -1,5 +1,8 @@
-"""The production training loop: resuming, accumulation, precision, several processes,
-validation, the plan and estimate, and the test score at the end.
+"""The production training loop: accumulation, precision, several processes, batches
+built ahead of the device, epochs and checkpoints, and `train`, which runs them all.
+
+Around it, by topic: resuming in `resuming.py`, the validation loss and the test score
+in `evaluation.py`, the plan and estimate in `planning.py`.
 
 It builds on the notebook's Part 2: the same batches (`length_batches`, `make_batch`),
 the same loss (`batch_loss`, `loss_sum`), the same optimizer and schedule
@@ -9,7 +12,6 @@ gradients of several micro-batches and processes are summed before the one step.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -22,7 +24,6 @@ import time
 import warnings
 from contextlib import closing, nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
@@ -32,7 +33,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from tqdm.auto import tqdm
 
 from .config import Config, run_dir_for
-from .data import CORPORA, Dataset, load_dataset
+from .data import Dataset, load_dataset
 from .devices import (
     StopRequest,
     _barrier,
@@ -41,23 +42,22 @@ from .devices import (
     allow_tf32,
     any_process,
     measured_ratio,
-    on_device,
     precision_candidates,
     resolve_attention,
     resolve_device,
     resolve_precision,
     seed_process,
     time_calls,
-    unwrap,
 )
+from .evaluation import evaluate_loss, evaluate_test
 from .figures import plot_curves
 from .parts import notebook
+from .planning import UpdateClock, plan_run
 from .resuming import find_checkpoint, newest_readable_checkpoint, resume  # noqa: F401
 from .runfiles import (
     Position,
     RunFiles,
     TrainingInterrupted,
-    average_checkpoints,
     checkpoint_paths,
     epoch_updates,
     write_atomic,
@@ -172,123 +172,6 @@ class Run(Trainer):
     found: list = field(default_factory=list)
     # how precision and attention were decided: lines for the log and results.json
     decided: dict = field(default_factory=dict)
-
-
-# ### Validation
-#
-# After every epoch: the mean cross-entropy per target token on the validation split,
-# without label smoothing, so that $e^{\text{loss}}$ is the perplexity.
-
-
-@torch.no_grad()
-def evaluate_loss(model: nn.Module, pairs: Sequence, cfg: Config, device) -> float:
-    """Mean cross-entropy per target token (no label smoothing) on ``pairs``."""
-    nb = notebook()
-    model.eval()
-    total, ntokens = 0.0, 0
-    lengths = [(len(s), len(t)) for s, t in pairs]
-    for idx in nb.length_batches(lengths, cfg.batch_tokens, shuffle=False):
-        b = nb.make_batch(pairs, idx).to(device)
-        out = model(b.src, b.tgt, b.src_mask, b.tgt_mask)
-        total += float(nb.loss_sum(unwrap(model).generator(out), b.tgt_y, 0.0))
-        ntokens += b.ntokens
-    return total / max(ntokens, 1)
-
-
-# ### How long, and is the run sized for this data?
-#
-# Before long work a run says what it will do: how many updates, and — after its first
-# few updates, timed on this machine — roughly how many minutes of training that is. A
-# preset is sized for a data set and a device (`iwslt14-small` for the full IWSLT14 set
-# on a GPU), so a run also says, in one line, when its model is far larger than its
-# training data, or when it will take hours on this device, and then goes on: the choice
-# stays the user's.
-
-# parameters per training target token above which a model is "sized for more data"
-OVERSIZED = 50
-LONG_MINUTES = 120  # an estimate above this on a CPU is said out loud
-
-
-@dataclass
-class UpdateClock:
-    """Times updates ``skip+1 … skip+count`` of this process's run and logs one estimate
-    for the rest."""
-
-    remaining: int  # updates this run will take from where it starts
-    device: torch.device
-    log: Callable
-    skip: int = 3  # the first updates are slower (allocation, caches)
-    count: int = 10
-    seen: int = 0
-    t0: float = 0.0
-    minutes: Optional[float] = None  # the estimate, once made
-
-    def tick(self) -> None:
-        """Call after every update."""
-        self.seen += 1
-        if self.seen == self.skip:
-            self.t0 = time.time()
-        elif self.seen == self.skip + self.count:
-            per_update = (time.time() - self.t0) / self.count
-            self.minutes = per_update * (self.remaining - self.seen) / 60
-            self.log(
-                f"estimate: {per_update:.2f} s per update measured here → about "
-                f"{self.minutes:.0f} min for the "
-                f"remaining {self.remaining - self.seen:,} updates (validation and "
-                "test decoding come on top)"
-            )
-            if self.device.type == "cpu" and self.minutes > LONG_MINUTES:
-                self.log(
-                    f"note: about {self.minutes / 60:.1f} h on this CPU — this preset "
-                    "is sized for a GPU; "
-                    "--epochs or --max_steps shortens it, or see the CPU presets in "
-                    "the README"
-                )
-
-
-def planned_updates(cfg: Config, data: Dataset, world: int) -> tuple[int, int, list]:
-    """The run's length, for the plan (our addition): (updates of the whole run, updates
-    per epoch, (source, target) lengths of the first epoch's pairs)."""
-    nb = notebook()
-    lengths = [(len(s), len(t)) for s, t in data.splits["train"]]
-    batches = len(
-        nb.length_batches(
-            lengths, cfg.batch_tokens, cfg.seed, 0, rank=0, world_size=world
-        )
-    )
-    per_epoch = math.ceil(batches / cfg.accum_steps)
-    total = (
-        per_epoch * cfg.epochs
-        if not cfg.max_steps
-        else min(per_epoch * cfg.epochs, cfg.max_steps)
-    )
-    return total, per_epoch, lengths
-
-
-def plan_run(
-    cfg: Config, data: Dataset, world: int, step: int, model: nn.Module
-) -> tuple[int, list[str]]:
-    """(updates left to take, lines for the log): the run's length and whether the model
-    suits the data."""
-    nb = notebook()
-    total, per_epoch, lengths = planned_updates(cfg, data, world)
-    tokens = sum(t - 1 for _, t in lengths)  # target tokens predicted per epoch
-    lines = [
-        f"plan: {cfg.epochs} epochs × {per_epoch:,} updates"
-        + (f", at most {cfg.max_steps:,} updates" if cfg.max_steps else "")
-        + f" = {total:,} updates ({max(total - step, 0):,} to go) on {len(lengths):,} "
-        "training pairs "
-        f"({tokens:,} target tokens per epoch)"
-    ]
-    ratio = nb.count_parameters(model) / max(tokens, 1)
-    if ratio > OVERSIZED:
-        lines.append(
-            f"note: the model has {ratio:.0f} parameters per training target token — "
-            "it is sized for far "
-            "more data than this and will overfit it; a smaller preset suits this "
-            "data (see the README)"
-        )
-    return max(total - step, 0), lines
 
 
 # ### Batches ahead of the device
@@ -448,7 +331,7 @@ def train_epoch(
     return finished
 
 
-# ### Setting up, scoring, and `train`
+# ### Setting up, and `train`
 #
 # `setup` builds a run's objects: the run directory and the checkpoint to resume from,
 # the precision and attention path (kept from that checkpoint, or asked for, or
@@ -644,93 +527,6 @@ def setup(
         found=[found] if found else [],
         decided=decided,
     )
-
-
-# At the end of training the test set is translated twice — greedy, and with beam search
-# (§6.1) — optionally with the last checkpoints averaged, and scored; `plot_curves`
-# draws the training and validation loss from the metrics log (next cell).
-
-
-def evaluate_test(
-    model: nn.Module,
-    data: Dataset,
-    cfg: Config,
-    device,
-    run_dir: Optional[Path] = None,
-    log: Callable = print,
-    progress: bool = True,
-) -> dict:
-    """Decode the test set greedily and with beam search (§6.1), optionally averaging
-    the last checkpoints; BLEU.
-
-    ``bleu`` is the beam-search score (``cfg.beam_size``, ``cfg.length_penalty_alpha``),
-    ``bleu_greedy`` the greedy one.
-    """
-    nb = notebook()
-    model = unwrap(model)
-    if cfg.average_last > 1 and run_dir is not None:
-        paths = checkpoint_paths(run_dir)[-cfg.average_last :]
-        model = copy.deepcopy(model)
-        model.load_state_dict(average_checkpoints(paths))
-        log(f"evaluating the average of {len(paths)} checkpoints")
-    model = on_device(model, device)
-    test = data.splits["test"]
-    refs = data.test_refs
-    if cfg.max_eval_sentences:
-        test, refs = test[: cfg.max_eval_sentences], refs[: cfg.max_eval_sentences]
-    kind = CORPORA[data.name].bleu_kind
-    sources = [s for s, _ in test]
-    t0 = time.time()
-    greedy_hyps = nb.detokenize(
-        nb.translate(model, sources, data.tgt_vocab, cfg, device, progress=progress),
-        data.name,
-        data.subwords,
-    )
-    score_greedy = nb.bleu(greedy_hyps, refs, data.name).score
-    log(
-        f"test BLEU ({kind}, sacreBLEU, greedy, {len(test):,} sentences): "
-        f"{score_greedy:.2f}"
-    )
-    t1 = time.time()
-    tokens = nb.translate(
-        model,
-        sources,
-        data.tgt_vocab,
-        cfg,
-        device,
-        progress=progress,
-        beam_size=cfg.beam_size,
-        alpha=cfg.length_penalty_alpha,
-    )
-    hyps = nb.detokenize(tokens, data.name, data.subwords)
-    score = nb.bleu(hyps, refs, data.name).score
-    unk_share = sum(t == nb.SPECIALS[nb.UNK] for toks in tokens for t in toks) / max(
-        sum(map(len, tokens)), 1
-    )
-    log(
-        f"test BLEU ({kind}, sacreBLEU, beam {cfg.beam_size}, alpha "
-        f"{cfg.length_penalty_alpha}, "
-        f"{len(test):,} sentences): {score:.2f}; <unk> in {unk_share:.2%} of output "
-        "tokens"
-    )
-    examples = []
-    for i in range(min(cfg.examples_to_show, len(test))):
-        pieces = data.src_vocab.lookup_tokens(test[i][0][1:-1])
-        src = data.subwords.decode([pieces])[0] if data.subwords else " ".join(pieces)
-        examples.append({"source": src, "reference": refs[i], "output": hyps[i]})
-        log(f"  source:    {src}\n  reference: {refs[i]}\n  output:    {hyps[i]}")
-    return {
-        "bleu": score,
-        "bleu_greedy": score_greedy,
-        "bleu_kind": kind,
-        "unk_share": unk_share,
-        "beam_size": cfg.beam_size,
-        "length_penalty_alpha": cfg.length_penalty_alpha,
-        "test_sentences": len(test),
-        "decode_minutes": (time.time() - t0) / 60,
-        "decode_minutes_greedy": (t1 - t0) / 60,
-        "examples": examples,
-    }
 
 
 # `train` is the function the command line, `make train` and Part 4 all call: set up,

@@ -19,6 +19,7 @@ if str(ROOT) not in sys.path:  # normally done by conftest.py
 
 import machinery  # noqa: E402
 import machinery.devices  # noqa: E402
+import machinery.evaluation  # noqa: E402
 import machinery.training  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
 from the_annotated_transformer import PAD  # noqa: E402
@@ -665,7 +666,7 @@ def test_decoding_moves_a_model_that_is_elsewhere(monkeypatch):
     # evaluate_test hands its model to on_device with the device it was asked for, and translate moves it there
     asked, moved = [], []
     monkeypatch.setattr(
-        machinery.training,
+        machinery.evaluation,
         "on_device",
         lambda m, device: asked.append(torch.device(device)) or m,
     )

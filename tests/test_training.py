@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:  # normally done by conftest.py
 import machinery  # noqa: E402
 import machinery.devices  # noqa: E402
 import machinery.parts  # noqa: E402
+import machinery.planning  # noqa: E402
 import machinery.training  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
 from the_annotated_transformer import BOS, EOS, PAD  # noqa: E402
@@ -630,7 +631,7 @@ def test_the_clock_estimates_once_from_timed_updates_and_warns_on_long_cpu_runs(
     monkeypatch,
 ):
     now = [100.0]
-    monkeypatch.setattr(machinery.training.time, "time", lambda: now[0])
+    monkeypatch.setattr(machinery.planning.time, "time", lambda: now[0])
     lines = []
     clock = machinery.UpdateClock(
         remaining=10_013, device=torch.device("cpu"), log=lines.append
