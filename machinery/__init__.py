@@ -139,20 +139,22 @@ from .figures import (  # noqa: F401
 )
 from .cli import (  # noqa: F401
     COMMANDS,
-    OneLineParser,
     config_from_args,
+    main,
+    environment_problem,
+    script,
+    usage,
+)
+from .inference import (  # noqa: F401
+    OneLineParser,
     config_from_dict,
     encode_sources,
     evaluation_pairs,
     inference_parser,
     load_for_inference,
-    main,
-    environment_problem,
     run_inference_command,
-    script,
     skipped_message,
     translate_lines,
-    usage,
 )
 from .hosted import (  # noqa: F401
     HOSTED_PACKAGES,
