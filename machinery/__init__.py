@@ -26,25 +26,29 @@ from .config import (  # noqa: F401
 from .data import (  # noqa: F401
     CORPORA,
     Corpus,
-    DataError,
     DataSource,
     Dataset,
     build_subwords,
     build_vocabs,
     default_data_dir,
-    download,
     fetch_dataset,
     load_dataset,
     locate_dataset,
     locate_test_split,
     make_copy_data,
     make_tokenizer,
-    prepare_iwslt14,
+)
+from .datafiles import (  # noqa: F401
+    DataError,
+    download,
     read_bounded,
     read_lines,
     read_parallel,
     read_stream,
     split_lines,
+)
+from .iwslt import (  # noqa: F401
+    prepare_iwslt14,
 )
 from .runfiles import (  # noqa: F401
     CheckpointError,

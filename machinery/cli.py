@@ -18,7 +18,7 @@ from typing import NoReturn, Optional, Sequence
 import torch.distributed as dist
 
 from .config import PRESETS, Config, default_preset, get_config, run_dir_for
-from .data import DataError
+from .datafiles import DataError
 from .inference import OneLineParser, _quiet_stdout, run_inference_command
 from .runfiles import (
     CheckpointError,

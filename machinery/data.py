@@ -1,32 +1,29 @@
-"""Data sets: their records, where their files come from, reading them, and loading one.
+"""Data sets: their records, where their files come from, and loading one.
 
 Each data set is one `Corpus` record (§5.1 names the paper's; ours are Multi30k, IWSLT14
 and the copy task). `load_dataset` locates the files (a local mirror, the data folder,
-or
-a download), reads them carefully, builds the vocabulary with the notebook's `Vocab` or
-`Subwords` (cached), and numbers every split.
+or a download), reads them carefully, builds the vocabulary with the notebook's `Vocab`
+or `Subwords` (cached), and numbers every split. Downloading and reading a file are in
+`datafiles.py`, IWSLT14's preparation from its raw archive in `iwslt.py`.
 """
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
 import random
-import re
 import tarfile
-import urllib.request
-import zlib
+import urllib.error
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
-from tqdm.auto import tqdm
-
+from .datafiles import DataError, download, read_parallel
+from .iwslt import prepare_iwslt14
 from .parts import notebook
-from .runfiles import atomic_file, write_atomic
+from .runfiles import write_atomic
 
 if TYPE_CHECKING:
     from the_annotated_transformer import Subwords, Vocab
@@ -70,7 +67,7 @@ class Corpus:
 
 
 # The three records. Multi30k's files are published one by one and pinned; IWSLT14 is
-# published as the raw TED archive, which `prepare_iwslt14` (Appendix) turns into the
+# published as the raw TED archive, which `prepare_iwslt14` (`iwslt.py`) turns into the
 # standard layout, and a folder holding only its training sample still trains (Part 4).
 # IWSLT14's validation pairs are every 23rd line of the training talks
 # (`valid_from_train`).
@@ -135,10 +132,6 @@ CORPORA = MappingProxyType(
         )
     }
 )
-
-
-class DataError(RuntimeError):
-    """A data set is missing, malformed or cannot be fetched."""
 
 
 # Building a vocabulary means tokenizing the whole training split, so the result is
@@ -224,10 +217,11 @@ def build_subwords(
 # Each data set is a folder of parallel files. The loader looks, in order, in a local
 # **mirror** folder (`Config.data_mirror`, or the environment variable `DATA_MIRROR`),
 # then in its own data folder (`Config.data_dir`, or `ANNOTATED_TRANSFORMER_DATA`, or
-# `./data`), and finally downloads what is missing. Downloads are checked against a
-# pinned SHA-256 where one is known and are written atomically (to a temporary file that
-# is renamed only when complete). For IWSLT14 the download is the raw TED archive, which
-# `prepare_iwslt14` turns into the standard layout.
+# `./data`), and finally downloads what is missing. Downloads (`download`, in
+# `datafiles.py`) are checked against a pinned SHA-256 where one is known and are
+# written atomically (to a temporary file that is renamed only when complete). For
+# IWSLT14 the download is the raw TED archive, which `prepare_iwslt14` (`iwslt.py`)
+# turns into the standard layout.
 
 # Where the files are published and which checksums are pinned is in each data set's
 # record (Part 2, `CORPORA`). Downloads and caches go to the data folder:
@@ -236,154 +230,6 @@ def build_subwords(
 def default_data_dir() -> Path:
     """``$ANNOTATED_TRANSFORMER_DATA`` or ``./data``: where downloads and caches go."""
     return Path(os.environ.get("ANNOTATED_TRANSFORMER_DATA", "data"))
-
-
-# `download` writes through `atomic_file` (Part 2), and checks the checksum before the
-# rename.
-
-
-def download(
-    url: str, dest: Path, sha256: Optional[str] = None, desc: Optional[str] = None
-) -> Path:
-    """Fetch ``url`` to ``dest`` atomically, checking ``sha256`` when given.
-
-    Any URL scheme ``urllib`` knows works, ``file://`` included. A corrupt or
-    interrupted
-    download never leaves a file at ``dest``.
-    """
-    digest = hashlib.sha256()
-    with atomic_file(dest) as out, urllib.request.urlopen(url, timeout=60) as resp:
-        total = int(resp.headers.get("Content-Length") or 0) or None
-        with tqdm(
-            total=total,
-            unit="B",
-            unit_scale=True,
-            desc=desc or Path(dest).name,
-            leave=False,
-        ) as bar:
-            while chunk := resp.read(1 << 20):
-                out.write(chunk)
-                digest.update(chunk)
-                bar.update(len(chunk))
-        if sha256 is not None and digest.hexdigest() != sha256:
-            raise DataError(
-                f"checksum mismatch for {url}: expected sha256 {sha256}, "
-                f"got {digest.hexdigest()}"
-            )
-    return Path(dest)
-
-
-# IWSLT14 is published as the raw TED archive; we follow the widely used fairseq recipe:
-# drop the metadata lines of the training talks (URL, talk id, keywords, speaker, …) and
-# keep the text of titles and descriptions; take the `<seg>` lines of the evaluation XML
-# files; Moses-tokenize (sacremoses) with `&apos;`/`&quot;` escaping; drop pairs with an
-# empty or over-175-token side or a length ratio above 1.5; lowercase; hold out every
-# 23rd training pair as the validation set; the test set is dev2010 + dev2012 + tst2010
-# + tst2011 + tst2012. First, the two kinds of file in the archive: a training file's
-# text lines, and an XML file's segments.
-
-_IWSLT_META = re.compile(
-    r"^\s*<(url|talkid|keywords|speaker|reviewer|translator|doc|/doc)\b"
-)
-_IWSLT_TEST_SETS = (
-    "IWSLT14.TED.dev2010",
-    "IWSLT14.TEDX.dev2012",
-    "IWSLT14.TED.tst2010",
-    "IWSLT14.TED.tst2011",
-    "IWSLT14.TED.tst2012",
-)
-
-
-def _iwslt_train_lines(text: str) -> list[str]:
-    """Text lines of a ``train.tags.*`` file: metadata dropped, title/description tags
-    removed."""
-    lines = []
-    for line in text.split("\n"):
-        if _IWSLT_META.match(line):
-            continue
-        line = re.sub(r"</?(title|description)>", "", line).strip()
-        lines.append(line)
-    return lines
-
-
-def _iwslt_xml_segments(text: str) -> list[str]:
-    """The ``<seg id="N">…</seg>`` contents of an IWSLT evaluation XML file."""
-    return [
-        m.group(1).strip().replace("\u2019", "'")
-        for m in re.finditer(r"<seg id=\"?\d+\"?>(.*?)</seg>", text)
-    ]
-
-
-# Then the recipe, `prepare_iwslt14`: read the archive's members, tokenize, filter, hold
-# out every 23rd training pair for validation, and write the three splits.
-
-
-def prepare_iwslt14(
-    archive: Path, out_dir: Path, src: str = "de", tgt: str = "en"
-) -> dict:
-    """Turn the raw IWSLT14 TED archive (``de-en.tgz``) into
-    ``{train,valid,test}.{de,en}``.
-
-    Returns the number of pairs written per split. Output files are written atomically.
-    """
-    from sacremoses import MosesTokenizer
-
-    tok = {lang: MosesTokenizer(lang=lang) for lang in (src, tgt)}
-
-    def prep(lang: str, s: str) -> str:
-        return tok[lang].tokenize(s, escape=True, return_str=True).lower()
-
-    members: dict[str, str] = {}
-    with tarfile.open(archive) as tar:
-        for m in tar.getmembers():
-            if m.isfile():
-                members[Path(m.name).name] = tar.extractfile(m).read().decode("utf-8")
-    pair = f"{src}-{tgt}"
-    try:
-        raw_src = _iwslt_train_lines(members[f"train.tags.{pair}.{src}"])
-        raw_tgt = _iwslt_train_lines(members[f"train.tags.{pair}.{tgt}"])
-    except KeyError as e:
-        raise DataError(
-            f"{archive} has no {e.args[0]}: is it the IWSLT14 {pair} archive?"
-        ) from None
-    if len(raw_src) != len(raw_tgt):
-        raise DataError(
-            f"{archive}: training talks misaligned "
-            f"({len(raw_src)} vs {len(raw_tgt)} lines)"
-        )
-    train, valid = [], []
-    for s, t in zip(raw_src, raw_tgt):
-        s, t = (
-            tok[src].tokenize(s, escape=True, return_str=True),
-            tok[tgt].tokenize(t, escape=True, return_str=True),
-        )
-        ls, lt = len(s.split()), len(t.split())
-        if not (1 <= ls <= 175 and 1 <= lt <= 175) or ls / lt > 1.5 or lt / ls > 1.5:
-            continue
-        train.append((s.lower(), t.lower()))
-    kept = []
-    for i, p in enumerate(train, start=1):
-        (valid if i % 23 == 0 else kept).append(p)
-    test = []
-    for name in _IWSLT_TEST_SETS:
-        fs, ft = f"{name}.{pair}.{src}.xml", f"{name}.{pair}.{tgt}.xml"
-        if fs not in members or ft not in members:
-            raise DataError(f"{archive} has no {fs} / {ft}")
-        segs_s, segs_t = (
-            _iwslt_xml_segments(members[fs]),
-            _iwslt_xml_segments(members[ft]),
-        )
-        if len(segs_s) != len(segs_t):
-            raise DataError(
-                f"{archive}: {fs} has {len(segs_s)} segments but {ft} has {len(segs_t)}"
-            )
-        test += [(prep(src, s), prep(tgt, t)) for s, t in zip(segs_s, segs_t)]
-    counts = {}
-    for split, pairs in (("train", kept), ("valid", valid), ("test", test)):
-        write_atomic(out_dir / f"{split}.{src}", (p[0] for p in pairs))
-        write_atomic(out_dir / f"{split}.{tgt}", (p[1] for p in pairs))
-        counts[split] = len(pairs)
-    return counts
 
 
 # Finding a data set yields a `DataSource`: its files, and a sentence saying where they
@@ -565,97 +411,11 @@ def locate_test_split(
         raise DataError(f"could not download {name} {split} ({e}); {hint}") from e
 
 
-# ### Reading parallel text, carefully
+# ### Words
 #
-# Bad data fails loudly and precisely: files of different lengths name both files and
-# both line counts; invalid UTF-8 names the file and line; empty lines are skipped and
-# counted. Only `\n` and `\r\n` end a line — not the form feed, a lone carriage return,
-# U+0085 or U+2028 that Python's `str.splitlines` also splits at — so line $i$ of a file
-# is line $i$ of its translation; a leading byte-order mark is dropped. Standard input
-# is read the same way. Over-long pairs are filtered out of the *training* data with a
-# count (never truncated); the test set is always scored in full.
-
-
-def split_lines(raw: bytes, name: str) -> list[str]:
-    """Lines of UTF-8 bytes (our addition): only ``\n`` and ``\r\n`` end one, a leading
-    BOM is dropped,
-    bad bytes name the line."""
-    if raw.startswith(b"\xef\xbb\xbf"):
-        raw = raw[3:]
-    lines = raw.split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    out = []
-    for i, line in enumerate(lines, start=1):
-        try:
-            out.append(line.decode("utf-8").removesuffix("\r"))
-        except UnicodeDecodeError as e:
-            raise DataError(
-                f"{name}, line {i}: invalid UTF-8 ({e.reason} at byte {e.start})"
-            ) from None
-    return out
-
-
-MAX_LINE_BYTES = 10 * 2**20  # a longer line is refused before it fills the memory
-
-
-def read_bounded(f, name: str, limit: int = MAX_LINE_BYTES) -> bytes:
-    """All bytes of the binary stream ``f``, read in chunks — our addition: a line
-    longer than ``limit`` bytes (``/dev/zero``, a stream with no newline) is refused
-    as soon as it is seen, not read into memory whole."""
-    chunks, pending, newlines = [], 0, 0
-    size = min(2**20, limit + 1)  # a line inside one chunk is within the limit
-    while chunk := f.read(size):
-        first = chunk.find(b"\n")
-        if first >= 0 and pending + first <= limit:
-            pending = len(chunk) - chunk.rfind(b"\n") - 1
-        else:
-            pending += len(chunk) if first < 0 else first
-        if pending > limit:
-            raise DataError(
-                f"{name}, line {newlines + 1:,}: longer than {limit // 2**20} MB "
-                "(no line end); give one sentence per line"
-            )
-        newlines += chunk.count(b"\n")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def read_stream(f, name: str) -> list[str]:
-    """Lines of the binary stream ``f`` (standard input), read with a bound."""
-    return split_lines(read_bounded(f, name), name)
-
-
-def read_lines(path: Path) -> list[str]:
-    """Lines of a UTF-8 text file (``.gz`` allowed), as :func:`split_lines` reads them;
-    names what is wrong."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    try:
-        with opener(path, "rb") as f:
-            raw = read_bounded(f, str(path))
-    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
-        raise DataError(
-            f"{path} is truncated or damaged ({e}); replace it, or delete it and "
-            "rerun to fetch it again"
-        ) from None
-    except OSError as e:
-        raise DataError(f"cannot read {path}: {e.strerror or e}") from None
-    return split_lines(raw, str(path))
-
-
-def read_parallel(src_path: Path, tgt_path: Path) -> tuple[list[tuple[str, str]], int]:
-    """Aligned (source, target) sentence pairs and the number of pairs skipped as
-    empty."""
-    src, tgt = read_lines(src_path), read_lines(tgt_path)
-    if len(src) != len(tgt):
-        raise DataError(
-            f"misaligned parallel files: {src_path} has {len(src)} lines, "
-            f"{tgt_path} has {len(tgt)} lines"
-        )
-    pairs = [(s.strip(), t.strip()) for s, t in zip(src, tgt)]
-    kept = [p for p in pairs if p[0] and p[1]]
-    return kept, len(pairs) - len(kept)
+# Reading the files (`read_parallel`, in `datafiles.py`) gives sentence pairs; for word
+# vocabularies they are split into words as the record says: spaCy's rules for raw text
+# (Multi30k), spaces for text that comes tokenized (IWSLT14). BPE splits them itself.
 
 
 def make_tokenizer(dataset: str, lang: str) -> Callable[[list[str]], list[list[str]]]:

@@ -21,16 +21,8 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import torch
 
 from .config import Config, device_problem
-from .data import (
-    CORPORA,
-    DataError,
-    locate_test_split,
-    make_copy_data,
-    make_tokenizer,
-    read_lines,
-    read_parallel,
-    read_stream,
-)
+from .data import CORPORA, locate_test_split, make_copy_data, make_tokenizer
+from .datafiles import DataError, read_lines, read_parallel, read_stream
 from .devices import resolve_attention, resolve_device
 from .parts import notebook
 from .runfiles import (
