@@ -678,9 +678,9 @@ def greedy_full(model, src, src_mask, max_len):
 
 def greedy_cached(model, src, src_mask, max_len):
     """Greedy decoding with the module's key/value cache
-    (``tat.greedy_decode_cached``)."""
-    return tat.greedy_decode_cached(
-        model, src, src_mask, max_len, tat.BOS, tat.EOS, tat.PAD
+    (``tat.IncrementalDecoder``)."""
+    return tat.greedy_decode(
+        model, src, src_mask, max_len, tat.BOS, tat.EOS, tat.PAD, tat.IncrementalDecoder
     )
 
 
@@ -783,7 +783,7 @@ def bench_decoding(
                 [batched[i] for i in single_idx], single
             )
         }
-        if hasattr(tat, "greedy_decode_cached"):
+        if hasattr(tat, "IncrementalDecoder"):
             log(f"decoding: batched cached greedy, {len(test)} sentences")
             cached, t = timed(
                 lambda: decode_batches(
@@ -797,7 +797,7 @@ def bench_decoding(
                 f"greedy, batches of {st.decode_batch}, cached",
                 0,
                 0.0,
-                "not available (no tat.greedy_decode_cached)",
+                "not available (no tat.IncrementalDecoder)",
                 available=False,
             )
         if hasattr(tat, "beam_search"):

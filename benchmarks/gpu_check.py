@@ -52,7 +52,6 @@ import torch  # noqa: E402
 
 import machinery  # noqa: E402
 import machinery.training  # noqa: E402
-import the_annotated_transformer as tat  # noqa: E402
 from batch_cost import cpu_name  # noqa: E402
 
 # Dense bf16 (fp16 where the card has no bf16) tensor-core peaks, TFLOP/s, from the
@@ -412,7 +411,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         with cast or torch.autocast(device.type, enabled=False):
-            out = tat.translate(
+            out = machinery.translate(
                 model,
                 sources,
                 tgt_vocab,

@@ -10,6 +10,8 @@ The tests check the decisions with the environment faked.
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import subprocess
 import sys
 import tempfile
@@ -55,8 +57,16 @@ def hosted_setup_plan(environ, modules, have_module: Callable[[str], bool]) -> d
     return {"hosted": True, "install": install}
 
 
-def hosted_setup(plan: dict, log: Callable = print) -> None:
-    """Carry out a :func:`hosted_setup_plan`: pip, with the installed torch kept."""
+def importable(name: str) -> bool:
+    """Whether package ``name`` can be imported here (without importing it)."""
+    return importlib.util.find_spec(name) is not None
+
+
+def hosted_setup(plan: dict | None = None, log: Callable = print) -> None:
+    """Carry out a :func:`hosted_setup_plan` (by default this process's): pip, with the
+    installed torch kept. Outside a hosted notebook it does nothing."""
+    if plan is None:
+        plan = hosted_setup_plan(os.environ, sys.modules, importable)
     if not plan["install"]:
         return
     pins = Path(tempfile.mkdtemp()) / "keep-torch.txt"

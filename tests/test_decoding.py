@@ -109,7 +109,9 @@ def test_cached_greedy_gives_exactly_the_tokens_of_the_full_recompute(
     _, src = padded_sources()
     mask = (src != PAD).unsqueeze(-2)
     full = tat.greedy_decode(model, src, mask, 25, BOS, EOS, PAD)
-    cached = tat.greedy_decode_cached(model, src, mask, 25, BOS, EOS, PAD)
+    cached = tat.greedy_decode(
+        model, src, mask, 25, BOS, EOS, PAD, tat.IncrementalDecoder
+    )
     assert torch.equal(cached, full), (cached, full)
     assert (
         len({tuple(r) for r in full.tolist()}) > 1
@@ -287,12 +289,12 @@ def test_beam_search_does_not_depend_on_batch_composition():
     seqs, src = padded_sources()
     cfg = machinery.get_config("tiny", eval_batch_size=4, max_decode_extra=5)
     vocab = tat.Vocab(list(tat.SPECIALS) + [f"w{i}" for i in range(12)])
-    together = tat.translate(model, seqs, vocab, cfg, CPU, beam_size=3, alpha=0.6)
+    together = machinery.translate(model, seqs, vocab, cfg, CPU, beam_size=3, alpha=0.6)
     for i, s in enumerate(seqs):
-        assert tat.translate(model, [s], vocab, cfg, CPU, beam_size=3, alpha=0.6) == [
-            together[i]
-        ]
-    reordered = tat.translate(
+        assert machinery.translate(
+            model, [s], vocab, cfg, CPU, beam_size=3, alpha=0.6
+        ) == [together[i]]
+    reordered = machinery.translate(
         model,
         seqs[::-1],
         vocab,
@@ -336,7 +338,7 @@ def test_output_is_cut_at_input_length_plus_max_decode_extra(beam_size, cached):
     seqs, _ = padded_sources()
     cfg = machinery.get_config("tiny", eval_batch_size=4, max_decode_extra=3)
     vocab = tat.Vocab(list(tat.SPECIALS) + [f"w{i}" for i in range(12)])
-    out = tat.translate(
+    out = machinery.translate(
         never_ending_model(),
         seqs,
         vocab,
@@ -362,11 +364,11 @@ def test_the_end_symbol_counts_toward_the_limit(beam_size):
     cfg = machinery.get_config("tiny", eval_batch_size=1, max_decode_extra=2)
     vocab = tat.Vocab(list(tat.SPECIALS) + ["a", "b"])
     source = [BOS, 4, 5, 4, EOS]  # n = 3: at most 5 tokens after <s>
-    at_limit = tat.translate(
+    at_limit = machinery.translate(
         ends_at(5), [source], vocab, cfg, CPU, beam_size=beam_size, alpha=0.0
     )[0]
     assert len(at_limit) == 4  # 4 words and </s>
-    beyond = tat.translate(
+    beyond = machinery.translate(
         ends_at(6), [source], vocab, cfg, CPU, beam_size=beam_size, alpha=0.0
     )[0]
     assert len(beyond) == 5  # cut: 5 words, no </s>
@@ -403,7 +405,7 @@ def test_decoders_never_emit_start_or_padding_and_may_emit_unk():
     cfg = machinery.get_config("tiny", eval_batch_size=2, max_decode_extra=4)
     vocab = tat.Vocab(list(tat.SPECIALS) + ["a", "b"])
     for beam in (1, 3):
-        out = tat.translate(
+        out = machinery.translate(
             model,
             [[BOS, 4, EOS], [BOS, 4, 5, EOS]],
             vocab,
@@ -423,8 +425,8 @@ def test_real_model_that_prefers_specials_does_not_emit_them(cached):
         model.generator.proj.bias[PAD] = 40.0
     seqs, src = padded_sources()
     mask = (src != PAD).unsqueeze(-2)
-    decode = tat.greedy_decode_cached if cached else tat.greedy_decode
-    ys = decode(model, src, mask, 12, BOS, EOS, PAD)
+    decoder = tat.IncrementalDecoder if cached else tat.FullRecomputeDecoder
+    ys = tat.greedy_decode(model, src, mask, 12, BOS, EOS, PAD, decoder)
     generated = [
         row[1 : row.index(EOS)] if EOS in row else row[1:] for row in ys.tolist()
     ]
@@ -580,7 +582,7 @@ def test_greedy_decode_batched_equals_one_at_a_time():
 def test_translate_drops_start_and_everything_from_the_end_symbol():
     cfg = machinery.get_config("tiny", eval_batch_size=1)
     vocab = tiny_data(cfg).tgt_vocab
-    out = tat.translate(
+    out = machinery.translate(
         ScriptedModel([4]),
         [[BOS, 5, EOS], [BOS, 6, 7, EOS]],
         vocab,
@@ -602,10 +604,10 @@ def test_translate_does_not_depend_on_batching():
         [BOS, 8, 9, 10, 11, 12, 13, EOS],
         [BOS, 9, EOS],
     ]
-    out = tat.translate(model, sources, vocab, cfg, torch.device("cpu"))
+    out = machinery.translate(model, sources, vocab, cfg, torch.device("cpu"))
     assert len(out) == len(sources)
     for s, toks in zip(sources, out):
-        alone = tat.translate(model, [s], vocab, cfg, torch.device("cpu"))[0]
+        alone = machinery.translate(model, [s], vocab, cfg, torch.device("cpu"))[0]
         assert len(alone) <= len(s) + cfg.max_decode_extra - 1
         assert toks == alone, (s, toks, alone)
 
@@ -615,14 +617,17 @@ def test_translate_decodes_the_model_it_is_given_in_eval_mode():
     seqs, _ = padded_sources()
     cfg = machinery.get_config("tiny", eval_batch_size=4, max_decode_extra=5)
     vocab = tat.Vocab(list(tat.SPECIALS) + [f"w{i}" for i in range(12)])
-    reference = tat.translate(
+    reference = machinery.translate(
         lively_model(dtype=torch.float32, P_drop=0.5).eval(), seqs, vocab, cfg, CPU
     )
     model = lively_model(dtype=torch.float32, P_drop=0.5).train()
-    assert tat.translate(model, seqs, vocab, cfg, CPU) == reference
+    assert machinery.translate(model, seqs, vocab, cfg, CPU) == reference
     assert not model.training and {p.device.type for p in model.parameters()} == {"cpu"}
     for cached in (False, True):
-        assert tat.translate(model, seqs, vocab, cfg, CPU, cached=cached) == reference
+        assert (
+            machinery.translate(model, seqs, vocab, cfg, CPU, cached=cached)
+            == reference
+        )
 
 
 def test_bleu_of_exact_copies_is_100():

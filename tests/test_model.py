@@ -625,7 +625,9 @@ def test_cached_decoding_equals_full_recompute_with_learned_positions():
     src[1, 5:] = tat.PAD
     mask = tat.padding_mask(src, tat.PAD)
     full = tat.greedy_decode(model, src, mask, 12, tat.BOS, tat.EOS, tat.PAD)
-    cached = tat.greedy_decode_cached(model, src, mask, 12, tat.BOS, tat.EOS, tat.PAD)
+    cached = tat.greedy_decode(
+        model, src, mask, 12, tat.BOS, tat.EOS, tat.PAD, tat.IncrementalDecoder
+    )
     assert torch.equal(full, cached)
 
 
@@ -653,8 +655,8 @@ def test_a_model_with_a_shallower_decoder_decodes_the_same_with_and_without_the_
     src_mask = tat.padding_mask(src, tat.PAD)
     with torch.no_grad():
         full = tat.greedy_decode(model, src, src_mask, 9, tat.BOS, tat.EOS, tat.PAD)
-        cached = tat.greedy_decode_cached(
-            model, src, src_mask, 9, tat.BOS, tat.EOS, tat.PAD
+        cached = tat.greedy_decode(
+            model, src, src_mask, 9, tat.BOS, tat.EOS, tat.PAD, tat.IncrementalDecoder
         )
         beams = [
             tat.beam_search(

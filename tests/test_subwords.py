@@ -184,7 +184,7 @@ def test_the_checkpoint_carries_the_bpe_model_and_translates_alone(bpe_run):
         + subwords.vocab(subwords.encode(["Ein Hund sieht eine Katze."])[0])
         + [EOS]
     )
-    out = tat.translate(model, [ids], subwords.vocab, saved, torch.device("cpu"))
+    out = machinery.translate(model, [ids], subwords.vocab, saved, torch.device("cpu"))
     assert isinstance(tat.detokenize(out, "multi30k", subwords)[0], str)
 
 
