@@ -550,6 +550,9 @@ def _():
 # in one $d_{\text{model}} \times h d_k$ linear layer (likewise $W^K$, $W^V$), so one
 # matrix product computes every head's projection; a reshape then splits the heads. A
 # mask of the convention above is made per head by `per_head`, which adds a head axis.
+# $d_v = d_{\text{model}}/h$ always; $d_k$ may be given apart from it, for Table 3's row
+# (B), which shrinks the keys alone — its parameter counts, 58M and 60M against the
+# base's 65M, are what shrinking only $W^Q$ and $W^K$ takes away.
 
 
 # %%
@@ -574,40 +577,39 @@ class MultiHeadedAttention(nn.Module):
 
     def __init__(self, h: int, d_model: int, dropout: float = 0.1, d_k: int = 0):
         super().__init__()
-        if not d_k and d_model % h:
-            raise ValueError("d_model must be divisible by h (or give d_k)")
-        # d_k = d_v = d_model / h unless given (Table 3, B)
-        self.d_k = d_k or d_model // h
-        self.h = h
+        if d_model % h:
+            raise ValueError(f"h={h} must divide d_model={d_model} (d_v = d_model/h)")
+        self.h, self.d_v = h, d_model // h
+        self.d_k = d_k or self.d_v  # d_k = d_v unless given (Table 3, row B)
         self.w_q = nn.Linear(d_model, h * self.d_k)  # W^Q_1 … W^Q_h side by side
         self.w_k = nn.Linear(d_model, h * self.d_k)
-        self.w_v = nn.Linear(d_model, h * self.d_k)
-        self.w_o = nn.Linear(h * self.d_k, d_model)  # W^O
+        self.w_v = nn.Linear(d_model, h * self.d_v)
+        self.w_o = nn.Linear(h * self.d_v, d_model)  # W^O
         self.dropout = nn.Dropout(dropout)
 
     def split_heads(self, x):
-        """(batch, len, d_model) → (batch, h, len, d_k)."""
+        """(batch, len, h·d) → (batch, h, len, d), d = d_k or d_v."""
         batch, length, _ = x.shape
-        # (batch, h, len, d_k)
-        return x.view(batch, length, self.h, self.d_k).transpose(1, 2)
+        # (batch, h, len, d)
+        return x.view(batch, length, self.h, -1).transpose(1, 2)
 
     def merge_heads(self, x):
-        """(batch, h, len, d_k) → (batch, len, h·d_k): Concat(head_1, …, head_h)."""
+        """(batch, h, len, d_v) → (batch, len, h·d_v): Concat(head_1, …, head_h)."""
         batch, _, length, _ = x.shape
-        # (batch, len, d_model)
-        return x.transpose(1, 2).reshape(batch, length, self.h * self.d_k)
+        # (batch, len, h·d_v)
+        return x.transpose(1, 2).reshape(batch, length, self.h * self.d_v)
 
     def project_q(self, query):
         r"""$QW^Q_i$ of every head: (batch, len_q, d_model) → (batch, h, len_q, d_k)."""
         return self.split_heads(self.w_q(query))
 
     def project_kv(self, key, value):
-        r"""$KW^K_i$, $VW^V_i$ of every head: → 2 × (batch, h, len_k, d_k)."""
+        r"""$KW^K_i$, $VW^V_i$ of every head: → (batch, h, len_k, d_k), (…, d_v)."""
         return self.split_heads(self.w_k(key)), self.split_heads(self.w_v(value))
 
     def attend(self, q, k, v, mask=None):
-        """Eq. 1 on every head at once: q (batch, h, len_q, d_k), k/v (batch, h, len_k,
-        d_k) → (batch, h, len_q, d_k)."""
+        """Eq. 1 on every head at once: q (batch, h, len_q, d_k), k (batch, h, len_k,
+        d_k), v (batch, h, len_k, d_v) → (batch, h, len_q, d_v)."""
         return attention(q, k, v, mask=mask, dropout=self.dropout)[0]
 
     def combine(self, q, k, v, mask=None):
@@ -871,10 +873,11 @@ class FastMultiHeadedAttention(MultiHeadedAttention):
         # self-attention: three projections, one product
         if query is key and key is value:
             w = [self.w_q, self.w_k, self.w_v]
-            weight = torch.cat([m.weight for m in w])  # (3·h·d_k, d_model)
+            weight = torch.cat([m.weight for m in w])  # (h·(2·d_k + d_v), d_model)
             bias = torch.cat([m.bias for m in w])
-            # 3 × (batch, len, h·d_k)
-            q, k, v = F.linear(query, weight, bias).chunk(3, dim=-1)
+            sizes = [m.out_features for m in w]  # h·d_k, h·d_k, h·d_v
+            # (batch, len, h·d_k) twice, (batch, len, h·d_v)
+            q, k, v = F.linear(query, weight, bias).split(sizes, dim=-1)
             heads = self.split_heads(q), self.split_heads(k), self.split_heads(v)
             return self.combine(*heads, mask)
         return super().forward(query, key, value, mask)
@@ -1720,9 +1723,9 @@ class IncrementalDecoder:
         self.model = model
         self.src_mask = src_mask  # (batch, 1, src_len)
         layers = model.decoder.layers
-        # per layer: (k, v), each (batch, h, src_len, d_k)
+        # per layer: (k, v), (batch, h, src_len, d_k|d_v)
         self.cross = [x.src_attn.project_kv(memory, memory) for x in layers]
-        # per layer: (k, v), (batch, h, t, d_k)
+        # per layer: (k, v), (batch, h, t, d_k|d_v)
         self.self_kv: list = [None] * len(model.decoder.layers)
         self.length = 0  # positions fed so far
 
@@ -1744,10 +1747,10 @@ class IncrementalDecoder:
 
     def _self_attn(self, i: int, a: MultiHeadedAttention, y):
         """The newest position attends to every position so far (no mask needed)."""
-        q, (k, v) = a.project_q(y), a.project_kv(y, y)  # (batch, h, 1, d_k) each
+        q, (k, v) = a.project_q(y), a.project_kv(y, y)  # (batch, h, 1, d_k|d_v)
         if self.self_kv[i] is not None:
             k = torch.cat([self.self_kv[i][0], k], dim=2)  # (batch, h, t + 1, d_k)
-            v = torch.cat([self.self_kv[i][1], v], dim=2)  # (batch, h, t + 1, d_k)
+            v = torch.cat([self.self_kv[i][1], v], dim=2)  # (batch, h, t + 1, d_v)
         self.self_kv[i] = (k, v)
         return a.combine(q, k, v)
 

@@ -38,7 +38,7 @@ class ModelConfig:
     d_model: int = 512
     d_ff: int = 2048
     h: int = 8
-    d_k: int = 0  # per-head key/value size d_k = d_v; 0: d_model / h (§3.2.2)
+    d_k: int = 0  # per-head query/key size; 0: d_model / h (§3.2.2); d_v = d_model / h
     P_drop: float = field(default=0.1, metadata=SAME_WEIGHTS)  # residual dropout, §5.4
     norm_first: bool = False  # False: post-norm as in §3.1; True: pre-norm (departure)
     # dropout inside the FFN and on attention weights (neither is in the paper)
@@ -54,7 +54,7 @@ class ModelConfig:
 
     @property
     def head_size(self) -> int:
-        """d_k = d_v of every head: ``d_k`` when set, else d_model / h (§3.2.2)."""
+        """d_k of every head: ``d_k`` when set, else d_model / h = d_v (§3.2.2)."""
         return self.d_k or self.d_model // self.h
 
     @property
@@ -113,9 +113,8 @@ def _config_rules(c: "Config") -> list:
         ("d_k", c.d_k >= 0, d_k_rule),
         (
             "h",
-            c.h >= 1 and (c.d_k > 0 or c.d_model % c.h == 0),
-            f"must divide d_model={c.d_model} unless d_k is set (§3.2.2: d_k = "
-            "d_model/h)",
+            c.h >= 1 and c.d_model % c.h == 0,
+            f"must divide d_model={c.d_model} (§3.2.2: d_v = d_model/h)",
         ),
         ("P_drop", _prob(c.P_drop), "must be in [0, 1)"),
         ("ffn_dropout", _prob(c.ffn_dropout), "must be in [0, 1)"),

@@ -684,15 +684,16 @@ def test_a_model_with_a_shallower_decoder_decodes_the_same_with_and_without_the_
     "cls", [tat.MultiHeadedAttention, tat.FastMultiHeadedAttention]
 )
 @pytest.mark.parametrize(
-    "h, d_model, d_k", [(8, 32, 2), (4, 32, 16), (3, 32, 5), (2, 6, 7)]
+    "h, d_model, d_k", [(8, 32, 2), (4, 32, 16), (4, 32, 5), (2, 6, 7)]
 )
 def test_multi_head_attention_with_its_own_d_k(cls, h, d_model, d_k):
     torch.manual_seed(0)
     mha = cls(h, d_model, 0.0, d_k=d_k).double().eval()
-    assert mha.d_k == d_k and d_k != d_model // h
-    for proj in (mha.w_q, mha.w_k, mha.w_v):
-        assert (proj.in_features, proj.out_features) == (d_model, h * d_k)
-    assert (mha.w_o.in_features, mha.w_o.out_features) == (h * d_k, d_model)
+    d_v = d_model // h  # Table 3, row (B): the keys shrink, the values do not
+    assert (mha.d_k, mha.d_v) == (d_k, d_v) and d_k != d_v
+    for proj, d in ((mha.w_q, d_k), (mha.w_k, d_k), (mha.w_v, d_v)):
+        assert (proj.in_features, proj.out_features) == (d_model, h * d)
+    assert (mha.w_o.in_features, mha.w_o.out_features) == (h * d_v, d_model)
     x, y = (
         torch.randn(2, 3, d_model, dtype=torch.float64),
         torch.randn(2, 5, d_model, dtype=torch.float64),
@@ -700,12 +701,12 @@ def test_multi_head_attention_with_its_own_d_k(cls, h, d_model, d_k):
     mask = torch.tensor([[[True] * 5], [[True] * 3 + [False] * 2]])
     out = mha(x, y, y, mask)
     assert out.shape == (2, 3, d_model)
-    heads = []  # h heads of width d_k, concatenated (h·d_k wide), then W^O
+    heads = []  # h heads of width d_v, concatenated (h·d_v wide), then W^O
     for i in range(h):
-        rows = slice(i * d_k, (i + 1) * d_k)
+        rows, vrows = slice(i * d_k, (i + 1) * d_k), slice(i * d_v, (i + 1) * d_v)
         qi = x @ mha.w_q.weight[rows].T + mha.w_q.bias[rows]
         ki = y @ mha.w_k.weight[rows].T + mha.w_k.bias[rows]
-        vi = y @ mha.w_v.weight[rows].T + mha.w_v.bias[rows]
+        vi = y @ mha.w_v.weight[vrows].T + mha.w_v.bias[vrows]
         heads.append(tat.attention(qi, ki, vi, mask)[0])
     torch.testing.assert_close(
         out, mha.w_o(torch.cat(heads, dim=-1)), rtol=1e-10, atol=1e-10
@@ -713,8 +714,9 @@ def test_multi_head_attention_with_its_own_d_k(cls, h, d_model, d_k):
     torch.testing.assert_close(
         mha(x, x, x), mha(x, x, x)
     )  # self-attention (the fused branch) too
-    with pytest.raises(ValueError):
-        cls(3, 32, 0.0)  # 32 / 3 is no head size: d_k must be given
+    for bad in ({}, {"d_k": 8}):  # 32 / 3 is no d_v, whatever d_k is
+        with pytest.raises(ValueError, match="must divide d_model"):
+            cls(3, 32, 0.0, **bad)
 
 
 def test_make_model_passes_d_k_to_every_attention_and_the_readable_and_fast_paths_agree():
@@ -734,11 +736,10 @@ def test_make_model_passes_d_k_to_every_attention_and_the_readable_and_fast_path
     )
     with pytest.raises(ValueError, match="d_k must be 0"):
         machinery.get_config("tiny", d_k=-1)
-    assert (
-        machinery.get_config("tiny", h=3, d_k=8).head_size == 8
-    )  # h need not divide d_model then
-    with pytest.raises(ValueError, match="must divide d_model"):
-        machinery.get_config("tiny", h=3)
+    assert machinery.get_config("tiny", d_k=8).head_size == 8
+    for bad in ({"h": 3}, {"h": 3, "d_k": 8}):  # d_v = d_model / h, always
+        with pytest.raises(ValueError, match="must divide d_model"):
+            machinery.get_config("tiny", **bad)
 
 
 VOCAB = 8000  # the multi30k-small preset's joint BPE vocabulary
@@ -755,10 +756,9 @@ def expected_count(N=3, d_model=256, d_ff=1024, h=8, d_k=0, vocab=VOCAB) -> int:
     """The same count by hand: a shared embedding (three-way tying, §3.4), the generator's bias, per
     encoder layer one attention, one FFN and two LayerNorms, per decoder layer two attentions, one FFN
     and three LayerNorms."""
-    hd = h * (d_k or d_model // h)
-    mha = (
-        3 * (d_model * hd + hd) + hd * d_model + d_model
-    )  # W^Q, W^K, W^V for all heads; W^O
+    hk, hv = h * (d_k or d_model // h), d_model  # h·d_k; h·d_v = d_model
+    # W^Q, W^K, W^V for all heads; W^O
+    mha = 2 * (d_model * hk + hk) + (d_model * hv + hv) + hv * d_model + d_model
     ffn = d_model * d_ff + d_ff + d_ff * d_model + d_model
     norm = 2 * d_model
     return (
@@ -789,9 +789,21 @@ def test_table3_row_b_smaller_keys_mean_fewer_parameters(table3_base):
     assert counts[8] < counts[16] < table3_base
     for d_k, n in counts.items():
         assert n == expected_count(d_k=d_k)
-        # every attention (N in the encoder, 2N in the decoder) loses 4·d_model·h·Δ weights and 3·h·Δ biases
+        # every attention (N in the encoder, 2N in the decoder) loses 2·d_model·h·Δ
+        # weights and 2·h·Δ biases: W^Q and W^K shrink, W^V and W^O do not
         delta = 8 * (256 // 8 - d_k)
-        assert table3_base - n == 3 * 3 * (4 * 256 * delta + 3 * delta)
+        assert table3_base - n == 3 * 3 * (2 * 256 * delta + 2 * delta)
+
+
+def test_table3_row_b_at_the_papers_size_loses_what_the_paper_lost():
+    # Table 3: base 65M, d_k=16 58M, d_k=32 60M (d_v blank: the base's 64). Shrinking
+    # the keys alone takes 7.1M and 4.7M from our base model; shrinking the values too
+    # would take twice that (14.2M, 9.4M), which the paper's counts rule out.
+    base = tat.MODEL_PRESETS["base"]
+    full = tat.count_parameters(tat.make_model(37000, 37000, base))
+    for d_k, paper in ((16, 58), (32, 60)):
+        n = tat.count_parameters(tat.make_model(37000, 37000, base, d_k=d_k))
+        assert abs((full - n) / 1e6 - (65 - paper)) < 0.5
 
 
 @pytest.mark.parametrize(
