@@ -101,9 +101,10 @@ def table3_rows(base: dict) -> list[dict]:
 
     Base with seeds 1–3; (A) h ∈ {1, 4, 16, 32} with d_k = d_model/h (constant
     compute); (D) P_drop and eps_ls ∈ {0.0, 0.2}; (B) d_k ∈ {d_k/4, d_k/2} at the
-    base's h, d_v unchanged (as the paper's counts show); (C) N ± 1, d_model halved and doubled (d_k = d_model/h), d_ff halved
-    and doubled; (E) learned positions. Each row names the paper's row with the same
-    ratio to the paper's base (N=6, d_model=512, d_ff=2048, d_k=64).
+    base's h, d_v unchanged (as the paper's counts show); (C) N ± 1, d_model halved
+    and doubled (d_k = d_model/h), d_ff halved and doubled; (E) learned positions.
+    Each row names the paper's row with the same ratio to the paper's base (N=6,
+    d_model=512, d_ff=2048, d_k=64).
     """
     N, d, ff, h, dk = (base[k] for k in ("N", "d_model", "d_ff", "h", "d_k"))
     rows = [

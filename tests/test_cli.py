@@ -1,6 +1,6 @@
-"""The command line (machinery/cli.py): trains a preset end to end, translates and
-scores with it, fails with one clear message, and parses its options into a
-configuration."""
+"""The command line (machinery/cli.py, machinery/inference.py): trains a preset end to
+end, translates and scores with it, fails with one clear message, and parses its
+options into a configuration."""
 
 import json
 import os

@@ -1,5 +1,6 @@
-"""Part 2 data pipeline: downloads, IWSLT14 preparation, locating, reading
-(machinery/data.py), and the notebook's vocabularies and batching.
+"""Part 2 data pipeline: downloads and reading (machinery/datafiles.py), IWSLT14
+preparation (machinery/iwslt.py), locating (machinery/data.py), and the notebook's
+vocabularies and batching.
 
 Everything here runs offline: downloads use ``file://`` URLs to files the tests create
 under ``tmp_path``, and the real data is read (never written) from the local mirror.
