@@ -2171,32 +2171,19 @@ if IN_NOTEBOOK:
     )
     out_ids = [BOS] + found[0]
     maps = machinery.attention_maps(viz, src[0], torch.tensor(out_ids[:-1]))
-    words = [w.lstrip("▁") or w for w in m30k_data.src_vocab.lookup_tokens(src_ids)]
-    out = [w.lstrip("▁") or w for w in m30k_data.tgt_vocab.lookup_tokens(out_ids[1:])]
-    read = [w.lstrip("▁") or w for w in m30k_data.tgt_vocab.lookup_tokens(out_ids[:-1])]
-    labels = {"encoder": (words, words), "decoder_self": (out, read),
-              "decoder_src": (out, words)}  # fmt: skip
+    # tokens as labels: pieces without sentencepiece's word-start mark
+    src_words, tgt_words = (
+        [w.lstrip("▁") or w for w in vocab.lookup_tokens(ids)]
+        for vocab, ids in (
+            (m30k_data.src_vocab, src_ids),
+            (m30k_data.tgt_vocab, out_ids),
+        )
+    )
     pieces = m30k_data.tgt_vocab.lookup_tokens(out_ids[1:-1])  # without <s> and </s>
-    print(
-        m30k_data.subwords.decode([pieces])[0] if m30k_data.subwords else " ".join(out)
-    )
-    machinery.show_figure(
-        machinery.draw_attention_overview(maps),
-        "Small heat maps of every layer and head for the three kinds of attention.",
-    )
-    for kind in machinery.ATTENTION_KINDS:
-        layer, head = machinery.sharpest_head(maps[kind])
-        title = (
-            f"{machinery.ATTENTION_TITLES[kind]}, layer {layer + 1}, head {head + 1}"
-        )
-        rows, cols = labels[kind]
-        figure = machinery.draw_attention_head(
-            maps[kind][layer, head], rows, cols, title
-        )
-        machinery.show_figure(figure, f"Heat map of the {title}.")
-    blob = machinery.attention_maps_json(maps, words, out, read)
-    note = "attention maps (explore them on the web page)"
-    display({"application/vnd.attention-maps+json": blob, "text/plain": note}, raw=True)
+    subwords = m30k_data.subwords
+    print(subwords.decode([pieces])[0] if subwords else " ".join(pieces))
+    # what each decoder position predicts, and what it reads
+    machinery.show_attention(maps, src_words, tgt_words[1:], tgt_words[:-1])
 
 # %% [markdown]
 # ## IWSLT14 German→English

@@ -138,6 +138,7 @@ from .figures import (  # noqa: F401
     plot_curves,
     save_figure,
     sharpest_head,
+    show_attention,
     show_figure,
     show_image,
 )

@@ -214,10 +214,8 @@ def attention_maps(model, src, tgt) -> dict:
         for i in range(len(stack.layers)):
             a, (query, key, _value, mask) = modules[(kind, i)], inputs[(kind, i)]
             q, (k, v) = a.project_q(query), a.project_kv(key, key)  # (1, h, len, d_k)
-            weights = nb.attention(q, k, v, nb.per_head(mask))[1][
-                0
-            ]  # (h, len_q, len_k)
-            layers.append(weights)
+            weights = nb.attention(q, k, v, nb.per_head(mask))[1]  # (1, h, q, k)
+            layers.append(weights[0])
         maps[kind] = torch.stack(layers)  # (layers of its stack, h, len_q, len_k)
     return maps
 
@@ -234,6 +232,32 @@ def attention_maps_json(
         "sentence": {"src": list(src), "tgt": list(read), "tgt_out": list(out)},
         "maps": {names[k]: maps[k].round(decimals=3).tolist() for k in ATTENTION_KINDS},
     }
+
+
+def show_attention(
+    maps: dict, src: Sequence[str], out: Sequence[str], read: Sequence[str]
+) -> None:
+    """Display the maps of :func:`attention_maps` in a notebook: every layer and head
+    small, then the sharpest head of each kind large with its tokens (``src`` the source
+    tokens, ``out`` what each decoder position predicts, ``read`` what it reads), then
+    the maps as data for the web page's explorer."""
+    from IPython.display import display
+
+    labels = {"encoder": (src, src), "decoder_self": (out, read),
+              "decoder_src": (out, src)}  # fmt: skip
+    overview = (
+        "Small heat maps of every layer and head for the three kinds of attention."
+    )
+    show_figure(draw_attention_overview(maps), overview)
+    for kind in ATTENTION_KINDS:
+        layer, head = sharpest_head(maps[kind])
+        title = f"{ATTENTION_TITLES[kind]}, layer {layer + 1}, head {head + 1}"
+        rows, cols = labels[kind]
+        figure = draw_attention_head(maps[kind][layer, head], rows, cols, title)
+        show_figure(figure, f"Heat map of the {title}.")
+    blob = attention_maps_json(maps, src, out, read)
+    note = "attention maps (explore them on the web page)"
+    display({"application/vnd.attention-maps+json": blob, "text/plain": note}, raw=True)
 
 
 def show_figure(fig, alt: str) -> None:
