@@ -138,7 +138,8 @@ if IN_NOTEBOOK and REPOSITORY and not Path("machinery").is_dir():
     sys.path.insert(0, os.getcwd())
 
 import machinery  # noqa: E402  (after the hosted checkout above)
-from machinery import CORPORA, MODEL_PRESETS, ModelConfig, TrainingDiverged  # noqa: E402
+from machinery import CORPORA, MODEL_PRESETS, ModelConfig  # noqa: E402
+from machinery import TrainingDiverged  # noqa: E402
 
 if IN_NOTEBOOK:
     machinery.hosted_setup()  # in Colab or Kaggle: installs what is missing

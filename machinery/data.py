@@ -47,16 +47,21 @@ class Corpus:
     sha256: MappingProxyType = field(
         default_factory=lambda: MappingProxyType({})
     )  # file → pinned SHA-256 of the download; others unchecked
-    prepare: str = ""  # "": the files are downloaded as they are; "fairseq-iwslt14": an archive to prepare  # noqa: E501
-    sample: str = ""  # a split that stands in for "train" when only it is there (a training sample)  # noqa: E501
+    # "": the files are downloaded as they are; "fairseq-iwslt14": an archive to prepare
+    prepare: str = ""
+    # a split that stands in for "train" when only it is there (a training sample)
+    sample: str = ""
     # the validation pairs were held out of the training talks (may train; see Config)
     valid_from_train: bool = False
     extra_tests: MappingProxyType = field(
         default_factory=lambda: MappingProxyType({})
     )  # further test splits, looked for only when asked
-    words: str = "whitespace"  # word-level tokenizer: "spacy" (its rules, for raw text) or "whitespace"  # noqa: E501
-    detokenize: str = "join"  # words back to text: "moses" (sacremoses, for raw text) or "join" (with spaces)  # noqa: E501
-    bleu_tokenize: str = "none"  # sacreBLEU's tokenizer: "13a" for raw, cased text; "none" for tokenized text  # noqa: E501
+    # word-level tokenizer: "spacy" (its rules, for raw text) or "whitespace"
+    words: str = "whitespace"
+    # words back to text: "moses" (sacremoses, for raw text) or "join" (with spaces)
+    detokenize: str = "join"
+    # sacreBLEU's tokenizer: "13a" for raw, cased text; "none" for tokenized text
+    bleu_tokenize: str = "none"
     synthetic: bool = False  # generated (the copy task), no files
 
     @property
@@ -86,15 +91,22 @@ CORPORA = MappingProxyType(
                         "test": ("test_2016_flickr.de.gz", "test_2016_flickr.en.gz"),
                     }
                 ),
-                url="https://raw.githubusercontent.com/multi30k/dataset/master/data/task1/raw/",
+                url="https://raw.githubusercontent.com/multi30k/dataset/master/"
+                "data/task1/raw/",
                 sha256=MappingProxyType(
                     {
-                        "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f80fae06ffc5d28b6ace5faa883de28a6",  # noqa: E501
-                        "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a882c3a8a961923c25a898c90f8bbd56f",  # noqa: E501
-                        "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3ad3f51657ad873405082ff6863a5e75a",  # noqa: E501
-                        "val.en.gz": "14f7d25ddd868909a9213e361768460edcacdd6ab9d1e77b92560dc10c10dc28",  # noqa: E501
-                        "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15005fc42a07a6e55ca6c52b6ababb8cc8",  # noqa: E501
-                        "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf5c4413c5befc793cc629934359d532d9",  # noqa: E501
+                        "train.de.gz": "726e39b2fa9eb9ffb6dc763fb35a179f"
+                        "80fae06ffc5d28b6ace5faa883de28a6",
+                        "train.en.gz": "d79cfa999dd4c51d2cb42499b6796d5a"
+                        "882c3a8a961923c25a898c90f8bbd56f",
+                        "val.de.gz": "f0cba2f995189cf5770f29a8a9a537a3"
+                        "ad3f51657ad873405082ff6863a5e75a",
+                        "val.en.gz": "14f7d25ddd868909a9213e361768460e"
+                        "dcacdd6ab9d1e77b92560dc10c10dc28",
+                        "test_2016_flickr.de.gz": "9204244e408ccb38d2a55cfcd344df15"
+                        "005fc42a07a6e55ca6c52b6ababb8cc8",
+                        "test_2016_flickr.en.gz": "611d361c6334bc7246101d48097c13cf"
+                        "5c4413c5befc793cc629934359d532d9",
                     }
                 ),
                 extra_tests=MappingProxyType(
@@ -114,7 +126,9 @@ CORPORA = MappingProxyType(
                 bleu_tokenize="13a",
             ),
             Corpus(
-                "iwslt14",  # TED talks, fairseq's layout: Moses-tokenized, lowercased (REPRODUCTION_NOTES.md)  # noqa: E501
+                # TED talks, fairseq's layout: Moses-tokenized, lowercased (see
+                # REPRODUCTION_NOTES.md)
+                "iwslt14",
                 files=MappingProxyType(
                     {
                         "train": ("train.de", "train.en"),
@@ -243,7 +257,8 @@ class DataSource:
 
     name: str
     files: dict
-    origin: str  # a sentence for the user: "mirror $DATA_MIRROR/multi30k", "downloaded to …"  # noqa: E501
+    # a sentence for the user: "mirror $DATA_MIRROR/multi30k", "downloaded to …"
+    origin: str
 
 
 # Downloading, as the record says: files as published (Multi30k's six, checked against

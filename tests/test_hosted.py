@@ -94,3 +94,20 @@ def test_a_complete_plan_runs_nothing(monkeypatch):
     machinery.hosted_setup({"hosted": True, "install": []}, log=lambda *a: None)
     machinery.hosted_setup({"hosted": False, "install": []}, log=lambda *a: None)
     assert commands == []
+
+
+def test_without_a_plan_it_plans_for_this_process_and_a_colab_one_installs(monkeypatch):
+    import subprocess
+
+    commands = []
+    monkeypatch.setattr(
+        subprocess, "run", lambda cmd, check=False: commands.append(cmd)
+    )
+    for name in ("COLAB_RELEASE_TAG", "KAGGLE_KERNEL_RUN_TYPE"):
+        monkeypatch.delenv(name, raising=False)
+    machinery.hosted_setup(log=lambda *a: None)  # not hosted: nothing
+    assert commands == []
+    monkeypatch.setenv("COLAB_RELEASE_TAG", "test")
+    monkeypatch.setattr(machinery.hosted, "importable", lambda name: name != "tqdm")
+    machinery.hosted_setup(log=lambda *a: None)
+    assert len(commands) == 1 and commands[0][-1] == "tqdm==4.70.1"
