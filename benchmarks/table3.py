@@ -433,8 +433,10 @@ def draw(data: dict, out: Path) -> Path:
         range(len(variations)), [r["name"] for r in variations], rotation=60, ha="right"
     )
     ax.set_xlim(-0.7, max(len(variations), 1) - 0.3)
-    ax.set_xlabel("Table 3 row (one setting changed from the base)")
-    ax.set_ylabel(f"test BLEU ({data['dataset']})")
+    ax.set_xlabel(
+        f"Table 3 row (one setting changed from the base); BLEU: {data['dataset']}"
+    )
+    ax.set_ylabel("test BLEU")
     budget = data["budget"]
     ax.set_title(
         f"Table 3 (§6.2) at {data['preset']} scale: "
