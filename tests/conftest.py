@@ -20,6 +20,17 @@ def mirror() -> Path:
     return path
 
 
+def load_script(path: Path, name: str):
+    """A script that is not part of the package (web/build.py, benchmarks/table3.py) as
+    a module, under ``name`` (one no installed package uses)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def quiet(*args, **kwargs):
     """A ``log`` that prints nothing."""
 

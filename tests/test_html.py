@@ -16,6 +16,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 NB = ROOT / "annotated_transformer.ipynb"
@@ -52,17 +53,7 @@ pytestmark = [
 ]
 
 
-def load_build():
-    """web/build.py as a module (under a name no installed package uses)."""
-    spec = importlib.util.spec_from_file_location(
-        "web_page_build", ROOT / "web" / "build.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-build = load_build()
+build = load_script(ROOT / "web" / "build.py", "web_page_build")
 
 
 def markdown_formulas(notebook: Path) -> int:

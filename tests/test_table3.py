@@ -6,26 +6,19 @@ file already holds, continues an interrupted row from its checkpoint, and keeps 
 training budget per file. No score is asserted beyond what five updates can show.
 """
 
-import importlib.util
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "table3.py"
-
-
-def load_runner():
-    """benchmarks/table3.py as a module (it is a script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location("table3_runner", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(out: Path, *args: str) -> subprocess.CompletedProcess:
@@ -46,6 +39,7 @@ def run(out: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def rows_of(out: Path) -> dict:
+    """The rows of a Table 3 results file, by name."""
     return {r["name"]: r for r in json.loads(out.read_text())["rows"]}
 
 
@@ -59,19 +53,18 @@ def smoke(tmp_path_factory):
 
 
 def test_every_row_is_one_of_the_papers_variations_of_the_base():
-    runner = load_runner()
+    runner = load_script(SCRIPT, "table3_runner")
     base = runner.BASE
     rows = runner.table3_rows(base)
-    groups = [r["group"] for r in rows]
     # 3 seeds of the base; (A) 4 head counts, (B) 2 key sizes, (C) 6 sizes, (D) 4, (E) 1
-    assert [groups.count(g) for g in ("base", "A", "B", "C", "D", "E")] == [
-        3,
-        4,
-        2,
-        6,
-        4,
-        1,
-    ]
+    assert Counter(r["group"] for r in rows) == {
+        "base": 3,
+        "A": 4,
+        "B": 2,
+        "C": 6,
+        "D": 4,
+        "E": 1,
+    }
     assert len({r["name"] for r in rows}) == len(rows)
     for r in rows:
         assert r["paper_row"] in runner.PAPER, r["name"]

@@ -1,25 +1,15 @@
 """The parts of the web page's build (web/build.py) that need no browser."""
 
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_build():
-    """web/build.py as a module (under a name no installed package uses)."""
-    spec = importlib.util.spec_from_file_location(
-        "web_page_build", ROOT / "web" / "build.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-build = load_build()
+build = load_script(ROOT / "web" / "build.py", "web_page_build")
 
 
 @pytest.mark.parametrize("missing", ["node", "npm"])
