@@ -1,34 +1,42 @@
-"""Table 3 (§6.2, "Model Variations") at our scale: one training run per row.
+"""Table 3 (§6.2, "Model Variations") at our scale: training runs per row, seeds apart.
 
 §6.2 varies the base model one setting at a time — (A) heads, (B) the key size d_k,
 (C) depth and width, (D) dropout and label smoothing, (E) learned positions — and
-reports each row's perplexity, BLEU and parameter count (Table 3). This script does
-the same around the ``multi30k-small`` preset (N=3, d_model=256, d_ff=1024, h=8,
-d_k=32, P_drop=0.1, eps_ls=0.1): every row is that preset with a few fields changed,
-trained ONE AT A TIME through the command line::
+reports each row's perplexity, BLEU and parameter count on the development set
+(Table 3). This script does the same around the ``multi30k-small`` preset (N=3,
+d_model=256, d_ff=1024, h=8, d_k=32, P_drop=0.1, eps_ls=0.1): every row is that preset
+with a few fields changed and trained on the preset's whole schedule (15 epochs, 3,225
+updates, warm-up 1,000), so the base row is the headline run itself. Each variation
+runs with seeds 1 and 2, the base with 1–3; two more rows (C-d128-lr, C-d512-lr) hold
+Eq. 3's d_model^-0.5 apart from the width. Every row is trained through the command
+line with the same explicit precision, attention path and thread count::
 
-    python the_annotated_transformer.py train --config multi30k-small \\
-        --run_dir runs/table3/<row> --<field> <value> ...
+    OMP_NUM_THREADS=1 python the_annotated_transformer.py train --config \
+        multi30k-small --run_dir runs/table3/<row> --precision fp32 ... --<field> <v>
 
-It talks to the program only through that command line and the files a run writes
-(``results.json``, ``metrics.jsonl``, ``checkpoint-*.pt``); it never imports it.
+then scored on the validation set (``evaluate --split valid``, beam 4, last
+checkpoint: no averaging, as §6.2). It talks to the program only through that command
+line and the files a run writes; it never imports it.
 
 Run from the repository root::
 
-    python benchmarks/table3.py                   # every row, 4 epochs each (hours)
+    python benchmarks/table3.py --jobs 2          # every row, two at a time (days)
     python benchmarks/table3.py --rows base,A     # some rows (names or groups)
     python benchmarks/table3.py --smoke           # copy preset, a few updates (<60 s)
 
-Writes ``results/table3.json`` (atomically, after every row) and ``results/table3.png``.
-A row already in the JSON with the same budget is skipped; a row that was interrupted
-continues from the checkpoints in its run directory (``train`` resumes from them when
-run again with the same settings). Rows whose fields this version of the program does
-not know (``--d_k`` for rows (B)) are recorded as "not supported by this version".
+Writes ``results/table3.json`` (atomically, under a lock, after every row) and
+``results/table3.png``. A row already in the JSON is skipped; a row that was
+interrupted continues from the checkpoints in its run directory; a row another worker
+holds (its lock file) is left to it. The file records one budget (updates, warm-up,
+lr_factor, batch size, precision, attention, threads) and refuses a row trained with
+another.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import math
 import os
@@ -64,7 +72,6 @@ SMOKE_BASE = {
     "P_drop": 0.0,
     "eps_ls": 0.1,
 }  # the `copy` preset's values
-SMOKE_ROWS = ("base", "A-h1", "B-dk4", "E-learned")
 
 # The paper's Table 3 (§6.2): (PPL dev, BLEU dev, params ×10^6; None where the cell is
 # blank, i.e. the base model's), English→German, newstest2013, no checkpoint averaging.
@@ -96,24 +103,55 @@ PAPER_NOTE = (
 )
 
 
-def table3_rows(base: dict) -> list[dict]:
-    """The rows of §6.2, Table 3 as field overrides of ``base``, in the order they run.
+# The budget every row shares, passed on every command line so that a change of the
+# preset cannot change a row silently: multi30k-small's own schedule (a test keeps these
+# equal to the preset), fp32 and the fast attention path on every chip (no timing-based
+# choice), one thread per row, and the last checkpoint scored (§6.2: no averaging).
+BUDGET = {
+    "preset": "multi30k-small",
+    "epochs": 15,
+    "warmup": 1000,
+    "lr_factor": 0.7,
+    "batch_tokens": 2500,
+    "precision": "fp32",
+    "attention": "fast",
+    "threads": 1,
+    "average_last": 0,
+}
+SMOKE_BUDGET = {
+    "preset": "copy",
+    "epochs": 1,
+    "warmup": 200,
+    "lr_factor": 1.0,
+    "batch_tokens": 1280,
+    "precision": "fp32",
+    "attention": "fast",
+    "threads": 1,
+    "average_last": 0,
+    "max_steps": 5,
+    "max_eval_sentences": 20,
+}
+# What a row must have run with for the file to hold it (besides its own fields).
+BUDGET_CHECKED = ("epochs", "warmup", "lr_factor", "batch_tokens", "precision")
+SEEDS = {"base": (1, 2, 3), "A": (1, 2), "B": (1, 2), "D": (1, 2), "E": (1, 2)}
+SEEDS_C = (1, 2)  # (C) runs last; seed 2 where seed 1 cannot tell (the noise rule)
 
-    Base with seeds 1–3; (A) h ∈ {1, 4, 16, 32} with d_k = d_model/h (constant
-    compute); (D) P_drop and eps_ls ∈ {0.0, 0.2}; (B) d_k ∈ {d_k/4, d_k/2} at the
-    base's h, d_v unchanged (as the paper's counts show); (C) N ± 1, d_model halved
-    and doubled (d_k = d_model/h), d_ff halved and doubled; (E) learned positions.
-    Each row names the paper's row with the same ratio to the paper's base (N=6,
+
+def variations(base: dict, lr_factor: float) -> list[tuple]:
+    """The variations of §6.2, Table 3 as (name, group, fields, paper row), seed aside.
+
+    (A) h ∈ {1, 4, 16, 32} with d_k = d_model/h (constant compute); (D) P_drop and
+    eps_ls ∈ {0.0, 0.2}; (B) d_k ∈ {d_k/4, d_k/2} at the base's h, d_v unchanged (as
+    the paper's counts show); (E) learned positions; (C) N ± 1, d_model halved and
+    doubled (d_k = d_model/h), d_ff halved and doubled, and the two widths again with
+    ``lr_factor`` scaled by √(d_model/base) so that Eq. 3's peak stays the base's. Each
+    row names the paper's row with the same ratio to the paper's base (N=6,
     d_model=512, d_ff=2048, d_k=64).
     """
     N, d, ff, h, dk = (base[k] for k in ("N", "d_model", "d_ff", "h", "d_k"))
-    rows = [
-        ("base", "base", {}, "base"),
-        ("base-seed2", "base", {"seed": 2}, "base"),
-        ("base-seed3", "base", {"seed": 3}, "base"),
-    ]
+    out = [("base", "base", {}, "base")]
     for heads in (1, 4, 16, 32):
-        rows.append(
+        out.append(
             (
                 f"A-h{heads}",
                 "A",
@@ -121,37 +159,72 @@ def table3_rows(base: dict) -> list[dict]:
                 f"(A) h={heads}, d_k=d_v={512 // heads}",
             )
         )
-    for p in (0.0, 0.2):
-        rows.append((f"D-drop{p}", "D", {"P_drop": p}, f"(D) P_drop={p}"))
-    for e in (0.0, 0.2):
-        rows.append((f"D-ls{e}", "D", {"eps_ls": e}, f"(D) eps_ls={e}"))
     for k, paper in ((dk // 4, "(B) d_k=16"), (dk // 2, "(B) d_k=32")):
-        rows.append((f"B-dk{k}", "B", {"d_k": k}, paper))
-    rows += [
-        (f"C-N{N - 1}", "C", {"N": N - 1}, "(C) N=4"),
-        (f"C-N{N + 1}", "C", {"N": N + 1}, "(C) N=8"),
-        (
-            f"C-d{d // 2}",
-            "C",
-            {"d_model": d // 2, "d_k": d // 2 // h},
-            "(C) d_model=256, d_k=d_v=32",
-        ),
-        (
-            f"C-d{d * 2}",
-            "C",
-            {"d_model": d * 2, "d_k": d * 2 // h},
-            "(C) d_model=1024, d_k=d_v=128",
-        ),
-        (f"C-ff{ff // 2}", "C", {"d_ff": ff // 2}, "(C) d_ff=1024"),
-        (f"C-ff{ff * 2}", "C", {"d_ff": ff * 2}, "(C) d_ff=4096"),
+        out.append((f"B-dk{k}", "B", {"d_k": k}, paper))
+    for p in (0.0, 0.2):
+        out.append((f"D-drop{p}", "D", {"P_drop": p}, f"(D) P_drop={p}"))
+    for e in (0.0, 0.2):
+        out.append((f"D-ls{e}", "D", {"eps_ls": e}, f"(D) eps_ls={e}"))
+    out.append(
         (
             "E-learned",
             "E",
             {"positional": "learned"},
             "(E) positional embedding instead of sinusoids",
-        ),
+        )
+    )
+    small, large = d // 2, d * 2
+    out += [
+        (f"C-N{N - 1}", "C", {"N": N - 1}, "(C) N=4"),
+        (f"C-N{N + 1}", "C", {"N": N + 1}, "(C) N=8"),
+        (f"C-d{small}", "C", {"d_model": small, "d_k": small // h},
+         "(C) d_model=256, d_k=d_v=32"),
+        (f"C-d{large}", "C", {"d_model": large, "d_k": large // h},
+         "(C) d_model=1024, d_k=d_v=128"),
+        (f"C-ff{ff // 2}", "C", {"d_ff": ff // 2}, "(C) d_ff=1024"),
+        (f"C-ff{ff * 2}", "C", {"d_ff": ff * 2}, "(C) d_ff=4096"),
+    ]  # fmt: skip
+    for width in (small, large):  # Eq. 3's peak held at the base's
+        scaled = round(lr_factor * math.sqrt(width / d), 6)
+        out.append(
+            (
+                f"C-d{width}-lr",
+                "C",
+                {"d_model": width, "d_k": width // h, "lr_factor": scaled},
+                "(C) d_model=256, d_k=d_v=32"
+                if width < d
+                else "(C) d_model=1024, d_k=d_v=128",
+            )
+        )
+    return out
+
+
+def table3_rows(base: dict, lr_factor: float = BUDGET["lr_factor"]) -> list[dict]:
+    """The training runs of §6.2, Table 3 as field overrides of ``base``, in the order
+    they run: the base's seeds; (A), (B), (D) and (E) with seed 1, then seed 2; (C)
+    (the costlier sizes) with seed 1, then seed 2. ``variation`` names the row its
+    seeds average into."""
+    plain = variations(base, lr_factor)
+    first = [v for v in plain if v[1] not in "C"]
+    sized = [v for v in plain if v[1] == "C"]
+    runs = []
+    for name, group, fields, paper in plain[:1]:
+        for seed in SEEDS["base"]:
+            runs.append((name, group, fields, paper, seed))
+    for block, seeds in ((first[1:], (1, 2)), (sized, SEEDS_C)):
+        for seed in seeds:
+            runs += [(n, g, f, p, seed) for n, g, f, p in block]
+    return [
+        {
+            "name": n if seed == 1 else f"{n}-seed{seed}",
+            "variation": n,
+            "group": g,
+            "seed": seed,
+            "fields": f | ({"seed": seed} if seed != 1 else {}),
+            "paper_row": p,
+        }
+        for n, g, f, p, seed in runs
     ]
-    return [{"name": n, "group": g, "fields": f, "paper_row": p} for n, g, f, p in rows]
 
 
 def paper_values(label: str) -> dict:
@@ -270,19 +343,26 @@ def count_parameters(checkpoint: Path) -> int:
     return sum(seen.values())
 
 
-def last_valid_ppl(metrics: Path) -> tuple[Optional[float], Optional[float]]:
-    """(exp of the last validation loss, that loss) from a run's metrics.jsonl, whose
-    validation records carry ``valid_loss`` (nats per target token, no smoothing);
-    Table 3's PPL column (§6.2)."""
-    loss = None
+def valid_curve(metrics: Path) -> list[dict]:
+    """Validation perplexity after every epoch, from a run's metrics.jsonl (records
+    with ``valid_loss``, nats per target token, no smoothing): Table 3's PPL column
+    (§6.2) as it moved, so that "learns faster" and "ends better" can be told apart."""
+    curve = []
     for line in metrics.read_text().splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
         if "valid_loss" in record:
-            loss = record["valid_loss"]
-    return (math.exp(loss) if loss is not None else None), loss
+            curve = [c for c in curve if c["epoch"] != record.get("epoch")]
+            curve.append(
+                {
+                    "epoch": record.get("epoch"),
+                    "step": record.get("step"),
+                    "valid_ppl": math.exp(min(record["valid_loss"], 50)),
+                }
+            )
+    return curve
 
 
 def cpu_name() -> str:
@@ -317,39 +397,112 @@ def device_name(device: str) -> str:
     return cpu_name()
 
 
-def collect(row: dict, run_dir: Path) -> dict:
-    """One finished row of Table 3 (§6.2) from the files its run wrote: BLEU (beam 4
-    and greedy, test set), validation perplexity, parameters, time and chip."""
+def commit() -> str:
+    """The commit the program was at when a row started (``+changes`` when the tree
+    had uncommitted changes), for the provenance of a Table 3 (§6.2) row."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return (head or "unknown") + ("+changes" if dirty else "")
+
+
+def head_size(settings: dict) -> int:
+    """d_k as the program uses it: ``d_k``, or d_model/h where it is 0 (§3.2.2)."""
+    return settings.get("d_k") or settings["d_model"] // settings["h"]
+
+
+def differences(expected: dict, config: dict) -> dict:
+    """The settings a run's config does not share with what was asked of it (d_k 0
+    and d_model/h are one value): a row of Table 3 (§6.2) the file must not hold."""
+    out = {}
+    for key, value in expected.items():
+        if key not in config:
+            continue
+        ran = config[key]
+        if key == "d_k":
+            value, ran = head_size(expected | {"d_k": value}), head_size(config)
+        if ran != value:
+            out[key] = {"asked": value, "ran": ran}
+    return out
+
+
+def valid_bleu(python: str, run_dir: Path, budget: dict, child: "Child") -> dict:
+    """BLEU (beam 4, §6.1) of a row's last checkpoint on the validation split — the
+    development-set column of Table 3 (§6.2) — through ``evaluate``; kept in the run
+    directory so that collecting the row again does not decode again."""
+    kept = run_dir / "valid_bleu.json"
+    checkpoint = newest_checkpoint(run_dir)
+    if kept.is_file():
+        found = json.loads(kept.read_text())
+        if found.get("checkpoint") == checkpoint.name:
+            return found
+    args = [python, PROGRAM.name, "evaluate", "--checkpoint", str(relative(checkpoint))]
+    args += ["--split", "valid", "--beam", "4"]
+    if budget.get("max_eval_sentences"):
+        args += ["--first", str(budget["max_eval_sentences"])]
+    code, out, err = child.capture(args, budget["threads"])
+    match = re.search(r"BLEU\S*\s*=\s*([\d.]+)", out)
+    if code != 0 or not match:
+        raise RuntimeError(f"evaluate --split valid failed: {last_line(err or out)}")
+    found = {
+        "checkpoint": checkpoint.name,
+        "valid_bleu": float(match.group(1)),
+        "signature": out.strip().splitlines()[-1],
+        "command": " ".join(["python", *args[1:]]),
+    }
+    write_json(kept, found)
+    return found
+
+
+def collect(row: dict, run_dir: Path, budget: dict, python: str, child) -> dict:
+    """One finished row of Table 3 (§6.2) from the files its run wrote: validation
+    perplexity (and its curve) and BLEU, test BLEU (beam 4 and greedy), parameters,
+    time, and what it ran with (the provenance the file's budget is checked on)."""
     results = json.loads((run_dir / "results.json").read_text())
-    ppl, loss = last_valid_ppl(run_dir / "metrics.jsonl")
+    curve = valid_curve(run_dir / "metrics.jsonl")
     checkpoint = newest_checkpoint(run_dir)
     config = results.get("config", {})
-    expected = {**row["base"], **row["fields"]}
-    differ = {
-        k: {"asked": v, "ran": config[k]}
-        for k, v in expected.items()
-        if k in config and config[k] != v
-    }
-    out = {
+    asked = {k: budget[k] for k in BUDGET_CHECKED if k in budget}
+    differ = differences({**asked, **row["base"], **row["fields"]}, config)
+    scored = valid_bleu(python, run_dir, budget, child)
+    return {
         "status": "done",
         "params": count_parameters(checkpoint) if checkpoint else None,
-        "valid_ppl": ppl,
-        "valid_loss": loss,
+        "valid_ppl": curve[-1]["valid_ppl"] if curve else None,
+        "valid_bleu": scored["valid_bleu"],
         "bleu": results.get("bleu"),
         "bleu_greedy": results.get("bleu_greedy"),
         "bleu_kind": results.get("bleu_kind"),
         "test_sentences": results.get("test_sentences"),
         "train_minutes": results.get("train_minutes"),
         "total_minutes": results.get("total_minutes"),
-        "steps": results.get("steps"),
-        "precision": results.get("precision"),
-        "device": results.get("device"),
-        "device_name": device_name(str(results.get("device", "cpu"))),
-        "curve": results.get("curve"),
+        "provenance": {
+            "updates": results.get("steps"),
+            "warmup": config.get("warmup"),
+            "lr_factor": config.get("lr_factor"),
+            "batch_tokens": config.get("batch_tokens"),
+            "epochs": config.get("epochs"),
+            "seed": config.get("seed"),
+            "precision": results.get("precision"),
+            "attention": results.get("attention"),
+            "threads": budget["threads"],
+            "device": results.get("device"),
+            "device_name": device_name(str(results.get("device", "cpu"))),
+            "commit": row.get("commit"),
+            "valid_bleu_command": scored["command"],
+        },
+        "curve": curve,
+        **({"settings_differ": differ} if differ else {}),
     }
-    if differ:
-        out["settings_differ"] = differ
-    return out
 
 
 def write_json(path: Path, data: dict) -> None:
@@ -368,79 +521,147 @@ def write_json(path: Path, data: dict) -> None:
         raise
 
 
+# The noise rule, stated once (the notebook and the audit quote it from the JSON).
+RULE = (
+    "A variation's mean validation BLEU differs from the base's when the difference "
+    "is larger than twice the pooled standard deviation of validation BLEU over the "
+    "seeds of every row that has two or more; it then agrees with the paper when it "
+    "has the sign of the paper's own difference (its dev BLEU minus the base's 25.8) "
+    "and disagrees otherwise. Within twice that deviation it can't tell, unless the "
+    "paper's difference is 0, which it then agrees with."
+)
+
+
+def spread(values: list[float]) -> dict:
+    """Mean, sample standard deviation (None for one value), min and max."""
+    n = len(values)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else None
+    return {"mean": mean, "sd": sd, "min": min(values), "max": max(values), "n": n}
+
+
+def pooled_sd(groups: list[list[float]]) -> Optional[float]:
+    """The pooled sample standard deviation of several rows' seeds (rows with one seed
+    add nothing); None when no row has two."""
+    dof = sum(len(g) - 1 for g in groups if len(g) > 1)
+    if dof == 0:
+        return None
+    squares = sum(
+        sum((v - sum(g) / len(g)) ** 2 for v in g) for g in groups if len(g) > 1
+    )
+    return math.sqrt(squares / dof)
+
+
+def verdict(ours: float, noise: Optional[float], paper: float) -> str:
+    """The noise rule (RULE): "agrees", "disagrees" or "can't tell" for a variation
+    whose mean differs from the base's by ``ours``, given the pooled seed deviation
+    ``noise`` and the paper's own difference ``paper`` (dev BLEU, Table 3)."""
+    if noise is None:
+        return "can't tell"
+    if abs(ours) <= 2 * noise:
+        return "agrees" if paper == 0 else "can't tell"
+    if paper == 0:
+        return "disagrees"
+    return "agrees" if (ours > 0) == (paper > 0) else "disagrees"
+
+
+def summarise(data: dict) -> list[dict]:
+    """Per variation of Table 3 (§6.2): its seeds' mean and spread of validation
+    perplexity and BLEU and of test BLEU, its difference from the base, and the noise
+    rule's verdict against the paper's row."""
+    done = [r for r in data["rows"] if r["status"] == "done"]
+    by: dict[str, list[dict]] = {}
+    for r in done:
+        by.setdefault(r.get("variation", r["name"]), []).append(r)
+    noise = pooled_sd([[r["valid_bleu"] for r in rs] for rs in by.values()])
+    base = by.get("base")
+    base_bleu = spread([r["valid_bleu"] for r in base])["mean"] if base else None
+    out = []
+    for name, rs in by.items():
+        first = rs[0]
+        entry = {
+            "variation": name,
+            "group": first["group"],
+            "seeds": sorted(r.get("seed", 1) for r in rs),
+            "params": first["params"],
+            "valid_ppl": spread([r["valid_ppl"] for r in rs]),
+            "valid_bleu": spread([r["valid_bleu"] for r in rs]),
+            "test_bleu": spread([r["bleu"] for r in rs]),
+            "paper": first["paper"],
+        }
+        if name != "base" and base_bleu is not None:
+            ours = entry["valid_bleu"]["mean"] - base_bleu
+            theirs = round(first["paper"]["bleu_dev"] - PAPER["base"][1], 2)
+            entry |= {
+                "diff_valid_bleu": ours,
+                "paper_diff_bleu": theirs,
+                "verdict": verdict(ours, noise, theirs),
+            }
+        out.append(entry)
+    return out
+
+
+def finished(row: dict) -> bool:
+    """Whether a record of Table 3 (§6.2) is a finished row the table can use."""
+    return row.get("status") == "done"
+
+
+GROUP_COLOURS = dict(zip("ABCDE", ("C0", "C1", "C2", "C3", "C4")))
+
+
 def draw(data: dict, out: Path) -> Path:
-    """The figure of Table 3 (§6.2) at our scale: test BLEU per row, grouped A–E, with
-    the base seeds' spread as a band."""
+    """The figure of Table 3 (§6.2) at our scale: validation BLEU per variation (each
+    seed a dot, the mean a bar), grouped A–E, with the base's seeds as a band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = data["rows"]
-    seeds = [r["bleu"] for r in rows if r["group"] == "base" and r["status"] == "done"]
-    variations = sorted(
-        (r for r in rows if r["group"] != "base"),
-        key=lambda r: ("ABCDE".index(r["group"]), data_order(data, r)),
-    )
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(variations) + 2.5), 4.2))
-    if seeds:
-        low, high, mean = min(seeds), max(seeds), sum(seeds) / len(seeds)
+    summary = data.get("summary", [])
+    base = next((s for s in summary if s["variation"] == "base"), None)
+    rows = [s for s in summary if s["variation"] != "base"]
+    rows.sort(key=lambda s: ("ABCDE".index(s["group"]), order_of(data, s)))
+    seeds = {}
+    for r in data["rows"]:
+        if finished(r):
+            seeds.setdefault(r.get("variation", r["name"]), []).append(r["valid_bleu"])
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(rows) + 2.5), 4.2))
+    if base:
+        b = base["valid_bleu"]
         ax.axhspan(
-            low,
-            high,
+            b["min"],
+            b["max"],
             color="0.85",
             zorder=0,
-            label=f"base, {len(seeds)} seed(s): {low:.1f}–{high:.1f}",
+            label=f"base, {b['n']} seed(s): {b['min']:.1f}–{b['max']:.1f}",
         )
-        ax.axhline(mean, color="0.4", lw=1, zorder=1, label=f"base mean {mean:.2f}")
-    colours = dict(zip("ABCDE", ("C0", "C1", "C2", "C3", "C4")))
-    for i, r in enumerate(variations):
-        if r["status"] != "done":  # not supported by this version, or failed
-            ax.text(
-                i,
-                0.02,
-                "not run" if r["status"] == "failed" else "n/s",
-                ha="center",
-                color="0.5",
-                transform=ax.get_xaxis_transform(),
-            )
-            continue
-        ax.plot(i, r["bleu"], "o", color=colours[r["group"]], zorder=3)
-        if r.get("bleu_greedy") is not None:
-            ax.plot(
-                i,
-                r["bleu_greedy"],
-                "o",
-                mfc="none",
-                color=colours[r["group"]],
-                zorder=3,
-            )
+        ax.axhline(b["mean"], color="0.4", lw=1, zorder=1, label="base mean")
+    for i, s in enumerate(rows):
+        colour = GROUP_COLOURS[s["group"]]
+        ax.plot([i - 0.25, i + 0.25], [s["valid_bleu"]["mean"]] * 2, color=colour)
+        values = seeds.get(s["variation"], [])
+        ax.plot([i] * len(values), values, "o", color=colour, ms=4, zorder=3)
     for g in "ABCDE":
-        at = [i for i, r in enumerate(variations) if r["group"] == g]
+        at = [i for i, s in enumerate(rows) if s["group"] == g]
         if at:
-            ax.axvspan(at[0] - 0.45, at[-1] + 0.45, color=colours[g], alpha=0.06, lw=0)
+            ax.axvspan(at[0] - 0.45, at[-1] + 0.45, color=GROUP_COLOURS[g], alpha=0.06)
             ax.text(
                 (at[0] + at[-1]) / 2,
                 1.01,
                 f"({g})",
                 ha="center",
                 transform=ax.get_xaxis_transform(),
-                color=colours[g],
+                color=GROUP_COLOURS[g],
             )
-    ax.plot([], [], "o", color="0.3", label="beam 4")
-    ax.plot([], [], "o", mfc="none", color="0.3", label="greedy")
     ax.set_xticks(
-        range(len(variations)), [r["name"] for r in variations], rotation=60, ha="right"
+        range(len(rows)), [s["variation"] for s in rows], rotation=60, ha="right"
     )
-    ax.set_xlim(-0.7, max(len(variations), 1) - 0.3)
-    ax.set_xlabel(
-        f"Table 3 row (one setting changed from the base); BLEU: {data['dataset']}"
-    )
-    ax.set_ylabel("test BLEU")
+    ax.set_xlim(-0.7, max(len(rows), 1) - 0.3)
+    ax.set_xlabel("Table 3 row (one setting changed from the base); dots: seeds")
+    ax.set_ylabel(f"validation BLEU ({data['dataset_valid']})")
     budget = data["budget"]
     ax.set_title(
-        f"Table 3 (§6.2) at {data['preset']} scale: "
-        f"{budget['epochs']} epoch{'s' * (budget['epochs'] != 1)} per row, "
+        f"Table 3 (§6.2) at {budget['preset']} scale: {budget['epochs']} epoch(s), "
         "last checkpoint",
         pad=18,
     )
@@ -451,17 +672,52 @@ def draw(data: dict, out: Path) -> Path:
     return out
 
 
-def data_order(data: dict, row: dict) -> int:
-    """Where ``row`` stands in the run order of Table 3 (§6.2) (for the figure)."""
-    return [r["name"] for r in data["rows"]].index(row["name"])
+def draw_curves(data: dict, out: Path) -> Path:
+    """Validation perplexity per epoch of every finished row of Table 3 (§6.2), one
+    panel per row group (the base's seeds in grey in each), so that a variation that
+    learns faster can be told from one that ends better."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in data["rows"] if finished(r) and r.get("curve")]
+    fig, axes = plt.subplots(1, 5, figsize=(15, 3.6), sharey=True)
+    for ax, g in zip(axes, "ABCDE"):
+        for r in done:
+            xs = [c["epoch"] for c in r["curve"]]
+            ys = [c["valid_ppl"] for c in r["curve"]]
+            if r["group"] == "base":
+                ax.plot(xs, ys, color="0.6", lw=1)
+            elif r["group"] == g:
+                ax.plot(xs, ys, lw=1.2, label=r["name"])
+        ax.set_title(f"({g})")
+        ax.set_xlabel("epoch")
+        ax.set_yscale("log")
+        if any(r["group"] == g for r in done):
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not yet run", ha="center", transform=ax.transAxes)
+    axes[0].set_ylabel("validation perplexity (grey: base)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def order_of(data: dict, summary: dict) -> int:
+    """Where a variation's first row stands in the file's run order (for the figure)."""
+    names = [r.get("variation", r["name"]) for r in data["rows"]]
+    return names.index(summary["variation"])
 
 
 def select(rows: list[dict], wanted: Optional[str]) -> list[dict]:
-    """The Table 3 (§6.2) rows named by ``--rows`` (names or groups), in run order."""
+    """The Table 3 (§6.2) rows named by ``--rows`` (names, variations or groups), in
+    run order."""
     if not wanted:
         return rows
     names = [w.strip() for w in wanted.split(",") if w.strip()]
-    known = {r["name"] for r in rows} | {r["group"] for r in rows}
+    known = {r[k] for r in rows for k in ("name", "group", "variation")}
     unknown = [n for n in names if n not in known]
     if unknown:
         print(
@@ -470,28 +726,41 @@ def select(rows: list[dict], wanted: Optional[str]) -> list[dict]:
             file=sys.stderr,
         )
         raise SystemExit(2)
-    return [r for r in rows if r["name"] in names or r["group"] in names]
+    return [r for r in rows if {r["name"], r["group"], r["variation"]} & set(names)]
+
+
+def child_env(threads: int) -> dict:
+    """The environment of a row's processes: ``threads`` threads for PyTorch's CPU
+    kernels, the same for every row of Table 3 (§6.2)."""
+    env = dict(os.environ)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env[name] = str(threads)
+    return env
 
 
 class Child:
-    """The one training process of a Table 3 (§6.2) row; SIGINT/SIGTERM sent to this
-    script are handed on to it once (it saves a checkpoint and stops)."""
+    """The one training process of a Table 3 (§6.2) row; SIGINT/SIGTERM/SIGHUP sent to
+    this script are handed on to it once (it saves a checkpoint and stops)."""
 
     def __init__(self):
         self.proc: Optional[subprocess.Popen] = None
         self.stopped: Optional[int] = None
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, self._forward)
 
     def _forward(self, signum, frame) -> None:
         self.stopped = signum
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signum)
+            self.proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
 
-    def run(self, args: list[str]) -> tuple[int, str]:
+    def run(self, args: list[str], threads: int) -> tuple[int, str]:
         """Run ``args`` to its end, output passed on: (exit status, stderr tail)."""
         self.proc = subprocess.Popen(
-            args, cwd=ROOT, stderr=subprocess.PIPE, start_new_session=True
+            args,
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env=child_env(threads),
         )
         tail = b""
         while chunk := os.read(self.proc.stderr.fileno(), 65536):
@@ -501,6 +770,21 @@ class Child:
         code = self.proc.wait()
         self.proc = None
         return code, tail.decode("utf-8", "replace")
+
+    def capture(self, args: list[str], threads: int) -> tuple[int, str, str]:
+        """Run ``args`` to its end: (exit status, stdout, stderr)."""
+        self.proc = subprocess.Popen(
+            args,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env=child_env(threads),
+            text=True,
+        )
+        out, err = self.proc.communicate()
+        code, self.proc = self.proc.returncode, None
+        return code, out, err
 
 
 def rejected(stderr: str, fields: dict) -> Optional[str]:
@@ -529,15 +813,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     """The options of the Table 3 (§6.2) runner."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
-        "--epochs",
-        type=int,
-        default=None,
-        help="epochs per row, every row the same (default 4; --smoke: 1)",
-    )
-    p.add_argument(
         "--rows",
         default=None,
-        help="comma-separated row names or groups (base, A–E); default all",
+        help="comma-separated row names, variations or groups (base, A–E); default all",
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="rows trained at once, each in its own worker with one thread "
+        "(default 1; 2 on two cores)",
     )
     p.add_argument(
         "--smoke",
@@ -549,8 +834,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--out",
         type=Path,
         default=None,
-        help="results JSON (default results/table3.json; the figure is "
-        "written next to it as .png)",
+        help="results JSON (default results/table3.json; the figures are "
+        "written next to it as .png and -curves.png)",
     )
     p.add_argument(
         "--runs",
@@ -564,56 +849,157 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=sys.executable,
         help="the interpreter that runs the program (default this one)",
     )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="epochs per row (default: the preset's own schedule; a file holds "
+        "one budget)",
+    )
+    p.add_argument(
+        "--worker-of", dest="workers_of", type=int, default=0, help=argparse.SUPPRESS
+    )
     args = p.parse_args(argv)
     if args.epochs is not None and args.epochs < 1:
         p.error("--epochs must be at least 1")
+    if args.jobs < 1:
+        p.error("--jobs must be at least 1")
     return args
 
 
+SMOKE_ROWS = ("base", "base-seed2", "A-h1", "B-dk4", "E-learned")
+
+
 def main(argv: list[str]) -> int:
-    """Train the selected rows of Table 3 (§6.2) one at a time and record them."""
+    """Train the selected rows of Table 3 (§6.2) and record them."""
     args = parse_args(argv)
     if args.smoke:
         with tempfile.TemporaryDirectory(prefix="table3-smoke-") as tmp:
             out = args.out or Path(tmp) / "table3.json"
             runs = args.runs or out.parent / "table3-runs"
-            code = run_table(args, "copy", SMOKE_BASE, out, runs, smoke=True)
+            code = run_table(args, SMOKE_BASE, SMOKE_BUDGET, out, runs, smoke=True)
             if args.out is None:
-                data = json.loads(out.read_text())
-                for r in data["rows"]:
-                    log(
-                        f"smoke row {r['name']}: {r['status']}"
-                        + (
-                            f", BLEU {r['bleu']:.2f}, {r['params']:,} parameters"
-                            if r["status"] == "done"
-                            else ""
-                        )
-                    )
+                for r in json.loads(out.read_text())["rows"]:
+                    log(f"smoke row {r['name']}: {r['status']}")
             return code
     out = args.out or ROOT / "results" / "table3.json"
     runs = args.runs or ROOT / "runs" / "table3"
-    return run_table(args, "multi30k-small", BASE, out, runs, smoke=False)
+    return run_table(args, BASE, BUDGET, out, runs, smoke=False)
 
 
-def budget_for(preset: str, epochs: int, smoke: bool) -> dict:
-    """The training budget every row of one Table 3 (§6.2) file shares: the preset,
-    the epochs and the checkpoint scored (``note`` says why; not compared)."""
-    budget = {"preset": preset, "epochs": epochs, "average_last": 0}
-    if smoke:
-        budget |= {"max_steps": 5, "max_eval_sentences": 20}
-    budget["note"] = (
-        "average_last 0 scores the last checkpoint only: §6.2 uses no "
-        "checkpoint averaging, and with one checkpoint per epoch the "
-        "last 5 would include the first epochs' barely trained models"
-    )
-    return budget
+def budget_record(budget: dict) -> dict:
+    """What one Table 3 (§6.2) file's rows share, as the file records it."""
+    return dict(budget) | {
+        "note": (
+            "every row: the preset's whole schedule, the same batches, the last "
+            "checkpoint scored (§6.2: no checkpoint averaging); the precision, "
+            "attention path and thread count given explicitly, never measured"
+        )
+    }
 
 
 def same_budget(a: dict, b: dict) -> bool:
-    """Whether two Table 3 (§6.2) budgets agree (their notes aside)."""
-    return {k: v for k, v in a.items() if k != "note"} == {
-        k: v for k, v in b.items() if k != "note"
+    """Whether two Table 3 (§6.2) budgets agree (their notes and the update count,
+    which the first finished row records, aside)."""
+    keep = lambda d: {k: v for k, v in d.items() if k not in ("note", "updates")}  # noqa: E731
+    return keep(a) == keep(b)
+
+
+@contextlib.contextmanager
+def locked(path: Path, wait: bool = True):
+    """Hold an exclusive lock on ``path`` (made if missing): yields whether it was got
+    (without ``wait``, False when another process holds it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def fresh_table(base: dict, budget: dict, smoke: bool) -> dict:
+    """An empty Table 3 (§6.2) file for ``budget``."""
+    return {
+        "table": "Table 3 (§6.2, model variations) at our scale",
+        "preset": budget["preset"],
+        "dataset_valid": "copy task"
+        if smoke
+        else "Multi30k val (1,014 pairs), detokenized cased sacreBLEU",
+        "dataset": "copy task"
+        if smoke
+        else "Multi30k test2016, detokenized cased sacreBLEU",
+        "base": base,
+        "budget": budget_record(budget),
+        "rule": RULE,
+        "paper_note": PAPER_NOTE,
+        "rows": [],
+        "summary": [],
     }
+
+
+def read_table(out: Path, base: dict, budget: dict, smoke: bool) -> dict:
+    """The Table 3 (§6.2) file at ``out`` (a fresh one if there is none); SystemExit(2)
+    if it holds another budget."""
+    if not out.is_file():
+        return fresh_table(base, budget, smoke)
+    data = json.loads(out.read_text())
+    if not same_budget(data.get("budget", {}), budget_record(budget)):
+        was, now = (
+            {k: v for k, v in b.items() if k != "note"}
+            for b in (data.get("budget", {}), budget)
+        )
+        print(
+            f"error: {out} holds rows trained with budget {was}, not {now}; one "
+            "file holds one budget: give another --out or the same budget",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    return data
+
+
+def merge(out: Path, record: dict, base: dict, budget: dict, smoke: bool, order):
+    """Add one row to the Table 3 (§6.2) file under its lock, refusing a row whose
+    recorded budget differs from the file's; returns the refusal, or None."""
+    with locked(out.with_name(out.name + ".lock")):
+        data = read_table(out, base, budget, smoke)
+        if finished(record):
+            problem = budget_problem(data, record)
+            if problem:
+                return problem
+            data["budget"].setdefault("updates", record["provenance"]["updates"])
+        data["rows"] = sorted(
+            [o for o in data["rows"] if o["name"] != record["name"]] + [record],
+            key=lambda r: order.index(r["name"]) if r["name"] in order else 10**6,
+        )
+        data["summary"] = summarise(data)
+        write_json(out, data)
+        draw(data, out.with_suffix(".png"))
+        draw_curves(data, out.with_name(out.stem + "-curves.png"))
+    return None
+
+
+def budget_problem(data: dict, record: dict) -> Optional[str]:
+    """Why a finished row cannot join this Table 3 (§6.2) file, or None: it ran other
+    settings than asked, or another number of updates than the file's rows."""
+    if record.get("settings_differ"):
+        what = "; ".join(
+            f"{k} asked {v['asked']}, ran {v['ran']}"
+            for k, v in record["settings_differ"].items()
+        )
+        return f"row {record['name']} ran other settings than its budget ({what})"
+    updates = data["budget"].get("updates")
+    ran = record["provenance"]["updates"]
+    if updates is not None and ran != updates:
+        return (
+            f"row {record['name']} trained {ran} updates, the file's rows "
+            f"{updates}: not the same budget"
+        )
+    return None
 
 
 def run_row(
@@ -629,42 +1015,44 @@ def run_row(
     its directory already holds) and return its record; None if interrupted."""
     run_dir = (runs / row["name"]).absolute()
     overrides, note = row_overrides(row, base, options)
-    passed = overrides | {
-        k: v for k, v in budget.items() if k not in ("preset", "note")
-    }
+    passed = {
+        k: v for k, v in budget.items() if k not in ("preset", "threads")
+    } | overrides
     args = command(python, budget["preset"], relative(run_dir), passed)
     record = {
         "name": row["name"],
+        "variation": row["variation"],
         "group": row["group"],
+        "seed": row["seed"],
         "fields": row["fields"],
         "passed": passed,
         "run_dir": str(relative(run_dir)),
-        "command": " ".join(["python", *args[1:]]),
+        "command": f"OMP_NUM_THREADS={budget['threads']} "
+        + " ".join(["python", *args[1:]]),
         "paper": paper_values(row["paper_row"]),
     }
     if note:
         record["note"] = note
     saved = saved_settings(run_dir) if run_dir.is_dir() else None
-    differ = [
-        f"{k}: {saved[k]!r} there, {v!r} now"
-        for k, v in passed.items()
-        if saved is not None and k in saved and saved[k] != v
-    ]
+    differ = differences(passed, saved) if saved is not None else {}
     if differ:
-        why = f"{run_dir} holds a run with other settings ({'; '.join(differ)})"
+        what = "; ".join(f"{k}: {v['ran']!r} there, {v['asked']!r} now" for k, v in
+                         differ.items())  # fmt: skip
         return record | {
             "status": "failed",
-            "error": f"{why}; move it away to train this row",
+            "error": f"{run_dir} holds a run with other settings ({what}); move it "
+            "away to train this row",
         }
+    started = {**row, "base": base, "commit": commit()}
     if saved is not None and (run_dir / "results.json").is_file():
         log(f"row {row['name']}: already trained in {run_dir}; collecting it")
-        return record | collect({**row, "base": base}, run_dir)
+        return record | collect(started, run_dir, budget, python, child)
     if run_dir.is_dir() and newest_checkpoint(run_dir) is not None:
         record["resumed"] = (
             "continued from the checkpoints in its run directory: "
-            "train_minutes counts the last session only"
+            "train_minutes counts the last stretch only"
         )
-    code, stderr = child.run(args)
+    code, stderr = child.run(args, budget["threads"])
     if child.stopped is not None:
         log(
             f"interrupted by signal {child.stopped} during row {row['name']} "
@@ -680,88 +1068,103 @@ def run_row(
             "exit_status": code,
             "error": last_line(stderr),
         }
-    return record | collect({**row, "base": base}, run_dir)
+    return record | collect(started, run_dir, budget, python, child)
 
 
-def run_table(args, preset: str, base: dict, out: Path, runs: Path, smoke: bool) -> int:
-    """Run the rows of Table 3 (§6.2) not yet in ``out``, one at a time; write ``out``
-    and its figure after every row. Returns the exit status (0 unless a row failed)."""
-    budget = budget_for(preset, args.epochs or (1 if smoke else 4), smoke)
-    rows = table3_rows(base)
+def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool):
+    """Run the rows of Table 3 (§6.2) not yet in ``out``, ``--jobs`` at a time, each
+    row in the one worker that holds its lock; merge each into ``out`` (and redraw
+    its figures) as it ends. Returns the exit status (0 unless a row failed)."""
+    if args.epochs is not None:
+        budget = budget | {"epochs": args.epochs}
+    rows = table3_rows(base, budget["lr_factor"])
     order = [r["name"] for r in rows]
     if smoke and not args.rows:
         rows = [r for r in rows if r["name"] in SMOKE_ROWS]
     rows = select(rows, args.rows)
-    data = {
-        "table": "Table 3 (§6.2, model variations) at our scale",
-        "preset": preset,
-        "dataset": "copy task"
-        if smoke
-        else "Multi30k test2016, detokenized cased sacreBLEU",
-        "base": base,
-        "budget": budget,
-        "paper_note": PAPER_NOTE,
-        "rows": [],
-    }
-    if out.is_file():
-        old = json.loads(out.read_text())
-        if not same_budget(old["budget"], budget):
-            was, now = (
-                {k: v for k, v in b.items() if k != "note"}
-                for b in (old["budget"], budget)
-            )
-            print(
-                f"error: {out} holds rows trained with budget {was}, not {now}; one "
-                "file holds one budget: give another --out or the same --epochs",
-                file=sys.stderr,
-            )
-            return 2
-        data["rows"] = old["rows"]
+    with locked(out.with_name(out.name + ".lock")):
+        data = read_table(out, base, budget, smoke)  # refuses another budget first
+        if not out.is_file():
+            write_json(out, data)
+    if args.jobs > 1:
+        return run_workers(args, out, runs)
     options = program_options(args.python, PROGRAM)
-    child, failed, spent = Child(), 0, []
-    todo = [
-        r
-        for r in rows
-        if not any(
-            o["name"] == r["name"] and o["status"] == "done" for o in data["rows"]
-        )
-    ]
+    child, failed = Child(), 0
+    held = {r["name"] for r in data["rows"] if finished(r)}
+    todo = [r for r in rows if r["name"] not in held]
     log(
         f"{len(rows) - len(todo)} of {len(rows)} row(s) already in {out}; "
         f"{len(todo)} to run, {budget['epochs']} epoch(s) each"
     )
-    for i, row in enumerate(todo, 1):
-        left = (
-            f"; about {sum(spent) / len(spent) * (len(todo) - i + 1):.0f} min left"
-            if spent
-            else ""
-        )
-        log(f"row {row['name']} ({i}/{len(todo)}){left}")
-        t0 = time.time()
-        record = run_row(row, base, budget, args.python, runs, options, child)
-        if record is None:
-            return 130
-        record["row_wall_minutes"] = (time.time() - t0) / 60
-        if record["status"] == "done":
-            spent.append(record["row_wall_minutes"])
+    for row in todo:
+        lock = runs / f"{row['name']}.lock"
+        with locked(lock, wait=False) as mine:
+            if not mine:
+                log(f"row {row['name']}: another worker holds it")
+                continue
+            data = read_table(out, base, budget, smoke)
+            if any(o["name"] == row["name"] and finished(o) for o in data["rows"]):
+                continue
+            log(f"row {row['name']}: training")
+            t0 = time.time()
+            record = run_row(row, base, budget, args.python, runs, options, child)
+            if record is None:
+                return 130
+            record["row_wall_minutes"] = (time.time() - t0) / 60
+            record["concurrent_rows"] = args.workers_of or 1
+            refusal = merge(out, record, base, budget, smoke, order)
+        if refusal:
+            failed += 1
+            log(f"row {row['name']} not added: {refusal}")
+        elif finished(record):
             log(
                 f"row {row['name']} done in {record['row_wall_minutes']:.1f} min: "
-                f"BLEU {record['bleu']:.2f} (greedy {record['bleu_greedy']:.2f}), "
-                f"valid ppl {record['valid_ppl']:.2f}, {record['params']:,} parameters"
+                f"valid BLEU {record['valid_bleu']:.2f}, valid ppl "
+                f"{record['valid_ppl']:.2f}, test BLEU {record['bleu']:.2f}"
             )
         else:
             failed += record["status"] == "failed"
             log(f"row {row['name']}: {record['status']}: {record['error']}")
-        data["rows"] = sorted(
-            [o for o in data["rows"] if o["name"] != row["name"]] + [record],
-            key=lambda r: order.index(r["name"]),
-        )
-        write_json(out, data)
-        draw(data, out.with_suffix(".png"))
-    if not todo and data["rows"]:
-        draw(data, out.with_suffix(".png"))
-    log(f"results in {out} and {out.with_suffix('.png')}")
+    log(f"results in {out}")
     return 1 if failed else 0
+
+
+def run_workers(args, out: Path, runs: Path) -> int:
+    """``--jobs N``: N copies of this script, each taking the next row no other holds
+    (one thread each); signals are handed on; the worst exit status is returned."""
+    argv = [a for a in sys.argv[1:]]
+    base_args = [sys.executable, str(Path(__file__).resolve()), *strip_jobs(argv)]
+    base_args += ["--out", str(out), "--runs", str(runs), "--worker-of", str(args.jobs)]
+    procs = []
+    for _ in range(args.jobs):
+        procs.append(subprocess.Popen(base_args, cwd=ROOT))
+        time.sleep(2)  # the first takes the first row's lock before the next looks
+
+    def forward(signum, frame):
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, forward)
+    codes = [p.wait() for p in procs]
+    return max(codes)
+
+
+def strip_jobs(argv: list[str]) -> list[str]:
+    """``argv`` without ``--jobs N``/``--out``/``--runs`` (a worker gets its own)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--jobs", "--out", "--runs"):
+            skip = True
+            continue
+        if a.startswith(("--jobs=", "--out=", "--runs=")):
+            continue
+        out.append(a)
+    return out
 
 
 if __name__ == "__main__":
