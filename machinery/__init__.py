@@ -47,6 +47,7 @@ from .datafiles import (  # noqa: F401
     read_stream,
     split_lines,
 )
+from .project import colab_url, project_url  # noqa: F401
 from .iwslt import (  # noqa: F401
     prepare_iwslt14,
 )
