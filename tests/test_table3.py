@@ -1,9 +1,11 @@
 """The Table 3 (§6.2) runner, `benchmarks/table3.py` (`make table3`).
 
-Its rows are the paper's variations written as field overrides of the base; in its smoke
-mode (the copy preset, five updates a row) it trains each row once, skips the rows its
-file already holds, continues an interrupted row from its checkpoint, and keeps one
-training budget per file. No score is asserted beyond what five updates can show.
+Its rows are the paper's variations written as field overrides of the base, each with
+its seeds, on the headline preset's own schedule; in its smoke mode (the copy preset,
+five updates a row) it trains each row once, records what each row ran with, skips the
+rows its file already holds, continues an interrupted row from its checkpoint, and
+keeps one training budget per file. Its noise rule is checked on made-up numbers. No
+score is asserted beyond what five updates can show.
 """
 
 import json
@@ -56,17 +58,19 @@ def test_every_row_is_one_of_the_papers_variations_of_the_base():
     runner = load_script(SCRIPT, "table3_runner")
     base = runner.BASE
     rows = runner.table3_rows(base)
-    # 3 seeds of the base; (A) 4 head counts, (B) 2 key sizes, (C) 6 sizes, (D) 4, (E) 1
-    assert Counter(r["group"] for r in rows) == {
-        "base": 3,
+    seed_one = [r for r in rows if r["seed"] == 1]
+    # (A) 4 head counts, (B) 2 key sizes, (C) 6 sizes and 2 learning-rate controls,
+    # (D) 4, (E) 1
+    assert Counter(r["group"] for r in seed_one) == {
+        "base": 1,
         "A": 4,
         "B": 2,
-        "C": 6,
+        "C": 8,
         "D": 4,
         "E": 1,
     }
     assert len({r["name"] for r in rows}) == len(rows)
-    for r in rows:
+    for r in seed_one:
         assert r["paper_row"] in runner.PAPER, r["name"]
         fields = r["fields"]
         if r["group"] == "A":  # constant compute: h · d_k stays d_model
@@ -76,25 +80,156 @@ def test_every_row_is_one_of_the_papers_variations_of_the_base():
             assert set(fields) == {"d_k"} and fields["d_k"] < base["d_k"]
         if r["group"] == "C" and "d_model" in fields:  # d_k follows d_model / h
             assert fields["d_k"] == fields["d_model"] // base["h"]
-        if r["group"] in "CD":
+        if r["group"] in "CD" and not r["name"].endswith("-lr"):
             assert len(set(fields) - {"d_k"}) == 1  # one setting changed
     assert {r["name"]: r["fields"] for r in rows}["E-learned"] == {
         "positional": "learned"
     }
 
 
+def test_the_base_runs_three_seeds_and_every_variation_two():
+    runner = load_script(SCRIPT, "table3_runner")
+    rows = runner.table3_rows(runner.BASE)
+    seeds = {}
+    for r in rows:
+        seeds.setdefault(r["variation"], []).append(r["seed"])
+        assert r["fields"].get("seed", 1) == r["seed"]
+    assert seeds.pop("base") == [1, 2, 3]
+    assert all(s == [1, 2] for s in seeds.values()), seeds
+    # (A), (B), (D) and (E) at both seeds come before any (C) row (the costlier sizes)
+    groups = [r["group"] for r in rows]
+    assert max(i for i, g in enumerate(groups) if g in "ABDE") < groups.index("C")
+
+
+def test_the_budget_is_the_headline_preset_unchanged():
+    from machinery import PRESETS
+
+    runner = load_script(SCRIPT, "table3_runner")
+    preset = PRESETS[runner.BUDGET["preset"]]
+    for field in ("epochs", "warmup", "lr_factor", "batch_tokens"):
+        assert runner.BUDGET[field] == getattr(preset, field), field
+    for field in ("N", "d_model", "d_ff", "h", "P_drop", "eps_ls"):
+        assert runner.BASE[field] == getattr(preset, field), field
+    assert runner.BASE["d_k"] == preset.head_size
+    # explicit choices, never a timing: the same path and precision on every chip
+    assert runner.BUDGET["precision"] != "auto"
+    assert runner.BUDGET["attention"] != "auto"
+    assert runner.BUDGET["average_last"] == 0  # §6.2: no checkpoint averaging
+
+
+def test_the_learning_rate_controls_peak_where_the_base_does():
+    runner = load_script(SCRIPT, "table3_runner")
+    base, lr = runner.BASE, runner.BUDGET["lr_factor"]
+    rows = {r["name"]: r for r in runner.table3_rows(base, lr)}
+
+    def peak(d_model: int, factor: float) -> float:  # Eq. 3 at step = warmup
+        return factor * d_model**-0.5 * runner.BUDGET["warmup"] ** -0.5
+
+    for name in ("C-d128-lr", "C-d512-lr"):
+        fields = rows[name]["fields"]
+        assert peak(fields["d_model"], fields["lr_factor"]) == pytest.approx(
+            peak(base["d_model"], lr), rel=1e-5
+        )
+        plain = rows[name.removesuffix("-lr")]["fields"]
+        assert peak(plain["d_model"], lr) != pytest.approx(peak(base["d_model"], lr))
+
+
+def test_the_noise_rule_on_made_up_numbers():
+    runner = load_script(SCRIPT, "table3_runner")
+    # seeds 30, 31, 32 and 28, 29: pooled sd = sqrt((2 + 0.5) / 3) ≈ 0.913
+    noise = runner.pooled_sd([[30.0, 31.0, 32.0], [28.0, 29.0], [27.0]])
+    assert noise == pytest.approx((2.5 / 3) ** 0.5)
+    assert runner.pooled_sd([[30.0], [28.0]]) is None  # one seed each: no noise yet
+    assert runner.verdict(-2.5, noise, -0.9) == "agrees"  # worse, as the paper's
+    assert runner.verdict(+2.5, noise, -0.9) == "disagrees"
+    assert runner.verdict(-1.5, noise, -0.9) == "can't tell"  # inside 2·sd
+    assert runner.verdict(-1.5, noise, 0.0) == "agrees"  # no difference, as the paper
+    assert runner.verdict(+2.5, noise, 0.0) == "disagrees"
+    assert runner.verdict(-9.0, None, -0.9) == "can't tell"  # no seed spread known
+
+
+def test_the_summary_applies_the_rule_to_every_variation():
+    runner = load_script(SCRIPT, "table3_runner")
+
+    def row(name, variation, seed, bleu, ppl=5.0):
+        paper = runner.paper_values(
+            {"base": "base", "A-h1": "(A) h=1, d_k=d_v=512"}[variation]
+        )
+        return {"name": name, "variation": variation, "group": variation[0]
+                if variation != "base" else "base", "seed": seed, "status": "done",
+                "valid_bleu": bleu, "valid_ppl": ppl, "bleu": bleu - 1,
+                "params": 10, "paper": paper}  # fmt: skip
+
+    data = {
+        "rows": [
+            row("base", "base", 1, 40.0),
+            row("base-seed2", "base", 2, 41.0),
+            row("base-seed3", "base", 3, 42.0),
+            row("A-h1", "A-h1", 1, 36.0),
+            row("A-h1-seed2", "A-h1", 2, 37.0),
+        ]
+    }
+    summary = {s["variation"]: s for s in runner.summarise(data)}
+    assert summary["base"]["valid_bleu"]["n"] == 3
+    assert summary["base"]["valid_bleu"]["mean"] == pytest.approx(41.0)
+    h1 = summary["A-h1"]
+    assert h1["seeds"] == [1, 2] and h1["diff_valid_bleu"] == pytest.approx(-4.5)
+    assert h1["paper_diff_bleu"] == pytest.approx(-0.9)
+    assert h1["verdict"] == "agrees"  # pooled sd ≈ 0.91: −4.5 is beyond 2·sd
+
+
 def test_a_smoke_table_trains_each_row_and_draws_the_figure(smoke):
     rows = rows_of(smoke)
-    assert list(rows) == ["base", "A-h1", "B-dk4", "E-learned"]
+    assert list(rows) == ["base", "base-seed2", "A-h1", "B-dk4", "E-learned"]
     for r in rows.values():
         assert r["status"] == "done", r
-        assert r["steps"] == 5 and r["valid_ppl"] > 1
-        assert 0 <= r["bleu_greedy"] <= 100 and r["device_name"]
+        assert r["provenance"]["updates"] == 5 and r["valid_ppl"] > 1
+        assert 0 <= r["bleu_greedy"] <= 100 and 0 <= r["valid_bleu"] <= 100
+        assert [c["epoch"] for c in r["curve"]] == [1]  # one epoch, one point
     base = rows["base"]["params"]
     assert rows["A-h1"]["params"] == base  # (A): the same computation, regrouped
     assert rows["B-dk4"]["params"] < base  # (B): smaller query and key projections
     assert rows["E-learned"]["params"] > base  # (E): a table of positions per stack
-    assert smoke.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png = b"\x89PNG\r\n\x1a\n"
+    assert smoke.with_suffix(".png").read_bytes()[:8] == png
+    assert smoke.with_name("table3-curves.png").read_bytes()[:8] == png
+
+
+def test_every_row_records_what_it_ran_with(smoke):
+    runner = load_script(SCRIPT, "table3_runner")
+    data = json.loads(smoke.read_text())
+    budget = runner.SMOKE_BUDGET
+    assert data["budget"]["updates"] == 5
+    assert data["rule"] == runner.RULE
+    for r in data["rows"]:
+        seen = r["provenance"]
+        assert seen["threads"] == budget["threads"] == 1
+        assert seen["precision"] == budget["precision"]
+        assert seen["attention"] == budget["attention"]
+        assert (seen["warmup"], seen["batch_tokens"]) == (200, 1280)
+        assert seen["lr_factor"] == r["fields"].get("lr_factor", budget["lr_factor"])
+        assert seen["seed"] == r["seed"] and seen["device_name"]
+        assert len(seen["commit"].split("+")[0]) == 40
+        assert "settings_differ" not in r  # d_k 0 and d_model/h are one value
+        assert r["command"].startswith("OMP_NUM_THREADS=1 ")
+
+
+def test_a_row_with_another_budget_is_not_merged(smoke, tmp_path):
+    runner = load_script(SCRIPT, "table3_runner")
+    out = tmp_path / "table3.json"
+    shutil.copy(smoke, out)
+    before = out.read_bytes()
+    data = json.loads(before)
+    stray = dict(data["rows"][0], name="A-h4")
+    stray["provenance"] = dict(stray["provenance"], updates=6)
+    order = [r["name"] for r in runner.table3_rows(runner.SMOKE_BASE)]
+    args = (runner.SMOKE_BASE, runner.SMOKE_BUDGET, True, order)
+    refusal = runner.merge(out, stray, *args)
+    assert "6 updates" in refusal and "5" in refusal
+    stray = dict(data["rows"][0], name="A-h4", settings_differ={
+        "warmup": {"asked": 200, "ran": 400}})  # fmt: skip
+    assert "warmup asked 200, ran 400" in runner.merge(out, stray, *args)
+    assert out.read_bytes() == before
 
 
 def test_rows_already_in_the_file_are_not_trained_again(smoke, tmp_path):
@@ -103,7 +238,7 @@ def test_rows_already_in_the_file_are_not_trained_again(smoke, tmp_path):
     before = out.read_bytes()
     result = run(out)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "4 of 4 row(s) already in" in result.stdout
+    assert "5 of 5 row(s) already in" in result.stdout
     assert "device:" not in result.stdout + result.stderr  # no training run started
     assert out.read_bytes() == before
 
@@ -124,7 +259,7 @@ def test_an_interrupted_row_continues_from_its_checkpoint(smoke, tmp_path):
     assert "resumed from" in result.stdout + result.stderr
     again, first = rows_of(out)["base"], rows_of(smoke)["base"]
     assert "continued from the checkpoints" in again["resumed"]
-    assert again["steps"] == first["steps"]
+    assert again["provenance"]["updates"] == first["provenance"]["updates"]
     assert again["bleu"] == first["bleu"]  # the same model, scored the same
 
 
