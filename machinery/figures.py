@@ -235,14 +235,29 @@ def attention_maps_json(
 
 
 def show_attention(
-    maps: dict, src: Sequence[str], out: Sequence[str], read: Sequence[str]
+    maps: dict,
+    src: Sequence[str],
+    out: Sequence[str],
+    read: Sequence[str],
+    *,
+    source: str = "",
+    reference: str = "",
+    output: str = "",
 ) -> None:
-    """Display the maps of :func:`attention_maps` in a notebook: every layer and head
-    small, then the sharpest head of each kind large with its tokens (``src`` the source
-    tokens, ``out`` what each decoder position predicts, ``read`` what it reads), then
-    the maps as data for the web page's explorer."""
+    """Display the maps of :func:`attention_maps` in a notebook: the sentence's
+    ``source``, ``reference`` and model ``output`` (a line each, those given), every
+    layer and head small, then the sharpest head of each kind large with its tokens
+    (``src`` the source tokens, ``out`` what each decoder position predicts, ``read``
+    what it reads), then the maps as data for the web page's explorer."""
     from IPython.display import display
 
+    for name, text in (
+        ("source", source),
+        ("reference", reference),
+        ("output", output),
+    ):
+        if text:
+            print(f"{name + ':':11s}{text}")
     labels = {"encoder": (src, src), "decoder_self": (out, read),
               "decoder_src": (out, src)}  # fmt: skip
     overview = (
