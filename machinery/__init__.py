@@ -48,6 +48,7 @@ from .datafiles import (  # noqa: F401
     split_lines,
 )
 from .project import colab_url, project_url  # noqa: F401
+from .runs import recipe_differences, run_or_load  # noqa: F401
 from .iwslt import (  # noqa: F401
     prepare_iwslt14,
 )

@@ -30,7 +30,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.lr_scheduler import LambdaLR
-from tqdm.auto import tqdm
 
 from .config import Config, run_dir_for
 from .data import Dataset, load_dataset
@@ -43,6 +42,7 @@ from .devices import (
     any_process,
     measured_ratio,
     precision_candidates,
+    progress_bar,
     resolve_attention,
     resolve_device,
     resolve_precision,
@@ -52,8 +52,9 @@ from .devices import (
 from .evaluation import evaluate_loss, evaluate_test
 from .figures import plot_curves
 from .parts import notebook
-from .planning import UpdateClock, plan_run
+from .planning import LossWatch, UpdateClock, agreed_plan, plan_run
 from .resuming import find_checkpoint, newest_readable_checkpoint, resume  # noqa: F401
+from .runs import machine_name
 from .runfiles import (
     Position,
     RunFiles,
@@ -253,7 +254,7 @@ def train_epoch(
         batches, pos.batch_in_epoch, run.rank, run.world, cfg.accum_steps
     )
     per_epoch = len(epoch_updates(batches, 0, 0, run.world, cfg.accum_steps)[0])
-    bar = tqdm(
+    bar = progress_bar(
         total=per_epoch,
         initial=max(per_epoch - len(updates), 0),
         desc=f"epoch {pos.epoch + 1}/{cfg.epochs}",
@@ -262,6 +263,7 @@ def train_epoch(
     )
     run.train_model.train()
     seen, t0, loss_acc, tok_acc = 0, time.time(), 0.0, 0
+    watch = LossWatch(len(run.data.tgt_vocab))  # a finite loss that explodes
     finished = False
     ahead = prefetched(
         lambda u: [nb.make_batch(pairs, idx).to(run.device) for idx in updates[u]],
@@ -272,6 +274,8 @@ def train_epoch(
         for u, micro in enumerate(ahead):
             try:
                 loss, tokens, lr = update(run, micro)
+                if exploded := watch.problem(loss / max(tokens, 1)):
+                    raise TrainingDiverged(exploded)
             except TrainingDiverged as e:
                 last = checkpoint_paths(run.files.dir)
                 raise TrainingDiverged(
@@ -571,6 +575,8 @@ def train(
         data = load_dataset(cfg, log=log)
         if world > 1 and local_rank == 0:
             _barrier(device)
+    for line in agreed_plan(cfg, data, device, world):  # refuses before any work
+        log(line)
     run = setup(cfg, data, device, rank, world, log)
     pos = resume(run)
     log(
@@ -628,6 +634,7 @@ def train(
         "steps": pos.step,
         "train_minutes": (time.time() - t_start) / 60,
         "device": str(device),
+        "machine": machine_name(device),
         "world_size": world,
         "precision": run.cfg.precision,
         "attention": run.cfg.attention,
@@ -636,9 +643,12 @@ def train(
         "run_dir": str(run.files.dir),
     }
     if rank == 0 and run.files.metrics.is_file():
-        summary["curve"] = str(
-            plot_curves(run.files.metrics, run.files.dir / "curve.png")
-        )
+        try:
+            summary["curve"] = str(
+                plot_curves(run.files.metrics, run.files.dir / "curve.png")
+            )
+        except ModuleNotFoundError as e:  # matplotlib absent: the run stands
+            log(f"no curve.png ({e})")
     if evaluate and rank == 0:
         summary.update(
             evaluate_test(

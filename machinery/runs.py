@@ -1,0 +1,143 @@
+"""Part 4's runs in plain sight: train here, resume, or load a finished run (our
+addition).
+
+`run_or_load` is what every training cell of Part 4 calls. It says in one line what it
+did and where: it loaded a finished run whose recipe is the one asked for (from the
+run directory, or from another directory named as holding the same recipe), loaded a
+run's recorded summary from ``results/`` where no run directory is here, resumed a run
+from its checkpoints, or trained here. It never deletes anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+from .config import Config, weight_fields
+from .runfiles import checkpoint_paths
+
+# What a run trains, beyond the model's shape: the data, the schedule and the
+# regularization. Precision, attention path, device, checkpoints and decoding settings
+# decide how it runs or is scored, not what it learns.
+RECIPE_FIELDS = (
+    "dataset",
+    "vocab",
+    "bpe_size",
+    "min_freq",
+    "max_tokens",
+    "batch_tokens",
+    "warmup",
+    "lr_factor",
+    "betas",
+    "adam_eps",
+    "weight_decay",
+    "eps_ls",
+    "accum_steps",
+    "clip_grad",
+    "epochs",
+    "max_steps",
+    "seed",
+    "P_drop",
+    "ffn_dropout",
+    "attn_dropout",
+)
+
+
+def recipe_differences(saved: dict, cfg: Config) -> list[str]:
+    """The fields of the recipe ``cfg`` asks for that a run's saved config (its
+    ``results.json`` ``config``) does not share, as "name: saved → asked"."""
+    asked = dataclasses.asdict(cfg)
+    out = []
+    for name in (*weight_fields(), *RECIPE_FIELDS):
+        if name not in saved:
+            continue
+        was, now = saved[name], asked[name]
+        if isinstance(now, tuple):
+            was = tuple(was)
+        if was != now:
+            out.append(f"{name}: {was!r} → {now!r}")
+    return out
+
+
+def machine_name(device) -> str:
+    """The chip a run trained on, as a reader would name it: the GPU's name, else the
+    CPU's model name from /proc/cpuinfo (with its family and model number, since one
+    name covers several chips), else the platform's word for it."""
+    import platform
+
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        return platform.processor() or platform.machine() or "unknown CPU"
+    info = {}
+    for line in first.splitlines():
+        key, _, value = line.partition(":")
+        info[key.strip()] = value.strip()
+    name = info.get("model name") or platform.processor() or "unknown CPU"
+    detail = ", ".join(f"{k} {info[k]}" for k in ("cpu family", "model") if k in info)
+    return f"{name} ({detail})" if detail else name
+
+
+def _quiet(*args, **kwargs) -> None:
+    """A log that keeps the training run's own lines out of the notebook's outputs."""
+
+
+def run_or_load(
+    cfg: Config,
+    finished: Sequence[str] = (),
+    recorded: Optional[str] = None,
+    log: Callable = print,
+    train_log: Callable = _quiet,
+) -> dict:
+    """The summary of a run of ``cfg`` (as ``machinery.train`` returns it), made or
+    found in plain sight:
+
+    1. a finished run of the same recipe in ``cfg.run_dir`` or one of ``finished``
+       (run directories known to hold it) is loaded;
+    2. else, where ``cfg.run_dir`` holds no checkpoint and ``recorded`` (a
+       ``results/*.json`` summary) exists, that summary is loaded;
+    3. else the run is resumed from its checkpoints, or trained from the start.
+
+    One line through ``log`` says which, and where. Nothing is deleted.
+    """
+    for where in (Path(cfg.run_dir), *map(Path, finished)):
+        results = where / "results.json"
+        if not results.is_file():
+            continue
+        summary = json.loads(results.read_text())
+        if recipe_differences(summary.get("config", {}), cfg):
+            continue
+        on = f" on {summary['machine']}" if summary.get("machine") else ""
+        log(
+            f"loaded the finished run in {where}: {summary['steps']:,} updates, "
+            f"trained in {summary['train_minutes']:.0f} min{on}"
+        )
+        summary["run_dir"] = str(where)
+        return summary
+    checkpoints = checkpoint_paths(Path(cfg.run_dir))
+    if recorded is not None and not checkpoints and Path(recorded).is_file():
+        summary = json.loads(Path(recorded).read_text())
+        log(
+            f"loaded the recorded summary {recorded} ({summary['steps']:,} updates, "
+            f"trained in {summary['train_minutes']:.0f} min); no run directory here"
+        )
+        return summary
+    if checkpoints:
+        log(f"resuming the run in {cfg.run_dir} from {checkpoints[-1].name}")
+    else:
+        log(f"training here, into {cfg.run_dir}")
+    from .training import train  # the production loop (it imports this package)
+
+    summary = train(cfg, log=train_log, progress=False)
+    log(
+        f"trained {summary['steps']:,} updates in {summary['train_minutes']:.1f} min "
+        f"on {summary.get('machine', summary['device'])}"
+    )
+    return summary
