@@ -9,6 +9,7 @@ written to runs/html/; the measured numbers are printed (pytest -s shows them).
 """
 
 import importlib.util
+import json
 import random
 import re
 import shutil
@@ -32,7 +33,10 @@ CHROMIUM_ARGS = [
     "--disable-extensions", "--no-default-browser-check", "--metrics-recording-only",
 ]  # fmt: skip
 WIDTHS = (1280, 390)
-HEIGHT = 900  # the viewport's height: one "screen"
+# The screens the page is checked on: a laptop, 1280×800, and a phone, 390×844; any
+# other width gets the laptop's height. HEIGHT, the smaller, is one "screen".
+SCREENS = {1280: 800, 390: 844}
+HEIGHT = 800
 MENTION = re.compile(r"§\s?\d+(?:\.\d+)*|\bEq\.\s?\d+|\b(?:Figure|Table|Part)\s\d+")
 
 pytestmark = [
@@ -211,7 +215,7 @@ class Visit:
 
     def __init__(self, browser, site: Path, width: int, **options):
         self.context = browser.new_context(
-            viewport={"width": width, "height": HEIGHT}, **options
+            viewport={"width": width, "height": SCREENS.get(width, HEIGHT)}, **options
         )
         self.left_file, self.errors = [], []
 
@@ -440,7 +444,10 @@ def test_the_page_is_short_and_part_4_comes_early(wide):
         document.documentElement.scrollHeight / {HEIGHT},
         (document.getElementById('part-4').getBoundingClientRect().top + scrollY)
             / {HEIGHT}]""")
-    print(f"\nat 1280 px: {screens:.1f} screens; Part 4 begins at screen {part4:.1f}")
+    print(
+        f"\nat 1280×{HEIGHT}: {screens:.1f} screens; Part 4 begins at screen "
+        f"{part4:.1f}"
+    )
     assert screens <= 70
     assert part4 < 55
 
@@ -655,24 +662,83 @@ def test_each_part_ends_with_a_link_to_the_next(wide):
             assert links[0] == "#" + parts[i + 1]
 
 
-def test_the_title_block_links_the_paper_repository_colab_and_citation(wide):
-    links = wide.page.evaluate("""[...document.querySelectorAll('.title-block a')]
-        .map(a => [a.textContent, a.getAttribute('href')])""")
-    hrefs = [h for _, h in links]
-    repo = build.REPOSITORY
-    assert "https://arxiv.org/abs/1706.03762" in hrefs and repo in hrefs
-    assert re.match(r"https://github\.com/[\w.-]+/[\w.-]+$", repo)
-    colab = (
-        "https://colab.research.google.com/github/"
-        + repo.removeprefix("https://github.com/")
-        + "/blob/main/annotated_transformer.ipynb"
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_findings_box_under_the_title_says_what_results_holds(fresh, width):
+    page = fresh(width).page
+    box = page.locator(".title-block aside.findings")
+    assert box.is_visible()
+    text = " ".join(box.text_content().split())
+    run = json.loads((ROOT / "results" / build.HEADLINE).read_text())
+    sample = json.loads((ROOT / "results" / build.SAMPLE).read_text())
+    for number in (
+        f"{run['bleu']:.1f} BLEU",
+        f"{run['train_minutes']:.1f} minutes",
+        f"{run['steps']:,} updates",
+        f"{sample['bleu']:.1f} BLEU",
+        f"{sample['train_minutes']:.1f} minutes",
+    ):
+        assert number in text, number
+    table3 = build.table3_state(build.read_json(ROOT / "results" / build.TABLE3))
+    if not table3["finished"]:
+        assert "being measured" in text
+    targets = box.evaluate("""b => [...b.querySelectorAll('a')].map(a => {
+        const t = document.getElementById(a.getAttribute('href').slice(1));
+        return [a.textContent, t ? t.textContent : null]; })""")
+    assert {name for name, _ in targets} == {"Results", "Table 3"}
+    assert all(heading and name in heading for name, heading in targets), targets
+    above = page.evaluate("""[document.querySelector('aside.findings'),
+        document.querySelector('.title-block h1')]
+        .map(e => e.getBoundingClientRect().top + scrollY)""")
+    assert above[1] < above[0] < HEIGHT  # under the title, on the first screen
+
+
+def test_external_links_lead_somewhere_or_are_absent(wide):
+    links = wide.page.evaluate("""[...document.querySelectorAll('a')]
+        .map(a => [a.textContent.trim(), a.getAttribute('href') || ''])""")
+    url = build.project().project_url()
+    assert all(href for _, href in links), "a link without an address"
+    external = [(t, h) for t, h in links if not h.startswith("#")]
+    assert all(re.match(r"https://[\w-]+(\.[\w-]+)+/", h) for _, h in external)
+    titles = {t: h for t, h in wide.page.evaluate(
+        "[...document.querySelectorAll('.title-block a')]"
+        ".map(a => [a.textContent, a.getAttribute('href')])")}  # fmt: skip
+    assert (
+        titles.get("The paper (arXiv:1706.03762)") == "https://arxiv.org/abs/1706.03762"
     )
-    assert colab in hrefs
-    cite = next(h for t, h in links if "cite" in t.lower())
-    text = wide.page.evaluate(
+    colab = [h for _, h in external if "colab.research.google.com" in h]
+    if url:
+        assert titles.get("Repository") == url
+        assert colab and set(colab) == {build.project().colab_url(url)}
+    else:  # not published yet: neither link is shown
+        assert "Repository" not in titles and "Open in Colab" not in titles
+        assert colab == []
+
+
+def test_the_paper_and_this_reproduction_can_be_cited(wide):
+    cite = next(
+        h
+        for t, h in wide.page.evaluate(
+            "[...document.querySelectorAll('.title-block a')]"
+            ".map(a => [a.textContent, a.getAttribute('href')])"
+        )
+        if "cite" in t.lower()
+    )
+    section = wide.page.evaluate(
         f"document.getElementById('{cite[1:]}').closest('section').textContent"
     )
-    assert "@inproceedings" in text and "Attention Is All You Need" in text
+    assert "@inproceedings" in section and "Attention Is All You Need" in section
+    assert "Cite this reproduction" in section and "@software{" in section
+    assert build.citation()["title"] in section
+
+
+def test_the_footer_names_the_build_and_the_icon_is_inline(wide):
+    stamp = wide.page.locator("footer .build-stamp").text_content()
+    assert re.match(r"Built on \d{4}-\d{2}-\d{2} \(UTC\)", stamp)
+    assert ("from commit" in stamp) == (ROOT / ".git").exists()
+    icons = wide.page.evaluate(
+        "[...document.querySelectorAll('link[rel~=icon]')].map(l => l.href)"
+    )
+    assert len(icons) == 1 and icons[0].startswith("data:image/svg+xml,")
 
 
 def test_the_page_ends_with_results_citation_and_credits(wide):

@@ -1,5 +1,7 @@
 """The parts of the web page's build (web/build.py) that need no browser."""
 
+import json
+import re
 import shutil
 from pathlib import Path
 
@@ -317,11 +319,89 @@ def test_every_code_colour_is_at_least_4_5_to_1_on_the_code_background(scheme):
         assert f"var(--code-{role})" in build.code_css()
 
 
-def test_colab_opens_the_notebook_from_the_repository():
-    assert build.colab_url("https://github.com/someone/thing") == (
-        "https://colab.research.google.com/github/someone/thing/blob/main/"
+def test_the_repository_and_colab_links_come_from_citation_cff_or_are_absent(tmp_path):
+    where = build.project()
+    about = build.about_page(ROOT / "results")
+    assert about["url"] == where.project_url()  # CITATION.cff's repository-code
+    assert about["colab"] == (where.colab_url(about["url"]) if about["url"] else "")
+    cff = tmp_path / "CITATION.cff"
+    cff.write_text("cff-version: 1.2.0\nrepository-code: https://github.com/o/n\n")
+    assert where.colab_url(where.project_url(cff)) == (
+        "https://colab.research.google.com/github/o/n/blob/main/"
         "annotated_transformer.ipynb"
     )
+
+
+def test_this_reproductions_bibtex_comes_from_citation_cff():
+    cff = build.citation()
+    assert cff.get("title")
+    entry = build.bibtex_of(cff, "")
+    assert entry.startswith("@software{") and entry.endswith("}")
+    assert "{" + cff["title"] + "}" in entry and "url" not in entry
+    assert "url    = {https://example.org/x}" in build.bibtex_of(
+        {"title": "T", "authors": [{"family-names": "Doe", "given-names": "J."}]},
+        "https://example.org/x",
+    )
+    assert entry.count("{") == entry.count("}")
+
+
+def test_the_build_stamp_names_the_date_and_the_commit(monkeypatch):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1700000000")
+    stamp = build.build_stamp()
+    assert stamp.startswith("Built on 2023-11-14 (UTC)")
+    if (ROOT / ".git").exists():
+        assert re.search(r"from commit [0-9a-f]{7,}\.$", stamp)
+
+
+def test_the_readme_opens_with_the_findings_read_from_results():
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split(build.FINDINGS_START)[1].split(build.FINDINGS_END)[0]
+    assert build.FINDINGS_START + block + build.FINDINGS_END == build.readme_findings()
+    assert readme.index(build.FINDINGS_START) < readme.index("## ")  # at the top
+    text = " ".join(block.split())
+    run = json.loads((ROOT / "results" / build.HEADLINE).read_text())
+    sample = json.loads((ROOT / "results" / build.SAMPLE).read_text())
+    for number in (
+        f"{run['bleu']:.1f} BLEU",
+        f"{run['train_minutes']:.1f} minutes",
+        f"{run['steps']:,} updates",
+        f"{sample['bleu']:.1f} BLEU",
+        f"{sample['train_minutes']:.1f} minutes",
+    ):
+        assert number in text, number
+    state = build.table3_state(build.read_json(ROOT / "results" / build.TABLE3))
+    assert ("being measured" in text) == (state["finished"] != list("ABCDE"))
+
+
+def summary_row(variation, group, seeds, verdict=None):
+    row = {"variation": variation, "group": group, "seeds": seeds}
+    return row | ({"verdict": verdict} if verdict else {})
+
+
+def test_the_table_3_finding_counts_finished_row_groups_only(tmp_path):
+    table = tmp_path / build.TABLE3
+    links = {"results": "#r", "table3": "#t"}
+    table.write_text("{not json")
+    assert "is being measured" in build.findings(tmp_path, links)[-1]
+    data = {
+        "budget": {"epochs": 15},
+        "rows": [],
+        "summary": [
+            summary_row("base", "base", [1, 2, 3]),
+            summary_row("A-h1", "A", [1, 2], "agrees"),
+            summary_row("A-h4", "A", [1, 2], "can't tell"),
+            summary_row("B-dk8", "B", [1], "agrees"),  # one seed: not finished
+        ],
+    }
+    table.write_text(json.dumps(data))
+    assert build.table3_state(data)["finished"] == ["A"]
+    last = build.findings(tmp_path, links)[-1]
+    assert last.startswith("[Table 3](#t) at our scale (15 epochs")
+    assert "rows (A): 1 of 2 variations agree with the paper, 0 disagree and 1" in last
+    assert "(B), (C), (D), (E) are being measured" in last
+    data["summary"][0]["seeds"] = [1]  # the base's seeds are the noise: needs two
+    table.write_text(json.dumps(data))
+    assert "is being measured" in build.findings(tmp_path, links)[-1]
 
 
 def test_the_pages_own_files_fit_88_columns():

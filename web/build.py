@@ -79,10 +79,12 @@ import shutil
 import struct
 import subprocess
 import sys
+import textwrap
 import time
 import tokenize
 import unicodedata
 from pathlib import Path
+from urllib.parse import quote as url_quote
 from urllib.parse import unquote
 
 WEB = Path(__file__).resolve().parent
@@ -91,9 +93,6 @@ KATEX = WEB / "node_modules" / "katex"
 SLOT = re.compile(r'<span data-math-slot="(\d+)"></span>')
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
-# Where the project lives: the title block's links (repository, Colab) come from this
-# one constant. The README names no public URL yet; change it here when it has one.
-REPOSITORY = "https://github.com/annotated-transformer/reproduced"
 NOTEBOOK_FILE = "annotated_transformer.ipynb"
 PAPER = "https://arxiv.org/abs/1706.03762"
 ATTENTION_MIME = "application/vnd.attention-maps+json"
@@ -101,6 +100,15 @@ FOLD_OVER = 45  # lines: a longer code cell shows its first FOLD_SHOW, the rest 
 FOLD_SHOW = 24
 HIGH_DPI_MIN_WIDTH = (
     1000  # pixels: a wider image without a display width is a 2× drawing
+)
+# The page's icon, inline (a data: address) so that the browser asks for no
+# /favicon.ico: a small attention map, one bright cell per row.
+FAVICON = (
+    "<svg xmlns='http://www.w3.org/2000/svg' viewBox='0 0 16 16'>"
+    "<rect width='16' height='16' rx='3' fill='#08306b'/>"
+    "<rect x='3' y='3' width='3' height='3' fill='#f7fbff'/>"
+    "<rect x='9' y='6.5' width='3' height='3' fill='#c6dbef'/>"
+    "<rect x='6' y='10' width='3' height='3' fill='#6baed6'/></svg>"
 )
 BIBTEX = r"""@inproceedings{vaswani2017attention,
   title     = {Attention Is All You Need},
@@ -137,10 +145,183 @@ class MissingTool(Exception):
     """A program the build needs is missing or could not be fetched."""
 
 
-def colab_url(repository: str = REPOSITORY) -> str:
-    """The notebook opened in Colab straight from the repository's main branch."""
-    path = repository.removeprefix("https://github.com/").strip("/")
-    return f"https://colab.research.google.com/github/{path}/blob/main/{NOTEBOOK_FILE}"
+def project():
+    """machinery/project.py (the project's address, from CITATION.cff), loaded from
+    its file so that the build does not import the package (and torch)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "machinery_project", ROOT / "machinery" / "project.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def citation(path: Path = ROOT / "CITATION.cff") -> dict:
+    """CITATION.cff as a dict ({} when it is absent or unreadable)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def bibtex_of(cff: dict, url: str) -> str:
+    """This reproduction's BibTeX entry, from CITATION.cff's title, authors, version,
+    date and the project's address (left out while unset)."""
+
+    def person(a: dict) -> str:
+        if a.get("family-names"):
+            return ", ".join(
+                x for x in (a["family-names"], a.get("given-names", "")) if x
+            )
+        return "{" + str(a.get("name", "")) + "}"  # an organisation, kept whole
+
+    fields = [("title", "{" + str(cff.get("title", "")) + "}")]
+    authors = " and ".join(person(a) for a in cff.get("authors") or [] if a)
+    if authors:
+        fields.append(("author", authors))
+    if cff.get("version"):
+        fields.append(("version", str(cff["version"])))
+    date = str(cff.get("date-released") or "")
+    if date[:4].isdigit():
+        fields.append(("year", date[:4]))
+    if url:
+        fields.append(("url", url))
+    if cff.get("message"):
+        fields.append(("note", str(cff["message"]).strip()))
+    width = max(len(k) for k, _ in fields)
+    body = ",\n".join(f"  {k:<{width}} = {{{v}}}" for k, v in fields)
+    return f"@software{{annotated_transformer_reproduced,\n{body}\n}}"
+
+
+def build_stamp() -> str:
+    """ "Built on DATE from commit HASH" (UTC; SOURCE_DATE_EPOCH when set, for a
+    reproducible build; the commit left out outside a git checkout)."""
+    import datetime
+    import os
+
+    epoch = os.environ.get("SOURCE_DATE_EPOCH")
+    when = (
+        datetime.datetime.fromtimestamp(int(epoch), datetime.timezone.utc)
+        if epoch and epoch.isdigit()
+        else datetime.datetime.now(datetime.timezone.utc)
+    )
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = ""
+    stamp = f"Built on {when:%Y-%m-%d} (UTC)"
+    return stamp + (f" from commit {commit}." if commit else ".")
+
+
+# --- What this reproduction found (the box under the title, and the README's top) ---
+
+HEADLINE = "multi30k-small-bpe.json"  # the Multi30k preset's run, as in Results
+SAMPLE = "iwslt14-sample.json"  # the IWSLT14 sample's run
+TABLE3 = "table3.json"
+FINDINGS_START = "<!-- findings: web/build.py --readme writes these lines -->"
+FINDINGS_END = "<!-- /findings -->"
+
+
+def read_json(path: Path) -> dict:
+    """A results file as a dict ({} when it is absent, unreadable or not a dict)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def where_trained(run: dict) -> str:
+    """ "on a CPU (no GPU)" or "on 2 GPUs", from a run's summary."""
+    device = str(run.get("device", ""))
+    n = run.get("world_size") or 1
+    if device.startswith("cuda"):
+        return f"on {n} GPU{'s' if n > 1 else ''}"
+    return "on a CPU (no GPU)" if device == "cpu" else f"on {device or '?'}"
+
+
+def table3_state(data: dict) -> dict:
+    """Table 3's row groups (A–E) finished over the full budget, from the file's
+    per-variation ``summary``: a group is finished when each of its variations and the
+    base have two or more seeds done; with the verdicts of its variations."""
+    summary = [s for s in data.get("summary") or [] if isinstance(s, dict)]
+    base = next((s for s in summary if s.get("variation") == "base"), None)
+    seeded = base is not None and len(base.get("seeds") or []) >= 2
+    finished, verdicts = [], []
+    for group in "ABCDE":
+        rows = [s for s in summary if s.get("group") == group]
+        if seeded and rows and all(len(s.get("seeds") or []) >= 2 for s in rows):
+            finished.append(group)
+            verdicts += [str(s.get("verdict", "can't tell")) for s in rows]
+    return {
+        "epochs": (data.get("budget") or {}).get("epochs"),
+        "finished": finished,
+        "verdicts": verdicts,
+    }
+
+
+def findings(results: Path, links: dict) -> list[str]:
+    """What this reproduction found, as Markdown sentences with numbers read from
+    ``results``; ``links`` gives the address of "results" and "table3"."""
+    out = []
+    run = read_json(results / HEADLINE)
+    if run.get("bleu") is not None:
+        cfg = run.get("config") or {}
+        size = ", ".join(f"{k} = {cfg[k]}" for k in ("N", "d_model", "h") if k in cfg)
+        preset = Path(str(run.get("run_dir", "multi30k-small"))).name
+        out.append(
+            f"The paper's model at a small scale (`{preset}`: {size}) trains on "
+            f"Multi30k German→English {where_trained(run)}, in "
+            f"{run.get('train_minutes', 0):.1f} minutes ({run.get('steps', 0):,} "
+            f"updates), and scores {run['bleu']:.1f} BLEU on its test set (beam "
+            f"{run.get('beam_size', '?')}, {run.get('bleu_kind', '')}; "
+            f"[Results]({links['results']}))."
+        )
+    sample = read_json(results / SAMPLE)
+    if sample.get("bleu") is not None:
+        out.append(
+            f"On the IWSLT14 German→English training sample it reaches "
+            f"{sample['bleu']:.1f} BLEU ({sample.get('bleu_kind', '')}), trained "
+            f"{where_trained(sample)} in {sample.get('train_minutes', 0):.1f} minutes."
+        )
+    state = table3_state(read_json(results / TABLE3))
+    table = f"[Table 3]({links['table3']})"
+    budget = f"{state['epochs']} epochs" if state["epochs"] else "the full schedule"
+    if not state["finished"]:
+        out.append(
+            f"{table} at our scale, every variation over {budget} with two or "
+            "more seeds, is being measured."
+        )
+    else:
+        v = state["verdicts"]
+        groups = ", ".join(f"({g})" for g in state["finished"])
+        rest = [g for g in "ABCDE" if g not in state["finished"]]
+        unsure = v.count("can't tell")
+        counts = (
+            f"{v.count('agrees')} of {len(v)} variations agree with the paper, "
+            f"{v.count('disagrees')} disagree and {unsure} are within the seeds' noise"
+        )
+        tail = (
+            f"; rows {', '.join(f'({g})' for g in rest)} are being measured"
+            if rest
+            else ""
+        )
+        out.append(
+            f"{table} at our scale ({budget}, two or more seeds each), rows "
+            f"{groups}: {counts}{tail}."
+        )
+    return out
 
 
 def pinned_katex_version() -> str:
@@ -874,21 +1055,46 @@ def add_next_links(soup, main) -> None:
         (section.find("details", recursive=False) or section).append(nav)
 
 
-def add_title_block(soup, main, title) -> None:
-    """The title, the paragraph under it, and links: paper, repository, Colab, cite."""
+def add_title_block(soup, main, title, about: dict) -> None:
+    """The title, the paragraph under it, the findings box, and links: the paper, the
+    repository and Colab (while the project has an address), and the citation."""
     header = soup.new_tag("header", attrs={"class": "title-block"})
     subtitle = title.find_next_sibling("p")
     main.insert(0, header)
     header.append(title.extract())
     if subtitle is not None:
         header.append(subtitle.extract())
+    if about.get("findings"):
+        from nbconvert.filters.markdown_mistune import markdown2html_mistune
+
+        box = soup.new_tag(
+            "aside", attrs={"class": "findings", "aria-labelledby": "findings-title"}
+        )
+        head = soup.new_tag(
+            "p", attrs={"class": "findings-title", "id": "findings-title"}
+        )
+        head.string = "What this reproduction found"
+        box.append(head)
+        ul = soup.new_tag("ul")
+        for sentence in about["findings"]:
+            li = soup.new_tag("li")
+            item = fragment(soup, markdown2html_mistune(sentence))
+            paragraph = item.find("p")
+            for child in list((paragraph or item).contents):
+                li.append(child.extract())
+            ul.append(li)
+        box.append(ul)
+        header.append(box)
     links = soup.new_tag("p", attrs={"class": "title-links"})
+    url = about.get("url", "")
     for text, href in (
         ("The paper (arXiv:1706.03762)", PAPER),
-        ("Repository", REPOSITORY),
-        ("Open in Colab", colab_url()),
+        ("Repository", url),
+        ("Open in Colab", about.get("colab", "")),
         ("How to cite", "#how-to-cite"),
     ):
+        if not href:  # no address yet: no link that leads nowhere
+            continue
         a = soup.new_tag("a", href=href)
         a.string = text
         if href.startswith("http"):
@@ -897,7 +1103,7 @@ def add_title_block(soup, main, title) -> None:
     header.append(links)
 
 
-def add_ending(soup, main, headings) -> None:
+def add_ending(soup, main, headings, about: dict) -> None:
     """The page's end: the notebook's Results, Conclusion, Citation and Credits
     sections, moved out of the last Part, and a results pointer, the paper's BibTeX and
     the credits for whichever of them the notebook lacks."""
@@ -939,18 +1145,30 @@ def add_ending(soup, main, headings) -> None:
         heading = next(h for h in headings if ENDINGS["cite"].match(heading_text(h)))
         for a in main.find_all("a", href="#how-to-cite"):
             a["href"] = "#" + heading["id"]
+        cite = heading.find_parent("section")
     else:
-        footer.append(
-            fragment(
-                soup,
-                f"""<section class="ending">
+        cite = fragment(
+            soup,
+            f"""<section class="ending">
 <h2 id="how-to-cite">How to cite</h2>
-<p>Cite the paper (BibTeX below), and this reproduction by its repository,
-<a href="{REPOSITORY}">{REPOSITORY.removeprefix("https://")}</a>.</p>
+<p>The paper:</p>
 <pre class="bibtex">{htmllib.escape(BIBTEX)}</pre>
 </section>""",
-            )
+        ).find("section")
+        footer.append(cite)
+    if about.get("bibtex"):  # this reproduction, beside the paper
+        ours = fragment(
+            soup,
+            '<div class="cite-ours"><h3 id="cite-this-reproduction">Cite this '
+            "reproduction</h3><p>As <code>CITATION.cff</code> in the repository says "
+            "(and cite the paper too):</p>"
+            f'<pre class="bibtex">{htmllib.escape(about["bibtex"])}</pre></div>',
         )
+        first = cite.find("pre", class_="bibtex") or cite.find("pre")
+        if first is not None:
+            (first.find_parent("div", class_="cell") or first).insert_after(ours)
+        else:
+            cite.append(ours)
     if not has["credits"]:
         footer.append(
             fragment(
@@ -966,6 +1184,10 @@ the notebook and its stored outputs by <code>make html</code>.</p>
 </section>""",
             )
         )
+    if about.get("stamp"):
+        stamp = soup.new_tag("p", attrs={"class": "build-stamp"})
+        stamp.string = about["stamp"]
+        footer.append(stamp)
     main.append(footer)
 
 
@@ -1041,8 +1263,11 @@ def search_index(main) -> list:
     return entries
 
 
-def arrange(html: str) -> str:
-    """The article's structure: title, sections, ids, links, contents, ending, index."""
+def arrange(html: str, about: dict | None = None) -> str:
+    """The article's structure: title, sections, ids, links, contents, ending, index.
+    ``about``: the findings, the project's address and Colab link, this reproduction's
+    BibTeX and the build's stamp (each left out when absent)."""
+    about = about or {}
     from bs4 import BeautifulSoup
 
     soup = BeautifulSoup(html, "html.parser")
@@ -1076,12 +1301,24 @@ def arrange(html: str) -> str:
         old = unquote(a["href"][1:])
         if old in renamed and old not in heading_set:
             a["href"] = "#" + renamed[old]
-    add_title_block(soup, main, headings[0])
+    add_title_block(soup, main, headings[0], about)
     into_sections(soup, main, headings)
     collapse_skippable(soup, main)
-    link_mentions(soup, main, mention_targets(main, headings))
+    targets = mention_targets(main, headings)
+    link_mentions(soup, main, targets)
     link_skip_to(soup, main, headings)
-    add_ending(soup, main, headings)
+    add_ending(soup, main, headings, about)
+    results = next(
+        (h["id"] for h in headings if ENDINGS["results"].match(heading_text(h))),
+        "results",
+    )
+    for a in main.select("aside.findings a[href]"):  # the findings' own two places
+        where = {"#results": results, "#table-3": targets.get("Table 3", "")}
+        if a["href"] in where:
+            if where[a["href"]]:
+                a["href"] = "#" + where[a["href"]]
+            else:
+                a.unwrap()
     add_next_links(soup, main)
     contents_nav(soup, headings)
     index = json.dumps(search_index(main), separators=(",", ":"), ensure_ascii=False)
@@ -1136,8 +1373,54 @@ def code_css() -> str:
     return "\n".join(css)
 
 
-def build(notebook: Path, out: Path) -> dict:
-    """Write the page for ``notebook`` to ``out``: its size, formulas, build time."""
+README_LINKS = {"results": "#results", "table3": "results/table3.json"}
+
+
+def readme_findings(results: Path = ROOT / "results") -> str:
+    """The findings as README.md's lines (between its two markers)."""
+    lines = [FINDINGS_START, "**What this reproduction found**", ""]
+    for sentence in findings(results, README_LINKS):
+        lines += textwrap.wrap(
+            sentence,
+            width=90,
+            initial_indent="* ",
+            subsequent_indent="  ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+    return "\n".join(lines + [FINDINGS_END])
+
+
+def with_findings(readme: str, results: Path = ROOT / "results") -> str:
+    """``readme`` with its findings block (after the first paragraph when it has
+    none yet) replaced by the findings read from ``results``."""
+    block = readme_findings(results)
+    if FINDINGS_START in readme and FINDINGS_END in readme:
+        head, rest = readme.split(FINDINGS_START, 1)
+        return head + block + rest.split(FINDINGS_END, 1)[1]
+    title, sep, rest = readme.partition("\n\n")
+    first, sep2, after = rest.partition("\n\n")
+    return title + sep + first + "\n\n" + block + "\n\n" + after
+
+
+def about_page(results: Path) -> dict:
+    """What the page says about the project: the findings (from ``results``), its
+    address and Colab link (from CITATION.cff, "" while unset), this reproduction's
+    BibTeX and the build's stamp."""
+    where = project()
+    url = where.project_url()
+    return {
+        "findings": findings(results, {"results": "#results", "table3": "#table-3"}),
+        "url": url,
+        "colab": where.colab_url(url) if url else "",
+        "bibtex": bibtex_of(citation(), url) if citation() else "",
+        "stamp": build_stamp(),
+    }
+
+
+def build(notebook: Path, out: Path, results: Path = ROOT / "results") -> dict:
+    """Write the page for ``notebook`` to ``out`` (the findings read from
+    ``results``): its size, formulas, build time."""
     import nbformat
 
     start = time.perf_counter()
@@ -1161,11 +1444,12 @@ def build(notebook: Path, out: Path) -> dict:
         "page_title": title,
         "page_css": css,
         "page_js": (WEB / "page.js").read_text(),
+        "favicon": url_quote(FAVICON, safe=" ='/:"),
     }
     html, _ = exporter.from_notebook_node(nb, resources=resources)
     typeset_html = typeset(formulas)
     html = SLOT.sub(lambda m: typeset_html[int(m.group(1))], html)
-    html = arrange(html)
+    html = arrange(html, about_page(results))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(html, encoding="utf-8")
     return {
@@ -1180,7 +1464,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--notebook", type=Path, default=ROOT / NOTEBOOK_FILE)
     parser.add_argument("--out", type=Path, default=ROOT / "site" / "index.html")
+    parser.add_argument(
+        "--readme",
+        action="store_true",
+        help="write the findings (from results/) into README.md's top and stop",
+    )
     args = parser.parse_args(argv)
+    if args.readme:
+        readme = ROOT / "README.md"
+        readme.write_text(with_findings(readme.read_text(encoding="utf-8")))
+        print("README.md: findings written from results/")
+        return 0
     try:
         stats = build(args.notebook, args.out)
     except MissingTool as err:
