@@ -797,6 +797,30 @@ def test_figures_larger_than_shown_open_from_the_keyboard(fresh):
     assert page.evaluate("document.activeElement.matches('button.zoom')")
 
 
+LABEL_PT = 10  # matplotlib's default font size: the figures' labels and tick labels
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_text_of_figure_2_and_the_table_3_figure_reads_at_11_px(fresh, width):
+    page = fresh(width).page
+    figures = page.evaluate("""[...document.querySelectorAll('main figure.plot img')]
+        .filter(i => /^Figure 2\\b|Table 3/.test(i.alt))
+        .map(i => ({alt: i.alt, src: i.src, natural: i.naturalWidth,
+                    shown: i.getBoundingClientRect().width}))""")
+    assert {f["alt"][:8] for f in figures} >= {"Figure 2", "Test BLE"}, figures
+    for f in figures:
+        dpi = build.png_dpi(f["src"].split(",", 1)[1])
+        assert dpi, f["alt"]
+        px_per_pt = f["shown"] / f["natural"] * dpi / 72  # CSS px per point of text
+        print(
+            f"\n{width} px: {f['alt'][:30]}…: {dpi:.0f} dpi, shown "
+            f"{f['shown']:.0f} px; {LABEL_PT}-pt text at {LABEL_PT * px_per_pt:.1f} px, "
+            f"6.5-pt text at {6.5 * px_per_pt:.1f} px"
+        )
+        assert LABEL_PT * px_per_pt >= 11, f["alt"]
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
+
+
 def test_a_figure_shown_whole_has_no_enlarge_button(fresh):
     page = fresh(1920).page
     state = page.evaluate(FIGURES)

@@ -204,28 +204,42 @@ def test_alt_text_from_a_comment_in_the_markdown_before_wins():
     ]
 
 
-def png(width: int, height: int) -> str:
-    """A PNG's first bytes, base64, enough for its size to be read."""
+def png(width: int, height: int, dpi: float | None = None) -> str:
+    """A PNG's first bytes, base64, enough for its size (and dpi) to be read."""
     import base64
     import struct
+    import zlib
 
-    head = (
-        b"\x89PNG\r\n\x1a\n" + b"\x00\x00\x00\rIHDR" + struct.pack(">II", width, height)
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + body))
+        return struct.pack(">I", len(body)) + kind + body + crc
+
+    head = b"\x89PNG\r\n\x1a\n" + chunk(
+        b"IHDR", struct.pack(">II", width, height) + b"\x08\x06\x00\x00\x00"
     )
-    return base64.b64encode(head + b"\x08\x06\x00\x00\x00").decode()
+    head += chunk(b"tEXt", b"Software\x00matplotlib")
+    if dpi:
+        ppm = round(dpi / 0.0254)
+        head += chunk(b"pHYs", struct.pack(">IIB", ppm, ppm, 1))
+    return base64.b64encode(head + chunk(b"IDAT", b"")).decode()
 
 
-def test_a_high_dpi_figure_is_shown_at_half_its_pixels():
-    def shown(width, height, meta=None):
-        output = {"data": {"image/png": png(width, height)}, "metadata": meta or {}}
+def test_a_figure_is_shown_at_its_real_size_from_its_stored_dpi():
+    def shown(width, height, dpi=None, meta=None):
+        output = {
+            "data": {"image/png": png(width, height, dpi)},
+            "metadata": meta or {},
+        }
         return build.display_size(output, "image/png")
 
-    assert shown(1440, 800) == (720, 400)  # drawn at 2×
-    assert shown(700, 300) == (700, 300)  # drawn at 1×
-    assert shown(1440, 800, {"image/png": {"width": 480}}) == (
-        480,
-        267,
-    )  # IPython's retina
+    # 10 × 5 inches at 110 or 200 dpi: 960 × 480 CSS px (96 per inch) either way;
+    # a 10-pt label is legible (11 px) from 10 in × 72 pt × 1.1 = 792 px on
+    assert shown(1100, 550, 110) == (960, 480, 792)
+    assert shown(2000, 1000, 200) == (960, 480, 792)
+    assert shown(1440, 800, None, {"image/png": {"width": 480}}) == (480, 267, 0)
+    assert shown(700, 300) == (700, 300, 0)  # nothing known: a pixel is a CSS pixel
+    assert build.png_dpi(png(10, 10, 110)) == pytest.approx(110, abs=0.01)
+    assert build.png_dpi(png(10, 10)) is None
 
 
 def test_text_outputs_lose_moses_escapes():

@@ -35,12 +35,14 @@ Conventions a notebook cell can use for the page:
   the cell's ``metadata["alt"]``; the figure's titles and axis labels in the cell's code
   (``set_title("…")``, ``suptitle``, ``set_xlabel``, ``set_ylabel``); the paragraph
   before. SentencePiece markers (``▁``) in alt text are joined into words.
-* **Resolution**: draw figures at 2× (``dpi=200``, or IPython's ``retina`` format). An
-  image is shown at the width its output metadata gives
-  (``metadata["image/png"]["width"]``, which ``retina`` sets), else at half its pixel
-  width when that is at least ``HIGH_DPI_MIN_WIDTH`` pixels, else at its pixel width.
-  Where an image is larger than shown, it opens at full size from a button (click, Enter
-  or Space; Escape closes).
+* **Resolution**: an image is shown at its real size, from the dots per inch its PNG
+  stores (the ``pHYs`` chunk, which matplotlib writes: a figure of 7 inches is 672 CSS
+  px wide at any dpi), else at the width its output metadata gives
+  (``metadata["image/png"]["width"]``), else at its pixel width; never wider than the
+  column. Where the column is narrower than ``LEGIBLE_PT_PX`` CSS px per point of the
+  figure's text needs (a phone), a figure with a known dpi keeps that width and
+  scrolls sideways instead of shrinking. Where an image is larger than shown, it opens
+  at full size from a button (click, Enter or Space; Escape closes).
 * **Attention maps** to explore: a ``display_data`` output whose data has the key
   ``application/vnd.attention-maps+json`` (IPython:
   ``display({"application/vnd.attention-maps+json": blob, "text/plain": "…"},
@@ -98,9 +100,10 @@ PAPER = "https://arxiv.org/abs/1706.03762"
 ATTENTION_MIME = "application/vnd.attention-maps+json"
 FOLD_OVER = 45  # lines: a longer code cell shows its first FOLD_SHOW, the rest folded
 FOLD_SHOW = 24
-HIGH_DPI_MIN_WIDTH = (
-    1000  # pixels: a wider image without a display width is a 2× drawing
-)
+CSS_DPI = 96  # CSS pixels per inch
+# The smallest scale a figure with a known dpi is shown at, in CSS px per point of its
+# text: matplotlib's default 10-pt labels then read at 11 px or more.
+LEGIBLE_PT_PX = 1.1
 # The page's icon, inline (a data: address) so that the browser asks for no
 # /favicon.ico: a small attention map, one bright cell per row.
 FAVICON = (
@@ -467,19 +470,45 @@ def png_size(data: str) -> tuple[int, int] | None:
     return struct.unpack(">II", head[16:24])
 
 
-def display_size(output, mime: str) -> tuple[int, int] | None:
-    """The CSS size an image output is shown at (the module's notes on resolution)."""
+def png_dpi(data: str) -> float | None:
+    """The dots per inch a base64 PNG stores (its ``pHYs`` chunk in pixels per metre),
+    or None when it has none or says nothing of its unit."""
+    try:
+        raw = base64.b64decode(data[: 4 * 2048])  # the chunks before the image data
+    except ValueError:
+        return None
+    at = 8
+    while at + 8 <= len(raw):
+        length, kind = struct.unpack(">I4s", raw[at : at + 8])
+        if kind == b"pHYs" and at + 17 <= len(raw):
+            x, _, unit = struct.unpack(">IIB", raw[at + 8 : at + 17])
+            return x * 0.0254 if unit == 1 and x else None
+        if kind == b"IDAT":
+            return None
+        at += 12 + length
+    return None
+
+
+def display_size(output, mime: str) -> tuple[int, int, int] | None:
+    """(width, height, least width) in CSS px an image output is shown at: its real
+    size from its stored dpi, else its metadata's width, else its pixels; the least
+    width at which its text stays legible (``LEGIBLE_PT_PX``), 0 when its dpi is not
+    known."""
     meta = output.get("metadata", {}).get(mime, {})
-    size = png_size(output["data"][mime]) if mime == "image/png" else None
+    data = output["data"][mime]
+    size = png_size(data) if mime == "image/png" else None
+    dpi = png_dpi(data) if size else None
+    if size and dpi:
+        scale = CSS_DPI / dpi
+        least = math.ceil(round(size[0] * 72 / dpi * LEGIBLE_PT_PX, 1))
+        return round(size[0] * scale), round(size[1] * scale), least
     if meta.get("width"):
         width = int(meta["width"])
         height = int(
             meta.get("height") or (size and round(size[1] * width / size[0])) or 0
         )
-        return (width, height) if height else None
-    if size and size[0] >= HIGH_DPI_MIN_WIDTH:
-        return round(size[0] / 2), round(size[1] / 2)
-    return size
+        return (width, height, 0) if height else None
+    return (*size, 0) if size else None
 
 
 def is_main_guard(cell) -> bool:
@@ -531,7 +560,7 @@ def prepare(nb):
                 meta["alt"] = join_pieces(alt)
                 size = display_size(output, mime)
                 if size:
-                    meta["width"], meta["height"] = size
+                    meta["width"], meta["height"], meta["least_width"] = size
     return nb
 
 

@@ -200,6 +200,32 @@
     }
   });
 
+  // Whatever scrolls sideways (formulas, figures, tables, code, the attention map)
+  // fades at the edge where more is hidden.
+  const SCROLLERS = "main :is(.katex-display, figure.plot, .ae-map, table, pre, " +
+    ".output.html)";
+  function markScroller(el) {
+    const more = el.scrollWidth - el.clientWidth;
+    el.classList.toggle("scroll-more-right", more > 1 && el.scrollLeft < more - 1);
+    el.classList.toggle("scroll-more-left", more > 1 && el.scrollLeft > 1);
+  }
+  function markScrollers() {
+    $$(SCROLLERS).forEach(markScroller);
+  }
+  document.addEventListener("scroll", function (event) {
+    const el = event.target;
+    if (el.matches && el.matches(SCROLLERS)) {
+      markScroller(el);
+    }
+  }, { capture: true, passive: true });
+  window.addEventListener("resize", function () {
+    clearTimeout(markScrollers.timer);
+    markScrollers.timer = setTimeout(markScrollers, 150);
+  });
+  $$("details").forEach((d) => d.addEventListener("toggle", markScrollers));
+  window.addEventListener("load", markScrollers);
+  markScrollers();
+
   // Search: headings and prose, from the index the build embedded.
   const form = $("form.search");
   const box = $("#search-box");
