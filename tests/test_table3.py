@@ -271,3 +271,29 @@ def test_one_file_holds_one_training_budget(smoke, tmp_path):
     assert result.returncode == 2
     assert "one file holds one budget" in result.stderr
     assert out.read_bytes() == before
+
+
+def test_part_4_shows_the_file_as_a_table_and_claims_nothing_unmeasured(smoke):
+    from machinery import read_table3
+
+    table = read_table3(smoke)
+    lines = table.markdown().splitlines()
+    header = lines[0].split("|")
+    assert "valid BLEU" in lines[0] and "paper BLEU" in lines[0]
+    body = [line for line in lines[2:] if line.startswith("| ")]
+    assert [line.split("|")[1].strip() for line in body] == [
+        "base",
+        "A-h1",
+        "B-dk4",
+        "E-learned",
+    ]
+    assert all(len(line.split("|")) == len(header) for line in body)
+    findings = table.findings()
+    # groups (C) and (D) have no finished row: no finding, only that fact
+    for g in "CD":
+        assert f"**({g})** Not yet measured at the full budget." in findings
+    assert "**(A)** Validation BLEU against the base's" in findings
+    assert [p for p, _ in table.figures()] == [
+        str(smoke.with_name("table3-curves.png")),
+        str(smoke.with_name("table3.png")),
+    ]

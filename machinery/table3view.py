@@ -1,0 +1,159 @@
+"""Table 3 (§6.2) at our scale, as Part 4 shows it: read from ``results/table3.json``
+(written by ``benchmarks/table3.py``), never trained here (our addition).
+
+`read_table3` gives the table as Markdown (our rows beside the paper's), its figures,
+and one paragraph per row group with the noise rule's verdicts — or "not yet measured
+at the full budget" for a group none of whose rows has finished.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+GROUPS = "ABCDE"
+FIGURES = (
+    (
+        "table3-curves.png",
+        "Validation perplexity after each epoch for every finished Table 3 row, one "
+        "panel per row group, with the base's seeds in grey.",
+    ),
+    (
+        "table3.png",
+        "Validation BLEU of each Table 3 variation, one dot per seed and a bar at the "
+        "mean, beside the band of the base's seeds.",
+    ),
+)
+
+
+def _spread(stat: dict, digits: int = 2) -> str:
+    """ "mean ± sd" of a summary statistic, or the one value where there is one seed."""
+    if stat["sd"] is None:
+        return f"{stat['mean']:.{digits}f}"
+    return f"{stat['mean']:.{digits}f} ± {stat['sd']:.{digits}f}"
+
+
+def _changed(fields: dict) -> str:
+    """A row's changed settings as the paper names them (seed aside)."""
+    names = {"P_drop": "P_drop", "eps_ls": "ε_ls", "lr_factor": "lr_factor"}
+    return (
+        ", ".join(f"{names.get(k, k)}={v}" for k, v in fields.items() if k != "seed")
+        or "—"
+    )
+
+
+@dataclass(frozen=True)
+class Table3:
+    """The contents of a Table 3 results file (§6.2), for display."""
+
+    data: dict
+    folder: Path
+
+    @property
+    def summary(self) -> list[dict]:
+        return self.data.get("summary", [])
+
+    @property
+    def budget_line(self) -> str:
+        """One line: the budget every row shares, and how many rows have finished."""
+        b = self.data["budget"]
+        done = [r for r in self.data["rows"] if r.get("status") == "done"]
+        updates = f"{b['updates']:,} updates" if b.get("updates") else "updates"
+        return (
+            f"every row: {b['epochs']} epochs of {b['preset']} ({updates}, warm-up "
+            f"{b['warmup']:,}), {b['precision']}, {b['attention']} attention, "
+            f"{b['threads']} thread(s), the last checkpoint scored; "
+            f"{len(done)} of the runs finished"
+        )
+
+    def _fields(self, variation: str) -> dict:
+        for r in self.data["rows"]:
+            if r.get("variation", r["name"]) == variation:
+                return r.get("fields", {})
+        return {}
+
+    def markdown(self) -> str:
+        """The table: our rows (validation perplexity and BLEU, test BLEU, parameters,
+        seeds, the verdict) beside the paper's (PPL, BLEU, parameters)."""
+        head = (
+            "| row | changed | seeds | params | valid PPL | valid BLEU | test BLEU "
+            "| Δ valid BLEU | verdict | paper PPL | paper BLEU | paper params |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+        )
+        lines = []
+        for s in self.summary:
+            p = s["paper"]
+            delta = s.get("diff_valid_bleu")
+            lines.append(
+                f"| {s['variation']} | {_changed(self._fields(s['variation']))} "
+                f"| {len(s['seeds'])} | {s['params'] / 1e6:.2f}M "
+                f"| {_spread(s['valid_ppl'])} | {_spread(s['valid_bleu'])} "
+                f"| {_spread(s['test_bleu'])} "
+                f"| {'' if delta is None else f'{delta:+.2f}'} "
+                f"| {s.get('verdict', '')} | {p['ppl_dev']} | {p['bleu_dev']} "
+                f"| {p['params_million'] or ''} |"
+            )
+        note = f"\n\nRule: {self.data['rule']}" if self.data.get("rule") else ""
+        if not lines:
+            return "No row has finished at the full budget yet." + note
+        return head + "\n".join(lines) + note
+
+    def figures(self) -> list[tuple[str, str]]:
+        """(path, alt text) of the figures drawn from the file, where they exist."""
+        return [
+            (str(self.folder / name), alt)
+            for name, alt in FIGURES
+            if (self.folder / name).is_file()
+        ]
+
+    def noise(self) -> tuple[float | None, int]:
+        """(pooled seed standard deviation of validation BLEU, rows it pools): the
+        rule's yardstick, from every variation with two or more seeds."""
+        pairs = [
+            (s["valid_bleu"]["n"], s["valid_bleu"]["sd"])
+            for s in self.summary
+            if s["valid_bleu"]["n"] > 1
+        ]
+        dof = sum(n - 1 for n, _ in pairs)
+        if not dof:
+            return None, 0
+        return (sum((n - 1) * sd**2 for n, sd in pairs) / dof) ** 0.5, len(pairs)
+
+    def findings(self) -> str:
+        """One paragraph per row group: each finished variation's validation BLEU
+        against the base's, and the rule's verdict against the paper's difference; a
+        group with no finished row states no finding."""
+        base = next((s for s in self.summary if s["variation"] == "base"), None)
+        sd, pooled = self.noise()
+        out = [
+            f"The rule's yardstick: 2·s = {2 * sd:.2f} BLEU, s pooled over the seeds "
+            f"of {pooled} row(s)."
+            if sd is not None
+            else "No row has two seeds yet, so the rule can tell nothing yet."
+        ]
+        for g in GROUPS:
+            rows = [s for s in self.summary if s["group"] == g]
+            if not rows or base is None:
+                out.append(f"**({g})** Not yet measured at the full budget.")
+                continue
+            parts = [
+                f"{_changed(self._fields(s['variation']))}: {_spread(s['valid_bleu'])} "
+                f"({len(s['seeds'])} seed{'s' * (len(s['seeds']) != 1)}), "
+                f"{s['diff_valid_bleu']:+.2f} against the paper's "
+                f"{s['paper_diff_bleu']:+.1f}: **{s['verdict']}**"
+                for s in rows
+            ]
+            out.append(
+                f"**({g})** Validation BLEU against the base's "
+                f"{_spread(base['valid_bleu'])} ({len(base['seeds'])} seeds): "
+                + "; ".join(parts)
+                + "."
+            )
+        return "\n\n".join(out)
+
+
+def read_table3(path: str | Path) -> Table3:
+    """The Table 3 results file at ``path`` (§6.2), for Part 4's cells."""
+    path = Path(path)
+    return Table3(json.loads(path.read_text(encoding="utf-8")), path.parent)
