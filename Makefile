@@ -29,7 +29,7 @@ help:
 	@echo "make translate ARGS='\"Ein Satz.\"'  translate with the run in RUN (default runs/CONFIG)"
 	@echo "make evaluate [ARGS='--src F --ref F']  BLEU of the run in RUN (default: the test split)"
 	@echo "make bench              performance side by side (a few minutes); ARGS=--quick for seconds"
-	@echo "make gpu-check          the ten-minute check on one CUDA GPU (JSON in results/); a CPU runs it tiny"
+	@echo "make gpu-check ARGS='--data DIR'  the ten-minute check on one CUDA GPU (JSON in build/gpu-check/); a CPU runs it tiny"
 	@echo "make table3             the Table 3 runs (benchmarks/table3.py); ARGS='...'"
 
 install: $(STAMP)
@@ -79,8 +79,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench.py $(ARGS)
 
 # With the machine's own torch: .venv's python where there is one, else python3 (or
-# GPU_PY=...). A GPU machine without network needs the mirror's iwslt14/ files
-# (DATA_MIRROR) and wheels of any package it lacks carried to it.
+# GPU_PY=...); it needs only torch. ARGS='--data DIR' names the carried iwslt14 files
+# (README, GPUs: what to carry).
 GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON_SYSTEM))
 gpu-check:
 	$(GPU_PY) benchmarks/gpu_check.py $(ARGS)

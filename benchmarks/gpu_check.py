@@ -1,48 +1,69 @@
 """The ten-minute GPU check (`make gpu-check`): does the GPU path work, and is the GPU
 kept busy?
 
-Run from the repository root on a machine with one CUDA GPU::
+Run from the repository root on a machine with one CUDA GPU, with its own Python and
+torch (nothing else is required, nothing is fetched)::
 
-    python benchmarks/gpu_check.py [--mirror DIR] [--out results/gpu-check-<card>.json]
+    python3 benchmarks/gpu_check.py --data DIR [--out DIR] [--wheels DIR]
 
-It uses the machine's own torch, and needs the data mirror's ``iwslt14/`` files
-(``$DATA_MIRROR``, ``--mirror``, or ``../shared/data`` beside the repository; without
-them a synthetic stand-in is used and the JSON says so). In order, each step recorded
-in one JSON file under ``results/`` that names the card:
+``--data`` is a folder holding the data mirror's ``iwslt14/`` files (or those files
+themselves); without it the check refuses, unless ``--synthetic`` asks for random
+sentences instead. ``--wheels`` is a folder of wheels for optional packages this Python
+lacks, installed offline (``pip --no-index --find-links``) into the work folder. Each
+optional package degrades only what needs it: without tqdm no progress bars, without
+matplotlib no curve, without sentencepiece no IWSLT (BPE) steps, without numpy (which
+the notebook's batching imports) no training steps; the cause is written where the
+step would be.
 
-1. torch, CUDA and the card's compute capability;
-2. an IWSLT14-sized stand-in: the mirror's training sample repeated to ~160,000 pairs
+The JSON (``--out``, default ``build/gpu-check/``, outside the tracked results) is
+rewritten after every step. It holds first the environment — torch, CUDA, cuDNN, the
+card and its capability, the optional packages present, the host cost of one eager op,
+whether a C compiler exists, ``nvidia-smi``'s view — then, each within its own time
+budget:
+
+1. an IWSLT14-sized stand-in: the data's training sample repeated to ~160,000 pairs
    (plus its valid and test splits), so that an update costs what the real recipe's
    does;
-3. the copy task with ``auto`` precision and attention (expected on capability ≥ 8.0:
-   bf16 and the fast path);
-4. fp16 with its gradient scaler, stopped by SIGINT and resumed, against the same run
+2. the copy task with ``auto`` precision and attention: what it picks, and the ratios
+   it measured;
+3. fp16 with its gradient scaler, stopped by SIGINT and resumed, against the same run
    uninterrupted (weights and scaler state equal);
-5. ``iwslt14-small`` for ~400 updates in bf16: tokens/s, ms per update, GPU busy %
-   (``torch.profiler``: kernel time over wall time), peak memory, MFU against the
-   card's dense bf16 peak; the same in fp16 and in float32 (TF32), for the ratios;
-6. ``--compile`` for ~150 updates: compilations and the time they took;
-7. batched beam-search decoding: sentences and tokens per second.
+4. ``iwslt14-small`` in bf16, fp16 and float32 (TF32): ms per update, tokens/s and MFU
+   (against each precision's own dense peak: TF32's for float32) over a timed window;
+   then, after it, a profiled window of a few updates: ops and kernels per update, and
+   GPU busy — the union of the kernel rows' spans over the window — cross-checked by
+   sampling ``nvidia-smi`` during the timed window;
+5. batched beam-search decoding: sentences and tokens per second;
+6. last, ``--compile``: compilations and the first update's time; a failure (no C
+   compiler for Triton's launcher, say) is recorded, not fatal.
 
 Without CUDA (or with ``--smoke``) the same steps run tiny, in seconds, on the CPU:
-``tests/test_gpu_check.py`` runs that. A step that fails is recorded with its error and
-the others still run; the exit status is 1 if any failed.
+``tests/test_gpu_check.py`` runs that, with the optional packages blocked too. A step
+that fails is recorded with its error and the others still run; the exit status is 1
+if any failed (skipped steps do not count).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import importlib.metadata
 import json
 import os
 import platform
+import random
 import re
 import shutil
 import signal
+import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
+from types import MappingProxyType
+from typing import Callable, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -50,64 +71,244 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-import machinery  # noqa: E402
-import machinery.training  # noqa: E402
-from batch_cost import cpu_name  # noqa: E402
+from profiling import window_counts  # noqa: E402
 
-# Dense bf16 (fp16 where the card has no bf16) tensor-core peaks, TFLOP/s, from the
-# vendors' datasheets; the first name found in the card's name counts.
-PEAK_TFLOPS = (
-    ("H200", 989.0),
-    ("H100 PCIe", 756.0),
-    ("H100 NVL", 835.0),
-    ("H100", 989.0),
-    ("A100", 312.0),
-    ("L40S", 362.0),
-    ("L40", 181.0),
-    ("L4", 121.0),
-    ("A10G", 70.0),
-    ("A10", 125.0),
-    ("RTX 4090", 165.0),
-    ("RTX 3090", 71.0),
-    ("T4", 65.0),
-    ("V100", 125.0),
+# Optional packages: what each one's absence costs.
+OPTIONAL = MappingProxyType(
+    {
+        "numpy": "the notebook's batching: every training step",
+        "tqdm": "progress bars",
+        "matplotlib": "the training curve",
+        "sentencepiece": "IWSLT14's BPE: the IWSLT steps",
+    }
 )
 
+# Dense (no sparsity) tensor-core peaks in TFLOP/s from the vendors' datasheets: bf16,
+# fp16, and float32 as it runs here (TF32 from Ampere on, plain float32 before). The
+# first name found in the card's name counts.
+PEAK_TFLOPS = (
+    ("H200", {"bf16": 989.0, "fp16": 989.0, "fp32": 494.5}),
+    ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 378.0}),
+    ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "fp32": 417.5}),
+    ("H100", {"bf16": 989.0, "fp16": 989.0, "fp32": 494.5}),
+    ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0}),
+    ("L40S", {"bf16": 362.0, "fp16": 362.0, "fp32": 183.0}),
+    ("L40", {"bf16": 181.0, "fp16": 181.0, "fp32": 90.5}),
+    ("L4", {"bf16": 121.0, "fp16": 121.0, "fp32": 60.0}),
+    ("A10G", {"bf16": 70.0, "fp16": 70.0, "fp32": 35.0}),
+    ("A10", {"bf16": 125.0, "fp16": 125.0, "fp32": 62.5}),
+    ("RTX 4090", {"bf16": 165.2, "fp16": 165.2, "fp32": 82.6}),
+    ("RTX 3090", {"bf16": 71.0, "fp16": 71.0, "fp32": 35.6}),
+    ("T4", {"bf16": None, "fp16": 65.0, "fp32": 8.1}),
+    ("V100", {"bf16": None, "fp16": 125.0, "fp32": 15.7}),
+)
+
+# Updates of a training step: warm-up, the timed window, then the profiled window.
 FULL = dict(
     pairs=160_000,
-    updates=400,
+    warm=30,
+    timed=300,
+    profiled=10,
     compile_updates=150,
     decode_sentences=1000,
     copy=(1600, 160, 100),
 )
 SMOKE = dict(
-    pairs=600, updates=3, compile_updates=1, decode_sentences=4, copy=(200, 40, 20)
+    pairs=600,
+    warm=1,
+    timed=2,
+    profiled=1,
+    compile_updates=1,
+    decode_sentences=4,
+    copy=(200, 40, 20),
 )
 TINY = dict(N=1, d_model=32, d_ff=64, h=4, bpe_size=300, batch_tokens=256, warmup=10)
+
+# Seconds each step may take (a ten-minute command in all); the smoke mode's are
+# generous, for a loaded CPU.
+BUDGET_S = MappingProxyType(
+    {
+        "stand_in": 60,
+        "copy_auto": 45,
+        "fp16_interrupted_and_resumed": 45,
+        "iwslt14_small_bf16": 70,
+        "iwslt14_small_fp16": 70,
+        "iwslt14_small_fp32": 70,
+        "beam_decoding": 40,
+        "iwslt14_small_compile": 120,
+    }
+)
+SMOKE_BUDGET_S = 240
+
+
+class OverBudget(Exception):
+    """A step ran past its time budget."""
 
 
 def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
-def default_mirror() -> Path:
-    return Path(os.environ.get("DATA_MIRROR") or ROOT.parent / "shared" / "data")
+def cpu_name() -> str:
+    """The CPU's model name as Linux reports it (the platform's processor elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                return value.strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
-def build_standin(mirror: Path, folder: Path, pairs: int) -> dict:
-    """An ``iwslt14/`` folder under ``folder``: the mirror's training sample repeated to
-    ``pairs`` pairs, its valid and test splits (shortened in the smoke mode); synthetic
-    sentences where the mirror has no iwslt14."""
-    src = mirror / "iwslt14"
+def write_json(path: Path, report: dict) -> None:
+    """Replace ``path`` with ``report`` in one step (a timeout never leaves half)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+# ## The environment
+
+
+def optional_packages() -> dict:
+    """Each optional package: its version where it imports, else why not."""
+    out = {}
+    for name in OPTIONAL:
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # any failure to import is "absent"
+            out[name] = {"present": False, "why": f"{type(e).__name__}: {e}"}
+            continue
+        try:
+            version = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            version = "?"
+        out[name] = {"present": True, "version": version}
+    return out
+
+
+def install_wheels(folder: Path, names: list, target: Path) -> dict:
+    """pip-install ``names`` from the wheels in ``folder`` only (never the network),
+    into ``target``, which then leads ``sys.path``."""
+    norm = {n: re.sub(r"[-_.]+", "_", n).lower() for n in names}
+    have = {p.name.split("-")[0].lower() for p in folder.glob("*.whl")}
+    wanted = [n for n in names if norm[n] in have]
+    out: dict = {"folder": str(folder), "wanted": names, "wheels_for": wanted}
+    if not wanted:
+        return out
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-index",
+        "--find-links",
+        str(folder),
+        "--target",
+        str(target),
+        "--quiet",
+        *wanted,
+    ]
+    try:
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=180)
+        out["returncode"] = proc.returncode
+        out["output"] = (proc.stdout + proc.stderr)[-2000:]
+    except (OSError, subprocess.TimeoutExpired) as e:
+        out["returncode"], out["output"] = None, f"{type(e).__name__}: {e}"
+    sys.path.insert(0, str(target))
+    importlib.invalidate_caches()
+    return out
+
+
+def eager_op_us(device: torch.device, count: int = 2000) -> float:
+    """Host microseconds to issue one small eager op on ``device`` (the dispatch and
+    launch cost every unfused op pays)."""
+    x = torch.zeros(8, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(100):
+        x.add_(1)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(count):
+        x.add_(1)
+    host = time.perf_counter() - t0
+    sync()
+    return 1e6 * host / count
+
+
+def c_compiler() -> Optional[str]:
+    """The C compiler Triton's launcher and inductor's CPU code would use, or None."""
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def nvidia_smi() -> Optional[str]:
+    """``nvidia-smi``'s summary, or None where there is none."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        proc = subprocess.run(
+            ["nvidia-smi"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{type(e).__name__}: {e}"
+    return (proc.stdout + proc.stderr)[-4000:]
+
+
+def environment(device: torch.device) -> dict:
+    """What this machine is, recorded before any step runs."""
+    cuda = device.type == "cuda"
+    card = torch.cuda.get_device_name(device) if cuda else f"CPU: {cpu_name()}"
+    capability = list(torch.cuda.get_device_capability(device)) if cuda else None
+    cudnn = (
+        torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    )
+    return {
+        "card": card,
+        "capability": capability,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": cudnn,
+        "python": platform.python_version(),
+        "host_cpu": cpu_name(),
+        "optional_packages": optional_packages(),
+        "eager_op_host_us": eager_op_us(device),
+        "c_compiler": c_compiler(),
+        "nvidia_smi": nvidia_smi(),
+    }
+
+
+# ## Data
+
+
+def iwslt_folder(data: Optional[Path]) -> Optional[Path]:
+    """The folder of IWSLT14 files under ``data`` (``data/iwslt14`` or ``data``), or
+    None when it holds none."""
+    if data is None:
+        return None
+    for folder in (data / "iwslt14", data):
+        train = [folder / f"{n}.de" for n in ("train", "train-sample")]
+        if any(p.is_file() for p in train) and (folder / "valid.de").is_file():
+            return folder
+    return None
+
+
+def build_standin(src: Optional[Path], folder: Path, pairs: int) -> dict:
+    """An ``iwslt14/`` folder under ``folder``: ``src``'s training pairs repeated to
+    ``pairs`` pairs, its valid and test splits (shortened in the smoke mode); random
+    sentences where ``src`` is None (``--synthetic``)."""
     out = folder / "iwslt14"
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     keep = None if pairs >= 10_000 else max(pairs // 4, 8)
-    if (src / "train-sample.de").is_file():
-        origin = f"{src}: train-sample repeated"
+    if src is not None:
+        train = "train" if (src / "train.de").is_file() else "train-sample"
+        origin = f"{src}: {train} repeated"
         for side in ("de", "en"):
-            sample = (src / f"train-sample.{side}").read_text(encoding="utf-8")
-            lines = sample.splitlines()
+            lines = (src / f"{train}.{side}").read_text(encoding="utf-8").splitlines()
             (out / f"train.{side}").write_text(
                 "\n".join((lines * (pairs // len(lines) + 1))[:pairs]) + "\n",
                 encoding="utf-8",
@@ -118,9 +319,7 @@ def build_standin(mirror: Path, folder: Path, pairs: int) -> dict:
                     "\n".join(text.splitlines()[:keep]) + "\n", encoding="utf-8"
                 )
     else:
-        import random
-
-        origin = "synthetic (no iwslt14 in the mirror)"
+        origin = "synthetic: random sentences of 2,000 words (--synthetic)"
         rng = random.Random(0)
         words = [f"w{i}" for i in range(2000)]
         counts = {"train": pairs, "valid": keep or 7283, "test": keep or 6750}
@@ -132,6 +331,9 @@ def build_standin(mirror: Path, folder: Path, pairs: int) -> dict:
             for side in ("de", "en"):
                 (out / f"{split}.{side}").write_text("\n".join(lines) + "\n")
     return {"folder": str(out), "train_pairs": pairs, "origin": origin}
+
+
+# ## Measuring training
 
 
 def train_flops(cfg, vocab: int, src: tuple, tgt: tuple) -> float:
@@ -148,136 +350,241 @@ def train_flops(cfg, vocab: int, src: tuple, tgt: tuple) -> float:
     return 3 * 2 * (enc + dec + b * lt * d * vocab)
 
 
-class Recorder:
-    """Wraps ``machinery.training.update``: times every update and, once, profiles a
-    window of updates on CUDA."""
+class SmiSampler:
+    """``nvidia-smi``'s GPU utilisation, sampled every 100 ms while open (nothing where
+    there is no nvidia-smi)."""
 
-    def __init__(self, device, profile_from: int = 0, profile_count: int = 20):
-        self.device, self.times, self.tokens, self.flops = device, [], [], []
-        self.profile_from, self.profile_count = profile_from, profile_count
-        self.kernel_us, self.profiled_s, self.prof, self.t_prof = None, None, None, 0.0
-        self.real = machinery.training.update
-        self.hook = None  # called with the update's number after it
+    def __init__(self, device: torch.device):
+        self.samples: list = []
+        self.proc = None
+        if device.type != "cuda" or not shutil.which("nvidia-smi"):
+            return
+        props = torch.cuda.get_device_properties(device)
+        uuid = getattr(props, "uuid", None)
+        ident = f"GPU-{uuid}" if uuid is not None else str(device.index or 0)
+        query = ["--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"]
+        try:
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", *query, f"--id={ident}", "--loop-ms=100"],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
+        except OSError:
+            return
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.samples.append(float(line.strip()))
+            except ValueError:
+                continue
+
+    def close(self) -> Optional[dict]:
+        """Stop sampling: the samples' count and mean, as a fraction (None if none)."""
+        if self.proc is None:
+            return None
+        self.proc.terminate()
+        self.proc.wait(timeout=5)
+        self.thread.join(timeout=2)
+        if not self.samples:
+            return None
+        mean = sum(self.samples) / len(self.samples) / 100
+        return {"samples": len(self.samples), "mean_busy": mean}
+
+
+class Recorder:
+    """Wraps ``machinery.training.update``: the end of every update; nvidia-smi sampled
+    over the timed window (updates ``warm`` + 1 … ``warm`` + ``timed``); then a
+    profiled window of ``profiled`` updates, after the timed one."""
+
+    def __init__(
+        self, training, device, warm: int = 0, timed: int = 0, profiled: int = 0
+    ):
+        self.training, self.device = training, device
+        self.warm, self.timed, self.profiled = warm, timed, profiled
+        self.ends, self.tokens, self.flops = [], [], []
+        self.real = training.update
+        self.prof, self.smi, self.smi_result, self.window = None, None, None, None
+        self.hook: Optional[Callable] = None  # called with the update's number
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def __call__(self, run, micro):
-        n = len(self.times) + 1
-        if self.device.type == "cuda" and self.profile_from and n == self.profile_from:
-            acts = [torch.profiler.ProfilerActivity.CUDA]
+        n = len(self.ends) + 1  # this update's number
+        if self.profiled and n == self.warm + self.timed + 1:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.device.type == "cuda":
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=acts)
             self.prof.start()
-            self.t_prof = time.perf_counter()
         out = self.real(run, micro)  # ends in the update's one host sync
-        self.times.append(time.perf_counter())
+        self.ends.append(time.perf_counter())
         self.tokens.append(out[1])
         vocab = len(run.data.tgt_vocab)
-        self.flops.append(
-            sum(
-                train_flops(run.cfg, vocab, tuple(b.src.shape), tuple(b.tgt.shape))
-                for b in micro
-            )
-            * run.world
-        )
-        if self.prof is not None and n == self.profile_from + self.profile_count - 1:
-            self.profiled_s = time.perf_counter() - self.t_prof
+        shapes = [(tuple(b.src.shape), tuple(b.tgt.shape)) for b in micro]
+        flops = sum(train_flops(run.cfg, vocab, s, t) for s, t in shapes)
+        self.flops.append(flops * run.world)
+        if self.timed and n == self.warm:
+            self.smi = SmiSampler(self.device)
+        if self.smi is not None and n == self.warm + self.timed:
+            self.smi_result, self.smi = self.smi.close(), None
+        if self.prof is not None and n == self.warm + self.timed + self.profiled:
+            self.sync()
             self.prof.stop()
-            self.kernel_us = sum(
-                e.self_device_time_total for e in self.prof.key_averages()
-            )
+            counts = window_counts(list(self.prof.events()))
             self.prof = None
+            self.window = {
+                "updates": self.profiled,
+                "ops_per_update": counts["ops"] / self.profiled,
+                "kernels_per_update": counts["kernels"] / self.profiled,
+                "copies_per_update": counts["copies"] / self.profiled,
+            }
+            if counts["kernels"] and counts["span_us"]:
+                self.window["gpu_busy"] = counts["busy_us"] / counts["span_us"]
         if self.hook:
             self.hook(n)
         return out
 
     def __enter__(self):
-        machinery.training.update = self
+        self.training.update = self
         return self
 
     def __exit__(self, *exc):
-        machinery.training.update = self.real
+        self.training.update = self.real
         if self.prof is not None:
             self.prof.stop()
+        if self.smi is not None:
+            self.smi.close()
+
+    def measured(self, peak: Optional[float]) -> dict:
+        """The timed window's figures (as far as it got) and the profiled window's."""
+        first = self.warm  # the timed window starts at the end of update `warm`
+        last = min(len(self.ends), self.warm + self.timed)
+        out: dict = {"updates": len(self.ends), "timed_updates": max(last - first, 0)}
+        if last > first >= 1:
+            span = self.ends[last - 1] - self.ends[first - 1]
+            tokens, flops = sum(self.tokens[first:last]), sum(self.flops[first:last])
+            out["ms_per_update"] = 1e3 * span / (last - first)
+            out["target_tokens_per_s"] = tokens / span
+            out["tflops_per_s"] = flops / span / 1e12
+            if peak:
+                out["mfu"] = out["tflops_per_s"] / peak
+                out["peak_tflops"] = peak
+        if self.smi_result:
+            out["nvidia_smi"] = self.smi_result
+        if self.window:
+            out["profiled_window"] = self.window
+        if self.device.type == "cuda":
+            peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            out["peak_memory_gib"] = peak_bytes / 2**30
+        return out
 
 
-def measured(rec: Recorder, skip: int, peak_tflops) -> dict:
-    """Steady-state figures of a recorded run: updates after the first ``skip``."""
-    n = len(rec.times)
-    skip = min(skip, max(n - 2, 0))
-    span = rec.times[-1] - rec.times[skip] if n > skip + 1 else float("nan")
-    updates = n - skip - 1
-    tokens = sum(rec.tokens[skip + 1 :])
-    flops = sum(rec.flops[skip + 1 :])
-    out = {
-        "updates": n,
-        "timed_updates": updates,
-        "ms_per_update": 1e3 * span / max(updates, 1),
-        "target_tokens_per_s": tokens / span if span > 0 else None,
-        "tflops_per_s": flops / span / 1e12 if span > 0 else None,
-    }
-    if peak_tflops and out["tflops_per_s"]:
-        out["mfu"] = out["tflops_per_s"] / peak_tflops
-    if rec.kernel_us is not None and rec.profiled_s:
-        out["gpu_busy"] = rec.kernel_us / 1e6 / rec.profiled_s
-    if rec.device.type == "cuda":
-        out["peak_memory_gib"] = torch.cuda.max_memory_allocated(rec.device) / 2**30
-    return out
+# ## Steps
 
 
-def step(report: dict, name: str, fn) -> None:
-    """Run one step; its result (or error) and seconds go into ``report``."""
+def step(report: dict, name: str, fn, budget_s: float, needs: Callable) -> None:
+    """Run one step within ``budget_s`` seconds, unless ``needs()`` names a cause to
+    skip it; its result, error or cause, and its seconds go into ``report``."""
     t0 = time.perf_counter()
     print(f"[gpu-check] {name} …", flush=True)
-    try:
-        result = fn()
-        report["steps"][name] = {"ok": True, **(result or {})}
-    except Exception as e:  # recorded; the other steps still run
-        report["steps"][name] = {
-            "ok": False,
-            "error": f"{type(e).__name__}: {e}",
-            "traceback": traceback.format_exc()[-3000:],
-        }
+    cause = needs()
+    if cause:
+        report["steps"][name] = {"ok": None, "skipped": cause}
+    else:
+        signal.signal(signal.SIGALRM, lambda *_: _over(budget_s))
+        signal.setitimer(signal.ITIMER_REAL, budget_s)
+        try:
+            result = fn()
+            report["steps"][name] = {"ok": True, **(result or {})}
+        except Exception as e:  # recorded; the other steps still run
+            report["steps"][name] = {
+                "ok": False,
+                "error": f"{type(e).__name__}: {e}",
+                "traceback": traceback.format_exc()[-3000:],
+            }
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
     report["steps"][name]["seconds"] = time.perf_counter() - t0
+    report["steps"][name]["budget_s"] = budget_s
     print(f"[gpu-check] {name}: {json.dumps(report['steps'][name])[:400]}", flush=True)
 
 
-def main(argv=None) -> int:
+def _over(budget_s: float):
+    raise OverBudget(f"past its budget of {budget_s:g} s")
+
+
+def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mirror", type=Path, default=None)
-    parser.add_argument("--work", type=Path, default=ROOT / "build" / "gpu-check")
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--data", type=Path, default=None, help="iwslt14 files")
+    parser.add_argument(
+        "--synthetic", action="store_true", help="random sentences, without --data"
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "build" / "gpu-check")
+    parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--wheels", type=Path, default=None, help="offline wheels")
     parser.add_argument("--smoke", action="store_true", help="tiny, on any device")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    source = iwslt_folder(args.data)
+    if source is None and not args.synthetic:
+        where = f"in {args.data}" if args.data else "(no --data)"
+        print(
+            f"gpu_check: no IWSLT14 files {where}; give --data FOLDER holding "
+            "iwslt14/{train-sample,valid,test}.{de,en}, or --synthetic for random "
+            "sentences",
+            file=sys.stderr,
+        )
+        return 2
     cuda = torch.cuda.is_available()
     smoke = args.smoke or not cuda
     device = torch.device("cuda" if cuda else "cpu")
     sizes = SMOKE if smoke else FULL
-    if not cuda:
-        torch.set_num_threads(
-            1
-        )  # the smoke mode measures nothing; one thread stays out of the way
-    tiny = TINY if smoke else {}
-    log = (lambda *a, **k: None) if smoke else print
-    card = torch.cuda.get_device_name(device) if cuda else f"CPU: {cpu_name()}"
-    capability = torch.cuda.get_device_capability(device) if cuda else None
-    peak = next((p for k, p in PEAK_TFLOPS if cuda and k in card), None)
-    report = {
-        "card": card,
+    if not cuda:  # the smoke mode measures nothing; one thread stays out of the way
+        torch.set_num_threads(1)
+    work = args.work or args.out / ("work-smoke" if smoke else "work")
+    work.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    report: dict = {
         "smoke": smoke,
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "capability": list(capability) if capability else None,
-        "peak_tflops_bf16_dense": peak,
-        "host": {"cpu": cpu_name(), "python": platform.python_version()},
-        "steps": {},
+        "data": str(source) if source else "synthetic (--synthetic)",
     }
+    if args.wheels:
+        missing = [n for n, v in optional_packages().items() if not v["present"]]
+        report["wheels"] = install_wheels(args.wheels, missing, work / "site-packages")
+    report["environment"] = env = environment(device)
+    report["steps"] = {}
+    card, capability = env["card"], env["capability"]
+    name = ("smoke-" if smoke else "") + slug(card)[:40]
+    out = args.out / f"gpu-check-{name}.json"
+    write_json(out, report)
     print(
         f"[gpu-check] {card}; torch {torch.__version__}, CUDA {torch.version.cuda}, "
-        f"capability {capability}; {'smoke mode' if smoke else 'full'}",
+        f"capability {capability}; {'smoke mode' if smoke else 'full'}; writing {out}",
         flush=True,
     )
-    work = args.work / ("smoke" if smoke else "full")
-    work.mkdir(parents=True, exist_ok=True)
-    mirror = args.mirror or default_mirror()
+    peaks = next((p for k, p in PEAK_TFLOPS if cuda and k in card), {})
+    absent = {n for n, v in env["optional_packages"].items() if not v["present"]}
+    try:
+        import machinery
+        import machinery.training
+
+        machinery.notebook()
+        problem = ""
+    except Exception as e:  # numpy absent, most likely: no step can train
+        problem = f"the notebook does not import here ({type(e).__name__}: {e})"
+    report["notebook"] = problem or "imports"
+    tiny = TINY if smoke else {}
+    log = (lambda *a, **k: None) if smoke else print
     state: dict = {}
 
     def base(preset: str, name: str, **over):
@@ -288,6 +595,7 @@ def main(argv=None) -> int:
             data_mirror=str(work / "mirror"),
             data_dir=str(work / "data"),
             keep_checkpoints=2,
+            average_last=1,  # nothing is scored here
             checkpoint_minutes=0,
             **{**tiny, **over},
         )
@@ -295,7 +603,7 @@ def main(argv=None) -> int:
         return cfg
 
     def standin():
-        info = build_standin(mirror, work / "mirror", sizes["pairs"])
+        info = build_standin(source, work / "mirror", sizes["pairs"])
         cfg = base("iwslt14-small", "data", max_valid_sentences=1000)
         t0 = time.perf_counter()
         state["iwslt"] = machinery.load_dataset(cfg, log=log)
@@ -308,15 +616,11 @@ def main(argv=None) -> int:
         cfg = base("copy", "copy-auto", max_steps=20 if not smoke else 2, **over)
         data = machinery.make_copy_data(cfg, sizes=sizes["copy"])
         s = machinery.train(cfg, data=data, log=log, progress=False, evaluate=False)
-        out = {
+        return {
             "precision": s["precision"],
             "attention": s["attention"],
             "auto": s["auto"],
         }
-        if capability and capability >= (8, 0):
-            out["expected"] = "bf16 + fast"
-            out["as_expected"] = (s["precision"], s["attention"]) == ("bf16", "fast")
-        return out
 
     def fp16_resume():
         over = dict(N=1, d_model=32, d_ff=64, h=4) if smoke else {}
@@ -326,7 +630,7 @@ def main(argv=None) -> int:
         b = dataclasses.replace(a, run_dir=str(work / "runs" / "fp16-b"))
         shutil.rmtree(b.run_dir, ignore_errors=True)
         data = machinery.make_copy_data(a, sizes=sizes["copy"])
-        with Recorder(device) as rec:
+        with Recorder(machinery.training, device) as rec:
             rec.hook = lambda n: n == stop_at and os.kill(os.getpid(), signal.SIGINT)
             try:
                 machinery.train(a, data=data, log=log, progress=False, evaluate=False)
@@ -350,18 +654,21 @@ def main(argv=None) -> int:
             "scaler_scale": sa["scaler"].get("scale"),
         }
 
-    def iwslt(precision: str, updates: int, **over):
+    def iwslt(precision: str, compiled: bool = False):
         def run():
-            if precision == "bf16" and cuda and capability < (8, 0):
+            if precision == "bf16" and cuda and tuple(capability) < (8, 0):
                 return {"skipped": f"capability {capability}: no native bf16"}
-            name = f"iwslt-{precision}" + ("-compile" if over.get("compile") else "")
+            name = f"iwslt-{precision}" + ("-compile" if compiled else "")
+            warm, timed, profiled = sizes["warm"], sizes["timed"], sizes["profiled"]
+            if compiled:
+                timed, profiled = sizes["compile_updates"], 0
             cfg = base(
                 "iwslt14-small",
                 name,
                 precision=precision,
-                max_steps=updates,
+                max_steps=warm + timed + profiled,
                 max_valid_sentences=1000,
-                **over,
+                compile=compiled,
             )
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
@@ -369,39 +676,43 @@ def main(argv=None) -> int:
 
             counters.clear()
             t0 = time.perf_counter()
-            with Recorder(device, profile_from=0 if smoke else 100) as rec:
-                s = machinery.train(
-                    cfg, data=state["iwslt"], log=log, progress=False, evaluate=False
-                )
-            out = measured(rec, skip=min(20, updates // 4), peak_tflops=peak)
-            out.update(
-                precision=s["precision"],
-                attention=s["attention"],
-                auto=s["auto"],
-                seconds_in_train=time.perf_counter() - t0,
-            )
-            if over.get("compile"):
+            out: dict = {}
+            rec = Recorder(machinery.training, device, warm, timed, profiled)
+            try:
+                with rec:
+                    s = machinery.train(
+                        cfg,
+                        data=state["iwslt"],
+                        log=log,
+                        progress=False,
+                        evaluate=False,
+                    )
+                out.update(precision=s["precision"], attention=s["attention"])
+                out.update(auto=s["auto"])
+            except OverBudget as e:  # what finished is still measured
+                out["stopped"] = str(e)
+            out.update(rec.measured(peaks.get(precision)))
+            out["seconds_in_train"] = time.perf_counter() - t0
+            if compiled:
                 out["compilations"] = counters["stats"]["unique_graphs"]
-                out["first_update_s"] = rec.times[0] - t0 if rec.times else None
+                out["first_update_s"] = rec.ends[0] - t0 if rec.ends else None
                 torch._dynamo.reset()
-            state.setdefault("runs", {})[precision] = cfg.run_dir
+            else:
+                state.setdefault("runs", {})[precision] = cfg.run_dir
             return out
 
         return run
 
     def decode():
-        run_dir = state.get("runs", {}).get("bf16") or next(
-            iter(state["runs"].values())
-        )
+        runs = state["runs"]
+        run_dir = runs.get("bf16") or next(iter(runs.values()))
         model, cfg, _, tgt_vocab, _ = machinery.load_for_inference(
             run_dir=Path(run_dir), device=device
         )
-        sources = [
-            s for s, _ in state["iwslt"].splits["test"][: sizes["decode_sentences"]]
-        ]
-        extra = (
-            5 if smoke else 50
-        )  # an undertrained model says little worth waiting for
+        test = state["iwslt"].splits["test"][: sizes["decode_sentences"]]
+        sources = [s for s, _ in test]
+        # an undertrained model says little worth waiting for
+        extra = 5 if smoke else 50
         cfg = dataclasses.replace(
             cfg, max_decode_extra=min(cfg.max_decode_extra, extra)
         )
@@ -427,27 +738,50 @@ def main(argv=None) -> int:
         return {
             "sentences": len(sources),
             "beam_size": cfg.beam_size,
-            "seconds": seconds,
+            "decode_seconds": seconds,
             "sentences_per_s": len(sources) / seconds,
             "output_tokens_per_s": tokens / seconds,
             "precision": cfg.precision,
         }
 
-    step(report, "stand_in", standin)
-    step(report, "copy_auto", copy_auto)
-    step(report, "fp16_interrupted_and_resumed", fp16_resume)
+    def needs(*packages: str, after: str = "") -> Callable:
+        """A step's precondition: the notebook imports, ``packages`` are present, and
+        the step ``after`` finished."""
+
+        def cause() -> str:
+            if problem:
+                return problem
+            lacking = [p for p in packages if p in absent]
+            if lacking:
+                return f"needs {', '.join(lacking)}, which this Python lacks"
+            if after and not report["steps"].get(after, {}).get("ok"):
+                return f"needs the step {after}, which did not finish"
+            return ""
+
+        return cause
+
+    def run_step(name: str, fn, need: Callable) -> None:
+        budget = SMOKE_BUDGET_S if smoke else BUDGET_S[name]
+        step(report, name, fn, budget, need)
+        write_json(out, report)
+
+    bpe = needs("sentencepiece", after="stand_in")
+    run_step("stand_in", standin, needs("sentencepiece"))
+    run_step("copy_auto", copy_auto, needs())
+    run_step("fp16_interrupted_and_resumed", fp16_resume, needs())
     for precision in ("bf16", "fp16", "fp32"):
-        step(report, f"iwslt14_small_{precision}", iwslt(precision, sizes["updates"]))
-    compiled = "bf16" if not cuda or capability >= (8, 0) else "fp16"
+        run_step(f"iwslt14_small_{precision}", iwslt(precision), bpe)
+
+    def trained() -> str:
+        ran = [p for p in ("bf16", "fp16", "fp32") if p in state.get("runs", {})]
+        return bpe() or ("" if ran else "needs an IWSLT run, and none finished")
+
+    run_step("beam_decoding", decode, trained)
+    compiled = "bf16" if not cuda or tuple(capability) >= (8, 0) else "fp16"
     if smoke and not cuda:  # inductor's C++ build takes minutes on a CPU: dynamo + AOT
         real = torch.compile
-        torch.compile = lambda m, **kw: real(m, backend="aot_eager", **kw)
-    step(
-        report,
-        "iwslt14_small_compile",
-        iwslt(compiled, sizes["compile_updates"], compile=True),
-    )
-    step(report, "beam_decoding", decode)
+        torch.compile = lambda m, **kw: real(m, **{**kw, "backend": "aot_eager"})
+    run_step("iwslt14_small_compile", iwslt(compiled, compiled=True), bpe)
 
     steps = report["steps"]
     ratios = {}
@@ -456,11 +790,9 @@ def main(argv=None) -> int:
         if a.get("ms_per_update") and b.get("ms_per_update"):
             ratios[f"{p}_ms_over_bf16"] = b["ms_per_update"] / a["ms_per_update"]
     report["ratios"] = ratios
-    report["failed"] = [k for k, v in steps.items() if not v.get("ok")]
-    name = "smoke-" + slug(card)[:40] if smoke else slug(card)
-    out = args.out or (ROOT / "results" / f"gpu-check-{name}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    report["failed"] = [k for k, v in steps.items() if v.get("ok") is False]
+    report["skipped"] = {k: v["skipped"] for k, v in steps.items() if "skipped" in v}
+    write_json(out, report)
     print(f"[gpu-check] wrote {out}; failed steps: {report['failed'] or 'none'}")
     return 1 if report["failed"] else 0
 

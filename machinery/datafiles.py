@@ -7,15 +7,16 @@ the data sets' records in `data.py`.
 
 from __future__ import annotations
 
+import errno
 import gzip
 import hashlib
+import os
 import urllib.request
 import zlib
 from pathlib import Path
 from typing import Optional
 
-from tqdm.auto import tqdm
-
+from .devices import progress_bar
 from .runfiles import atomic_file
 
 
@@ -39,7 +40,7 @@ def download(
     digest = hashlib.sha256()
     with atomic_file(dest) as out, urllib.request.urlopen(url, timeout=60) as resp:
         total = int(resp.headers.get("Content-Length") or 0) or None
-        with tqdm(
+        with progress_bar(
             total=total,
             unit="B",
             unit_scale=True,

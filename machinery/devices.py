@@ -75,6 +75,46 @@ def on_device(model: nn.Module, device) -> nn.Module:
     return model
 
 
+# Progress bars come from tqdm where it is installed; a bare GPU image may lack it, and
+# a run there trains the same, without bars.
+
+
+class SilentBar:
+    """What the machinery uses of a tqdm bar, doing nothing: the stand-in where tqdm is
+    not installed (our addition)."""
+
+    def __init__(self, iterable=None):
+        self.iterable = iterable
+
+    def __iter__(self):
+        return iter(self.iterable if self.iterable is not None else ())
+
+    def __enter__(self) -> "SilentBar":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def update(self, n: int = 1) -> None:
+        """Nothing to advance."""
+
+    def set_postfix(self, **values) -> None:
+        """Nothing to show."""
+
+    def close(self) -> None:
+        """Nothing to close."""
+
+
+def progress_bar(iterable=None, **options):
+    """A ``tqdm.auto`` progress bar over ``iterable`` with ``options``, or a
+    :class:`SilentBar` where tqdm is not installed (our addition)."""
+    try:
+        from tqdm.auto import tqdm
+    except ModuleNotFoundError:
+        return SilentBar(iterable)
+    return tqdm(iterable, **options)
+
+
 # ## A.2 Devices, precision, processes and signals
 #
 # Small pieces a run needs from its surroundings: which device, which precision pays off

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from tqdm.auto import tqdm
 
+from .devices import progress_bar
 from .parts import notebook
 
 
@@ -52,7 +52,7 @@ def translate(
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     out: list = [None] * len(sources)
     starts = range(0, len(order), cfg.eval_batch_size)
-    for s in tqdm(starts, desc="decoding", disable=not progress, leave=False):
+    for s in progress_bar(starts, desc="decoding", disable=not progress, leave=False):
         idx = order[s : s + cfg.eval_batch_size]
         src = nb.pad_sequences([sources[i] for i in idx]).to(device)
         src_mask = nb.padding_mask(src, pad)  # (batch, 1, src_len)
