@@ -399,7 +399,11 @@ def test_88_columns_of_code_fit_at_1280_px(wide):
     assert columns >= 0
 
 
-def test_on_a_phone_code_scrolls_and_a_switch_wraps_it(fresh):
+SCROLLS = """[...document.querySelectorAll('main pre')]
+    .filter(e => e.scrollWidth > e.clientWidth + 1).map(e => e.textContent.slice(0, 60))"""
+
+
+def test_on_a_phone_code_wraps_and_a_switch_unwraps_it(fresh):
     page = fresh(390).page
     assert page.evaluate("document.documentElement.scrollWidth") <= 390
     clipped = page.evaluate("""[...document.querySelectorAll(
@@ -411,12 +415,97 @@ def test_on_a_phone_code_scrolls_and_a_switch_wraps_it(fresh):
         .map(e => e.textContent.slice(0, 60))""")
     assert clipped == []
     wrap = page.locator(".wrap-button")
-    assert wrap.is_visible()
+    assert wrap.is_visible() and wrap.get_attribute("aria-pressed") == "true"
+    page.evaluate(OPEN_ALL)
+    blocks = page.evaluate("document.querySelectorAll('main pre').length")
+    assert page.evaluate(SCROLLS) == [], "a code block scrolls while wrapping is on"
     wrap.click()
-    assert wrap.get_attribute("aria-pressed") == "true"
-    over = page.evaluate("""[...document.querySelectorAll('main pre')]
-        .filter(e => e.scrollWidth > e.clientWidth + 1).length""")
-    assert over == 0
+    assert wrap.get_attribute("aria-pressed") == "false"
+    scrolling = page.evaluate(SCROLLS)
+    print(
+        f"\n390 px: {blocks} code and output blocks; unwrapped, {len(scrolling)} scroll"
+    )
+    assert scrolling  # the switch is kept: long lines scroll again
+    wrap.click()
+    assert page.evaluate(SCROLLS) == []
+
+
+def text_under_fixed(page) -> list:
+    """Article text that an element fixed (or sticky) on the screen covers."""
+    return page.evaluate("""(() => {
+        const fixed = [...document.querySelectorAll('body *')].filter(e => {
+            const s = getComputedStyle(e);
+            const r = e.getBoundingClientRect();
+            return ['fixed', 'sticky'].includes(s.position) && s.display !== 'none'
+                && s.visibility !== 'hidden' && r.width > 0 && r.height > 0
+                && r.right > 0 && r.left < innerWidth && r.bottom > 0
+                && r.top < innerHeight && !e.closest('main');
+        }).map(e => e.getBoundingClientRect());
+        const walker = document.createTreeWalker(document.querySelector('main'),
+            NodeFilter.SHOW_TEXT);
+        const covered = [];
+        for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+            if (!n.textContent.trim()
+                || n.parentElement.closest('.katex-mathml, .visually-hidden'))
+                continue;  // for screen readers only: not drawn
+            const box = n.parentElement.getBoundingClientRect();
+            if (box.bottom < 0 || box.top > innerHeight) continue;
+            const range = document.createRange();
+            range.selectNodeContents(n);
+            // what scrolls sideways shows only the part inside its box
+            const scroller = n.parentElement.closest(
+                'pre, .katex-display, figure.plot, .ae-map, table, .output.html');
+            const clip = scroller ? scroller.getBoundingClientRect()
+                : {left: -1e9, right: 1e9};
+            for (const r of range.getClientRects()) {
+                if (r.width === 0 || r.bottom < 0 || r.top > innerHeight) continue;
+                const left = Math.max(r.left, clip.left);
+                const right = Math.min(r.right, clip.right);
+                if (left < right && fixed.some(f => left < f.right && right > f.left
+                        && r.top < f.bottom && r.bottom > f.top))
+                    covered.push(n.textContent.trim().slice(0, 40));
+            }
+        }
+        return covered; })()""")
+
+
+def test_on_a_phone_nothing_fixed_covers_the_article_text(fresh):
+    page = fresh(390).page
+    height = page.evaluate("document.documentElement.scrollHeight")
+    covered = []
+    for at in range(0, height, height // 12):
+        page.evaluate(f"window.scrollTo(0, {at})")
+        page.wait_for_timeout(30)
+        covered += text_under_fixed(page)
+    assert covered == []
+
+
+def test_on_a_phone_display_equations_fit_or_show_that_they_scroll(fresh):
+    page = fresh(390).page
+    page.evaluate(OPEN_ALL)
+    page.wait_for_timeout(200)
+    shown = page.evaluate("""[...document.querySelectorAll('main .katex-display')]
+        .filter(e => e.getBoundingClientRect().width > 0).map(e => ({
+            over: e.scrollWidth > e.clientWidth + 1,
+            cue: e.classList.contains('scroll-more-right')
+                && getComputedStyle(e).maskImage !== 'none'}))""")
+    over = [e for e in shown if e["over"]]
+    print(f"\n390 px: {len(shown)} display formulas, {len(over)} scroll (with a cue)")
+    assert shown and all(e["cue"] for e in over)
+
+
+def test_on_a_phone_a_tap_outside_the_contents_closes_them(fresh):
+    page = fresh(390).page
+    button = page.locator(".toc-button")
+    button.click()
+    page.wait_for_timeout(300)
+    assert button.get_attribute("aria-expanded") == "true"
+    panel = page.locator("nav.toc").bounding_box()
+    page.mouse.click(panel["x"] / 2, 400)  # the article, left of the panel
+    assert button.get_attribute("aria-expanded") == "false"
+    button.click()
+    page.locator("#search-box").click()  # a tap inside keeps them open
+    assert button.get_attribute("aria-expanded") == "true"
 
 
 def test_printing_wraps_code_and_opens_every_collapsed_part(fresh):
@@ -434,6 +523,48 @@ def test_printing_wraps_code_and_opens_every_collapsed_part(fresh):
     )
     page.evaluate("window.dispatchEvent(new Event('afterprint'))")
     assert page.evaluate("document.querySelectorAll('details:not([open])').length") > 0
+
+
+def test_every_code_block_has_a_copy_button_that_copies_only_the_code(wide):
+    page = wide.page
+    page.evaluate("""(() => {
+        window.copied = [];
+        Object.defineProperty(navigator, 'clipboard', {configurable: true, value: {
+            writeText: t => { window.copied.push(t); return Promise.resolve(); }}});
+    })()""")
+    counts = page.evaluate("""(() => {
+        const cells = [...document.querySelectorAll('main .source')];
+        const other = [...document.querySelectorAll('main pre')].filter(p =>
+            !p.closest('.source') && !p.closest('.output'));
+        const blocks = cells.concat(other);
+        const buttons = blocks.map(b => (b.matches('pre') ? b.parentElement : b)
+            .querySelectorAll(':scope > .copy-button').length);
+        cells.forEach(c => c.querySelector('.copy-button').click());
+        return {cells: cells.length, other: other.length, buttons}; })()""")
+    page.wait_for_timeout(100)
+    assert counts["cells"] > 0 and counts["buttons"] == [1] * (
+        counts["cells"] + counts["other"]
+    )
+    expected = [
+        c.source
+        for c in build.prepare(nbformat.read(NB, as_version=4)).cells
+        if c.cell_type == "code"
+    ]
+    assert page.evaluate("window.copied") == expected  # every line, nothing else
+
+
+def test_plumbing_is_folded_and_the_papers_code_is_not(wide):
+    folds = wide.page.evaluate("""[...document.querySelectorAll(
+        'main details.code-fold')].map(d => [d.dataset.why, d.open,
+        d.querySelector('pre').textContent])""")
+    why = {w for w, _, _ in folds}
+    assert {"example", "notebook", "signal", "hosted"} <= why, why
+    assert not any(is_open for _, is_open, _ in folds)
+    shown = wide.page.evaluate("""[...document.querySelectorAll('main .source pre')]
+        .filter(p => !p.closest('details')).map(p => p.textContent).join('\\n')""")
+    assert not re.search(r"^if IN_NOTEBOOK:|^@example|signal\.signal", shown, re.M)
+    assert re.search(r"^def subsequent_mask\(", shown, re.M)
+    assert re.search(r"^class MultiHeadedAttention\(", shown, re.M)
 
 
 # --- A short path to the results ------------------------------------------------------

@@ -448,3 +448,47 @@ def test_skip_to_a_sections_name_links_it():
     assert (
         link.get_text() == "results at a glance" and link["href"] == "#results-glance"
     )
+
+
+def test_plumbing_folds_by_what_it_is_and_the_papers_code_stays():
+    source = (
+        "import sys\n\n"
+        'if __name__ == "__main__" and "ipykernel" not in sys.modules:\n'
+        "    import signal\n\n"
+        "    signal.signal(signal.SIGINT, lambda *_: sys.exit(130))\n\n"
+        "def f(x):\n    return x\n\n"
+        "# a picture of f\n@example\ndef _():\n    plot(f)\n"
+    )
+    lines = source.split("\n")
+    folds = build.code_folds(source)
+    assert [(why, lines[a]) for a, _, why in folds] == [
+        ("signal", lines[2]),
+        ("example", "# a picture of f"),
+    ]
+    assert build.code_folds("if IN_NOTEBOOK:\n    run()\n") == [(0, 3, "notebook")]
+    assert build.code_folds("x = 1\nprint(x)", tabular=True) == [(0, 2, "table")]
+    assert build.code_folds("def f():\n    pass") == []
+    html = build.code_html(source)
+    assert html.count('class="code-fold"') == 2
+    pres = re.findall(r"<pre>(.*?)</pre>", html, re.S)
+    text = "".join(re.sub(r"<[^>]+>", "", p) for p in pres)
+    import html as htmllib
+
+    assert htmllib.unescape(text).replace("\n", "") == source.replace("\n", "")
+
+
+def test_html_and_markdown_outputs_are_sanitised_and_tables_recognised():
+    dirty = (
+        '<table onclick="x()"><tr><td style="text-align: right; background: '
+        'url(http://x/y.png)">1</td></tr></table><script>alert(1)</script>'
+        '<a href="javascript:alert(1)">a</a><img src="http://x/y.png">'
+        '<iframe src="https://x"></iframe><style>p{}</style>'
+    )
+    clean = build.sanitize_html(dirty)
+    for gone in ("onclick", "<script", "javascript:", "http://x", "<iframe", "<style"):
+        assert gone not in clean, gone
+    assert '<td style="text-align: right">1</td>' in clean
+    table = {"data": {"text/markdown": "| a | b |\n|---|--:|\n| 1 | 2 |"}}
+    assert build.is_tabular(table)
+    assert build.is_tabular({"data": {"text/html": "<TABLE></TABLE>"}})
+    assert not build.is_tabular({"data": {"text/markdown": "a --- b"}})

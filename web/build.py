@@ -229,7 +229,7 @@ def build_stamp() -> str:
 
 # --- What this reproduction found (the box under the title, and the README's top) ---
 
-HEADLINE = "multi30k-small-bpe.json"  # the Multi30k preset's run, as in Results
+HEADLINE = "multi30k-small.json"  # the Multi30k preset's headline run (Results)
 SAMPLE = "iwslt14-sample.json"  # the IWSLT14 sample's run
 TABLE3 = "table3.json"
 FINDINGS_START = "<!-- findings: web/build.py --readme writes these lines -->"
@@ -246,12 +246,21 @@ def read_json(path: Path) -> dict:
 
 
 def where_trained(run: dict) -> str:
-    """ "on a CPU (no GPU)" or "on 2 GPUs", from a run's summary."""
+    """ "on a 2-core AMD EPYC (no GPU)", "on a CPU (no GPU)" or "on 2 GPUs", from a
+    run's summary (its ``cpu`` line, where it has one)."""
     device = str(run.get("device", ""))
     n = run.get("world_size") or 1
     if device.startswith("cuda"):
         return f"on {n} GPU{'s' if n > 1 else ''}"
-    return "on a CPU (no GPU)" if device == "cpu" else f"on {device or '?'}"
+    if device != "cpu":
+        return f"on {device or '?'}"
+    cpu = str(run.get("cpu") or "")
+    name = cpu.split(" (")[0].split(",")[0].strip()
+    cores = re.search(r"(\d+) cores?\b", cpu)
+    if name and cores:
+        return f"on a {cores.group(1)}-core {name} (no GPU)"
+    name = name or "CPU"
+    return f"on {'an' if name[0] in 'AEIOU' else 'a'} {name} (no GPU)"
 
 
 def table3_state(data: dict) -> dict:
@@ -536,12 +545,19 @@ def prepare(nb):
             continue
         if cell.cell_type != "code":
             continue
+        if any(is_tabular(o) for o in cell.get("outputs", [])):
+            cell.metadata["page_tabular"] = True  # its code only prints the table
         for output in cell.get("outputs", []):
             if output.get("output_type") == "stream":
                 output["text"] = unescape_moses(output.get("text", ""))
             data = output.get("data", {})
             if "text/plain" in data:
                 data["text/plain"] = unescape_moses(data["text/plain"])
+            if "text/html" in data:
+                html = data["text/html"]
+                data["text/html"] = sanitize_html(
+                    "".join(html) if isinstance(html, list) else html
+                )
             if ATTENTION_MIME in data:
                 blob = data[ATTENTION_MIME]
                 blob = json.loads(blob) if isinstance(blob, str) else blob
@@ -724,27 +740,184 @@ def fold_line(source: str) -> int | None:
     return (near or safe or [None])[0]
 
 
-def code_html(source: str) -> str:
-    """A code cell's highlighted source; a long one with its tail in a ``<details>``."""
+# Plumbing a reader can skip: folded on the page, with what it is (module notes).
+WHY = {
+    "table": "The code that prints this table",
+    "notebook": "Runs in the notebook only",
+    "example": "The demonstration's code",
+    "signal": "Ctrl-C handling for the command line",
+    "hosted": "Hosted notebooks only (Colab, Kaggle): fetching the package",
+}
+
+
+def mentions(node, name: str) -> bool:
+    """Whether the expression ``node`` reads the variable ``name``."""
+    import ast
+
+    return any(isinstance(n, ast.Name) and n.id == name for n in ast.walk(node))
+
+
+def plumbing_of(node) -> str | None:
+    """Which plumbing (a key of WHY) a top-level statement is, or None: an ``if`` on
+    IN_NOTEBOOK, an ``if __name__ …`` that installs a signal handler, an ``@example``
+    demonstration."""
+    import ast
+
+    if isinstance(node, ast.If):
+        calls = [
+            ast.unparse(n.func)
+            for n in ast.walk(node)
+            if isinstance(n, ast.Call) and not isinstance(n.func, ast.Lambda)
+        ]
+        if mentions(node.test, "__name__") and "signal.signal" in calls:
+            return "signal"
+        if mentions(node.test, "IN_NOTEBOOK"):
+            return "notebook"
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+        isinstance(d, ast.Name) and d.id == "example" for d in node.decorator_list
+    ):
+        return "example"
+    return None
+
+
+def code_folds(source: str, tabular: bool = False) -> list[tuple[int, int, str]]:
+    """The line ranges of a code cell folded on the page, as (start, end, why):
+    the whole cell when it only prints a table (``tabular``), sets up a hosted notebook
+    or is all plumbing (:func:`plumbing_of`); else each plumbing statement, with the
+    comment lines just above it and the blank lines after it."""
+    import ast
+
+    lines = source.split("\n")
+    if tabular:
+        return [(0, len(lines), "table")]
+    if "hosted_setup(" in source or "git clone" in source:
+        return [(0, len(lines), "hosted")]
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    folds = []
+    for node in tree.body:
+        why = plumbing_of(node)
+        if why is None:
+            continue
+        start = min(
+            [node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]
+        )
+        start -= 1
+        while start > 0 and lines[start - 1].lstrip().startswith("#"):
+            start -= 1
+        end = node.end_lineno
+        while end < len(lines) and not lines[end].strip():
+            end += 1
+        folds.append((start, end, why))
+    shown = set(range(len(lines)))
+    for start, end, _ in folds:
+        shown -= set(range(start, end))
+    if folds and not any(lines[n].strip() for n in shown):
+        return [(0, len(lines), folds[0][2])]
+    return folds
+
+
+def code_html(source: str, tabular: bool = False) -> str:
+    """A code cell's highlighted source: its plumbing (:func:`code_folds`) in closed
+    ``<details>``; else a long cell with its tail in one. The ``<pre>`` blocks hold the
+    source's lines in order, all of them (the page's copy button joins them)."""
     from pygments import highlight
     from pygments.formatters import HtmlFormatter
     from pygments.lexers import PythonLexer
 
-    def lit(text: str) -> str:
+    def lit(text: str) -> str:  # each <pre> holds its lines and one "\n" more
         return highlight(
-            text or " ", PythonLexer(), HtmlFormatter(cssclass="highlight")
+            text + "\n",
+            PythonLexer(stripnl=False, ensurenl=False),
+            HtmlFormatter(cssclass="highlight"),
         )
 
-    n = fold_line(source)
-    if n is None:
-        return lit(source)
     lines = source.split("\n")
-    head, tail = "\n".join(lines[:n]), "\n".join(lines[n:])
-    more = len(lines) - n
-    return (
-        f'{lit(head)}<details class="code-rest"><summary><span>{more} more lines '
-        f"(lines {n + 1}–{len(lines)})</span></summary>{lit(tail)}</details>"
-    )
+    folds = code_folds(source, tabular)
+    if not folds:
+        n = fold_line(source)
+        if n is None:
+            return lit(source)
+        head, tail = "\n".join(lines[:n]), "\n".join(lines[n:])
+        more = len(lines) - n
+        return (
+            f'{lit(head)}<details class="code-rest"><summary><span>{more} more lines '
+            f"(lines {n + 1}–{len(lines)})</span></summary>{lit(tail)}</details>"
+        )
+    parts, at = [], 0
+    for start, end, why in folds + [(len(lines), len(lines), "")]:
+        if start > at:
+            parts.append(lit("\n".join(lines[at:start])))
+        if end > start:
+            n = end - start
+            label = f"{WHY[why]} ({n} line{'s' if n > 1 else ''})"
+            parts.append(
+                f'<details class="code-fold" data-why="{why}"><summary><span>'
+                f"{htmllib.escape(label)}</span></summary>"
+                f"{lit(chr(10).join(lines[start:end]))}</details>"
+            )
+        at = max(at, end)
+    return "".join(parts)
+
+
+# --- Outputs that are HTML ------------------------------------------------------------
+
+UNSAFE_TAGS = {
+    "script", "style", "iframe", "frame", "frameset", "object", "embed", "applet",
+    "link", "meta", "base", "form", "input", "button", "textarea", "select", "audio",
+    "video", "source", "track", "portal",
+}  # fmt: skip
+URL_ATTRIBUTES = {"href", "src", "action", "formaction", "xlink:href", "poster"}
+
+
+def sanitize_html(markup: str) -> str:
+    """HTML from a cell's output, safe on the page: no scripts, frames, forms or style
+    sheets, no ``on…`` handlers, no addresses the page would load or run (links to
+    ``#…``, http(s) and mail; pictures only inline, ``data:image/``), and of inline
+    styles only the alignment of text (what Markdown tables set)."""
+    from bs4 import BeautifulSoup, Comment
+
+    soup = BeautifulSoup(markup, "html.parser")
+    for tag in soup.find_all(UNSAFE_TAGS):
+        tag.decompose()
+    for note in soup.find_all(string=lambda t: isinstance(t, Comment)):
+        note.extract()
+    for tag in soup.find_all(True):
+        for name in list(tag.attrs):
+            value = tag.attrs[name]
+            value = " ".join(value) if isinstance(value, list) else str(value)
+            low = re.sub(r"[\s\x00-\x1f]", "", value).lower()
+            if name.lower().startswith("on"):
+                del tag.attrs[name]
+            elif name.lower() in URL_ATTRIBUTES and not (
+                (name == "href" and low.startswith(("#", "https://", "http://")))
+                or (name == "href" and tag.name == "a" and low.startswith("mailto:"))
+                or (name == "src" and low.startswith("data:image/"))
+            ):  # links may lead out; nothing is loaded from anywhere
+                del tag.attrs[name]
+            elif name.lower() == "style":
+                kept = re.findall(r"text-align\s*:\s*(left|right|center)", low)
+                if kept:
+                    tag.attrs[name] = f"text-align: {kept[0]}"
+                else:
+                    del tag.attrs[name]
+    return str(soup)
+
+
+TABLE_MARKDOWN = re.compile(r"^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)+\|?\s*$", re.M)
+
+
+def is_tabular(output) -> bool:
+    """Whether a display output is a table: HTML with a ``<table>``, or Markdown with
+    a table's rule line (``|---|---|``)."""
+    data = output.get("data", {})
+    html = data.get("text/html", "")
+    html = "".join(html) if isinstance(html, list) else html
+    markdown = data.get("text/markdown", "")
+    markdown = "".join(markdown) if isinstance(markdown, list) else markdown
+    return "<table" in html.lower() or bool(TABLE_MARKDOWN.search(markdown))
 
 
 # --- nbconvert ------------------------------------------------------------------------
@@ -793,6 +966,7 @@ def make_exporter(formulas: list[dict]):
             yield ("markdown2html", self.markdown2html)
             yield ("tidy_stream", tidy_stream)
             yield ("code_html", code_html)
+            yield ("sanitize_html", sanitize_html)
             yield (
                 "svg_data_uri",
                 lambda svg: "data:image/svg+xml;base64,"
@@ -1195,7 +1369,7 @@ def add_ending(soup, main, headings, about: dict) -> None:
         )
         first = cite.find("pre", class_="bibtex") or cite.find("pre")
         if first is not None:
-            (first.find_parent("div", class_="cell") or first).insert_after(ours)
+            (first.find_parent("div", class_="highlight") or first).insert_after(ours)
         else:
             cite.append(ours)
     if not has["credits"]:

@@ -57,8 +57,15 @@
     closedForPrint = [];
   });
 
-  // Narrow screens: the contents behind a button always in reach; a switch wraps code.
+  // Narrow screens: the contents behind a button always in reach, closed by a tap
+  // outside them; a switch wraps code, on by default on a phone.
   $(".toolbar").hidden = false;
+  document.addEventListener("click", function (event) {
+    if (document.body.classList.contains("toc-open") &&
+      !toc.contains(event.target) && !tocButton.contains(event.target)) {
+      setContents(false);
+    }
+  });
   function setContents(open) {
     document.body.classList.toggle("toc-open", open);
     tocButton.setAttribute("aria-expanded", String(open));
@@ -73,8 +80,61 @@
     setContents(!document.body.classList.contains("toc-open"));
   });
   const wrapButton = $(".wrap-button");
+  function setWrap(on) {
+    root.classList.toggle("wrap-code", on);
+    wrapButton.setAttribute("aria-pressed", String(on));
+  }
+  setWrap(window.matchMedia("(max-width: 599.98px)").matches);
   wrapButton.addEventListener("click", function () {
-    wrapButton.setAttribute("aria-pressed", String(root.classList.toggle("wrap-code")));
+    setWrap(!root.classList.contains("wrap-code"));
+    markScrollers();
+  });
+
+  // A copy button on every code block: the code alone (every line of a cell, folded
+  // ones too; no outputs).
+  function codeOf(block) {
+    const pres = block.matches("pre") ? [block] : $$("pre", block);
+    return pres.map((p) => p.textContent.replace(/\n$/, "")).join("\n");
+  }
+  function copyText(text) {
+    if (navigator.clipboard && navigator.clipboard.writeText) {
+      return navigator.clipboard.writeText(text).catch(() => copyByHand(text));
+    }
+    return Promise.resolve(copyByHand(text));
+  }
+  function copyByHand(text) {
+    const area = document.createElement("textarea");
+    area.value = text;
+    area.setAttribute("readonly", "");
+    area.style.position = "fixed";
+    area.style.opacity = "0";
+    document.body.appendChild(area);
+    area.select();
+    document.execCommand("copy");
+    area.remove();
+  }
+  const codeBlocks = $$("main .source").concat($$("main pre").filter(
+    (p) => !p.closest(".source") && !p.matches(".output") && !p.closest(".output")));
+  codeBlocks.forEach(function (block) {
+    let holder = block.matches("pre") ? block.closest(".highlight") : block;
+    if (!holder) { // a bare <pre>: the button goes beside it, never inside it
+      holder = document.createElement("div");
+      block.replaceWith(holder);
+      holder.append(block);
+    }
+    const button = document.createElement("button");
+    button.type = "button";
+    button.className = "copy-button";
+    button.textContent = "Copy";
+    button.setAttribute("aria-label", "Copy the code");
+    button.addEventListener("click", function () {
+      copyText(codeOf(block)).then(function () {
+        button.textContent = "Copied";
+        setTimeout(() => { button.textContent = "Copy"; }, 1500);
+      });
+    });
+    holder.classList.add("has-copy");
+    holder.prepend(button);
   });
 
   // The section being read: marked in the contents, which scroll to keep it in view.
