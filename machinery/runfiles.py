@@ -278,6 +278,20 @@ def load_checkpoint(
         raise UnreadableCheckpoint(
             f"{path} is damaged or hand-made: it lacks {', '.join(missing)}"
         )
+    return check_fits(state, path, cfg, src_vocab, tgt_vocab, subwords)
+
+
+def check_fits(
+    state: dict,
+    path: Path,
+    cfg: Optional[Config] = None,
+    src_vocab: Optional[Vocab] = None,
+    tgt_vocab: Optional[Vocab] = None,
+    subwords: Optional[Subwords] = None,
+) -> dict:
+    """``state``, the checkpoint read from ``path`` (here or by another process), once
+    it is checked against its name's step, ``cfg``, the vocabularies and BPE model;
+    :class:`CheckpointError` where it does not fit (our addition)."""
     named = re.fullmatch(CHECKPOINT_NAME, Path(path).name)
     if named and state.get("step") != int(named.group(1)):
         raise CheckpointError(
