@@ -886,18 +886,52 @@ def test_the_page_ends_with_results_citation_and_credits(wide):
     assert "@inproceedings" in end["text"] and "Credits" in end["text"]
 
 
-def test_search_finds_label_smoothing(fresh):
-    page = fresh(1280).page
-    page.fill("#search-box", "label smoothing")
-    results = page.locator(".search-results a")
-    assert results.count() > 0
-    first = results.first
-    href = first.get_attribute("href")
-    first.click()
-    text = page.evaluate(
-        f"document.getElementById('{href[1:]}').closest('section').textContent.toLowerCase()"
+def search(page, width: int, query: str) -> dict:
+    """Type ``query`` in the search box (the contents opened first on a phone), press
+    Enter, and say what the page landed on and highlighted."""
+    if width < 1100:
+        page.click(".toc-button")
+        page.wait_for_timeout(300)
+    page.fill("#search-box", query)
+    first = page.locator(".search-results a").first
+    title = first.locator("strong").text_content()
+    page.press("#search-box", "Enter")
+    page.wait_for_timeout(300)
+    return (
+        page.evaluate("""(() => {
+        const hits = [...document.querySelectorAll('.search-hit')];
+        const r = hits.length ? hits[0].getBoundingClientRect() : null;
+        return {count: hits.length,
+                cell: hits.length && hits[0].matches('.cell.code'),
+                text: hits.length ? hits[0].textContent : '',
+                visible: !!r && r.height > 0 && r.top < innerHeight && r.bottom > 0,
+                contentsOpen: document.body.classList.contains('toc-open')}; })()""")
+        | {"title": title}
     )
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_searching_subsequent_mask_lands_on_its_cell(fresh, width):
+    landed = search(fresh(width).page, width, "subsequent_mask")
+    assert landed["count"] == 1 and landed["cell"] and landed["visible"], landed
+    assert "def subsequent_mask(" in landed["text"]
+    assert not landed["contentsOpen"]
+    assert "subsequent_mask" in landed["title"]
+
+
+def test_searching_prose_lands_on_the_paragraph_and_highlights_it(fresh):
+    landed = search(fresh(1280).page, 1280, "label smoothing")
+    assert landed["count"] == 1 and landed["visible"], landed
+    text = " ".join(landed["text"].lower().split())
     assert "label smoothing" in text or "label-smoothing" in text
+    assert len(text) < 3000  # a paragraph or a cell, not a whole section
+
+
+def test_code_comments_are_found(fresh):
+    page = fresh(1280).page
+    page.fill("#search-box", "word-start mark")
+    titles = page.locator(".search-results a strong").all_text_contents()
+    assert any(t.startswith("Code") for t in titles), titles
 
 
 # --- Figures --------------------------------------------------------------------------

@@ -1466,6 +1466,44 @@ def search_index(main) -> list:
     return entries
 
 
+def code_words(source: str) -> tuple[list[str], list[str]]:
+    """(the names a cell's ``def`` and ``class`` statements define, its comments)."""
+    names = re.findall(r"^\s*(?:async\s+)?(?:def|class)\s+(\w+)", source, re.M)
+    comments = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type == tokenize.COMMENT:
+                text = tok.string.lstrip("#").strip()
+                if text and not text.startswith(("noqa", "fmt:", "type:")):
+                    comments.append(text)
+    except (tokenize.TokenError, SyntaxError, IndentationError):
+        pass
+    return [n for n in names if n != "_"], comments
+
+
+def index_code(main) -> list:
+    """Each code cell an id (``code-`` and the first name it defines, else its number)
+    and a search entry: [id, "Code: names", "names and comments", "code"]."""
+    entries, seen = [], set()
+    for n, cell in enumerate(main.select("div.cell.code"), 1):
+        source = "\n".join(
+            pre.get_text().removesuffix("\n") for pre in cell.select(".source pre")
+        )
+        names, comments = code_words(source)
+        base = "code-" + (names[0].lower().replace("_", "-") if names else str(n))
+        cid, k = base, 1
+        while cid in seen:
+            k += 1
+            cid = f"{base}-{k}"
+        seen.add(cid)
+        cell["id"] = cid
+        if not names and not comments:
+            continue
+        title = "Code: " + (", ".join(names) if names else "comments")
+        entries.append([cid, title, " ".join(names + comments), "code"])
+    return entries
+
+
 def arrange(html: str, about: dict | None = None) -> str:
     """The article's structure: title, sections, ids, links, contents, ending, index.
     ``about``: the findings, the project's address and Colab link, this reproduction's
@@ -1524,7 +1562,8 @@ def arrange(html: str, about: dict | None = None) -> str:
                 a.unwrap()
     add_next_links(soup, main)
     contents_nav(soup, headings)
-    index = json.dumps(search_index(main), separators=(",", ":"), ensure_ascii=False)
+    entries = search_index(main) + index_code(main)
+    index = json.dumps(entries, separators=(",", ":"), ensure_ascii=False)
     script = soup.new_tag(
         "script", attrs={"type": "application/json", "id": "search-index"}
     )

@@ -286,7 +286,9 @@
   window.addEventListener("load", markScrollers);
   markScrollers();
 
-  // Search: headings and prose, from the index the build embedded.
+  // Search: headings, prose and code (the names it defines, its comments), from the
+  // index the build embedded. A result scrolls to the paragraph or cell that matches
+  // and highlights it.
   const form = $("form.search");
   const box = $("#search-box");
   const list = $(".search-results");
@@ -308,6 +310,71 @@
       text.slice(at + length, at + length + 70) + "…");
     return span;
   }
+  const BLOCKS = "p, li, figure, table, .cell.code, pre, blockquote";
+  function matchingBlock(target, words) {
+    // the first paragraph, item or cell of the target's section that has the words
+    if (target.matches(".cell.code")) {
+      return target;
+    }
+    const section = target.closest("section") || target;
+    for (const block of $$(BLOCKS, section)) {
+      if (block.closest("section") !== section || block.parentElement.closest(BLOCKS)) {
+        continue; // a subsection's, or inside a block already looked at
+      }
+      const text = block.textContent.toLowerCase();
+      if (words.every((w) => text.includes(w))) {
+        return block;
+      }
+    }
+    return target;
+  }
+  let lit = null;
+  function goTo(id, query) {
+    const target = document.getElementById(id);
+    if (!target) {
+      return;
+    }
+    const words = query.split(" ").filter(Boolean);
+    const block = matchingBlock(target, words);
+    reveal(block);
+    if (block.closest("details:not([open])") || block.matches("details")) {
+      block.open = true;
+    }
+    history.replaceState(null, "", "#" + id);
+    if (lit) {
+      lit.classList.remove("search-hit");
+    }
+    lit = block;
+    block.classList.add("search-hit");
+    block.scrollIntoView({ block: "center" });
+    if (narrow.matches) {
+      setContents(false);
+    }
+  }
+  list.addEventListener("click", function (event) {
+    const a = event.target.closest("a[data-id]");
+    if (a) {
+      event.preventDefault();
+      event.stopPropagation();
+      goTo(a.dataset.id, a.dataset.query);
+    }
+  });
+  function score(entry, query, words) {
+    const [, title, text, kind] = entry;
+    const t = title.toLowerCase();
+    const x = text.toLowerCase();
+    if (!words.every((w) => t.includes(w) || x.includes(w))) {
+      return 0;
+    }
+    let points = (t.includes(query) ? 100 : 0) + (x.includes(query) ? 20 : 0) +
+      words.filter((w) => t.includes(w)).length * 10;
+    if (kind === "code") {
+      const names = t.replace(/^code: /, "").split(", ");
+      const name = query.replace(/ /g, "_");
+      points += names.includes(name) ? 300 : 0; // where it is defined comes first
+    }
+    return points;
+  }
   box.addEventListener("input", function () {
     const query = box.value.trim().toLowerCase().replace(/\s+/g, " ");
     const words = query.split(" ").filter(Boolean);
@@ -316,35 +383,35 @@
       return;
     }
     const hits = [];
-    for (const [id, title, text] of index) {
-      const t = title.toLowerCase();
-      const x = text.toLowerCase();
-      if (!words.every((w) => t.includes(w) || x.includes(w))) {
-        continue;
+    for (const entry of index) {
+      const points = score(entry, query, words);
+      if (points > 0) {
+        hits.push({ entry, points });
       }
-      const score = (t.includes(query) ? 100 : 0) + (x.includes(query) ? 20 : 0) +
-        words.filter((w) => t.includes(w)).length * 10;
-      hits.push({ id, title, text, x, score });
     }
-    hits.sort((a, b) => b.score - a.score);
-    for (const hit of hits.slice(0, 12)) {
+    hits.sort((a, b) => b.points - a.points);
+    for (const { entry } of hits.slice(0, 12)) {
+      const [id, title, text] = entry;
       const li = document.createElement("li");
       const a = document.createElement("a");
-      a.href = "#" + hit.id;
+      a.href = "#" + id;
+      a.dataset.id = id;
+      a.dataset.query = query;
       const strong = document.createElement("strong");
-      strong.textContent = hit.title;
+      strong.textContent = title;
       a.append(strong);
-      const whole = hit.x.indexOf(query) >= 0;
-      const at = whole ? hit.x.indexOf(query) : hit.x.indexOf(words[0]);
+      const x = text.toLowerCase();
+      const whole = x.indexOf(query) >= 0;
+      const at = whole ? x.indexOf(query) : x.indexOf(words[0]);
       if (at >= 0) {
-        a.append(snippet(hit.text, at, whole ? query.length : words[0].length));
+        a.append(snippet(text, at, whole ? query.length : words[0].length));
       }
       li.append(a);
       list.append(li);
     }
     if (!hits.length) {
       const li = document.createElement("li");
-      li.textContent = "No section mentions that.";
+      li.textContent = "Nothing on the page mentions that.";
       list.append(li);
     }
   });
