@@ -20,10 +20,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Callable, Iterable, Optional, Sequence
 
-from .datafiles import DataError, download, read_parallel
+from .datafiles import DataError, download, file_problem, read_parallel
 from .iwslt import prepare_iwslt14
 from .parts import notebook
-from .runfiles import write_atomic
+from .runfiles import read_verified, write_with_digest
 
 if TYPE_CHECKING:
     from the_annotated_transformer import Subwords, Vocab
@@ -179,8 +179,14 @@ def build_vocabs(
         Path(cache_dir) / f"vocab-{cache_key}.json" if cache_key and cache_dir else None
     )
     if path is not None and path.is_file():
-        saved = json.loads(path.read_text(encoding="utf-8"))
-        src = nb.Vocab(saved["src"])
+        try:
+            saved = json.loads(read_verified(path).decode("utf-8"))
+            src = nb.Vocab(saved["src"])
+            nb.Vocab(saved["tgt"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise DataError(
+                f"the cached vocabulary {path} is damaged ({e}); delete it and rerun"
+            ) from None
         return (src, src) if cfg.shared_vocab else (src, nb.Vocab(saved["tgt"]))
     src_sents, tgt_sents = train_tokens
     if cfg.shared_vocab:
@@ -191,9 +197,8 @@ def build_vocabs(
             nb.Vocab.build(tgt_sents, cfg.min_freq),
         )
     if path is not None:
-        write_atomic(
-            path, [json.dumps({"src": src.itos, "tgt": tgt.itos}, ensure_ascii=False)]
-        )
+        text = json.dumps({"src": src.itos, "tgt": tgt.itos}, ensure_ascii=False)
+        write_with_digest(path, (text + "\n").encode("utf-8"))
     return src, tgt
 
 
@@ -211,7 +216,7 @@ def build_subwords(
     )
     if path is not None and path.is_file():
         try:
-            return nb.Subwords(path.read_bytes())
+            return nb.Subwords(read_verified(path))
         except (RuntimeError, ValueError) as e:  # sentencepiece: "INTERNAL: …"
             raise DataError(
                 f"the cached BPE model {path} is damaged "
@@ -222,7 +227,7 @@ def build_subwords(
         [s for pair in train_pairs for s in pair], cfg.bpe_size
     )
     if path is not None:
-        write_atomic(path, subwords.model_proto)
+        write_with_digest(path, subwords.model_proto)
     return subwords
 
 
@@ -320,6 +325,9 @@ def locate_dataset(
     mirror = cfg.data_mirror or os.environ.get("DATA_MIRROR", "")
     data_dir = Path(cfg.data_dir) if cfg.data_dir else default_data_dir()
 
+    def complete_split(folder: Path, split: str) -> bool:
+        return bool(split) and all((folder / f).is_file() for f in layout[split])
+
     def complete(folder: Path) -> Optional[dict]:
         files = {}
         for split, (s, t) in layout.items():
@@ -353,6 +361,19 @@ def locate_dataset(
     if sample is not None:
         return sample
 
+    problems = []  # the files of a folder that is there but incomplete, named
+    for folder, origin in candidates:
+        if folder.is_dir():
+            wanted = [
+                f
+                for split in ("train", "valid", "test")
+                for f in layout[split]
+                if split != "train" or not complete_split(folder, corpus.sample)
+            ]
+            named = [f"{f} {why}" for f in wanted if (why := file_problem(folder / f))]
+            if named:
+                problems.append(f"{origin}: {'; '.join(named)}")
+    found = f" {'; '.join(problems)}." if problems else ""
     how = (
         f"Either point DATA_MIRROR (or --data_mirror) at a folder that holds {name}/ "
         f"with {', '.join(f for pair in layout.values() for f in pair)}, "
@@ -361,13 +382,13 @@ def locate_dataset(
     if not cfg.download:
         raise DataError(
             f"{name} not found "
-            f"(looked in: {', '.join(o for _, o in candidates)}). {how}"
+            f"(looked in: {', '.join(o for _, o in candidates)}).{found} {how}"
         )
     folder = data_dir / name
     try:
         fetch_dataset(name, data_dir, url_base)
     except (OSError, urllib.error.URLError) as e:
-        raise DataError(f"could not download {name} ({e}). {how}") from e
+        raise DataError(f"could not download {name} ({e}).{found} {how}") from e
     files = complete(folder)
     if not files:
         raise DataError(f"{name}: download finished but files are missing in {folder}")
@@ -488,15 +509,12 @@ def make_copy_data(
     """
     nb = notebook()
     rng = random.Random(cfg.seed)
-    symbols = [str(i) for i in range(1, vocab_size)]
-    vocab = nb.Vocab(list(nb.SPECIALS) + symbols)
-    splits, refs = {}, []
-    for split, n in zip(("train", "valid", "test"), sizes):
-        seqs = [[rng.choice(symbols) for _ in range(length)] for _ in range(n)]
-        ids = [[nb.BOS] + vocab(s) + [nb.EOS] for s in seqs]
-        splits[split] = [(x, list(x)) for x in ids]
-        if split == "test":
-            refs = [" ".join(s) for s in seqs]
+    vocab = nb.Vocab(list(nb.SPECIALS) + [str(i) for i in range(1, vocab_size)])
+    splits = {  # the notebook's copy_task (Part 2), one split after the other
+        split: nb.copy_task(n, rng, vocab_size - 1, length)
+        for split, n in zip(("train", "valid", "test"), sizes)
+    }
+    refs = [" ".join(vocab.lookup_tokens(src[1:-1])) for src, _ in splits["test"]]
     return Dataset("copy", vocab, vocab, splits, refs, origin="generated", stats={})
 
 
@@ -543,6 +561,13 @@ def _load_dataset(
         raw[split], stats[f"{split}_empty_skipped"] = read_parallel(
             *source.files[split]
         )
+        if not raw[split]:  # nothing to train on, validate or score
+            src_file, tgt_file = source.files[split]
+            raise DataError(
+                f"{src_file} and {tgt_file} hold no sentence pairs "
+                f"({stats[f'{split}_empty_skipped']:,} empty line(s) skipped); give "
+                "files with one sentence per line"
+            )
         stats[f"{split}_pairs"] = len(raw[split])
     vocab_files, held = source.files["train"], ""
     data_dir = Path(cfg.data_dir) if cfg.data_dir else default_data_dir()

@@ -58,6 +58,8 @@ class Table3:
     def budget_line(self) -> str:
         """One line: the budget every row shares, and how many rows have finished."""
         b = self.data["budget"]
+        if b is None:
+            return f"no {self.data['missing']} here: `make table3` writes it"
         done = [r for r in self.data["rows"] if r.get("status") == "done"]
         updates = f"{b['updates']:,} updates" if b.get("updates") else "updates"
         return (
@@ -154,6 +156,11 @@ class Table3:
 
 
 def read_table3(path: str | Path) -> Table3:
-    """The Table 3 results file at ``path`` (§6.2), for Part 4's cells."""
+    """The Table 3 results file at ``path`` (§6.2), for Part 4's cells; where there is
+    none (the notebook run outside the repository), a table with no rows that says
+    so."""
     path = Path(path)
+    if not path.is_file():
+        empty = {"budget": None, "rows": [], "summary": [], "missing": str(path)}
+        return Table3(empty, path.parent)
     return Table3(json.loads(path.read_text(encoding="utf-8")), path.parent)

@@ -122,6 +122,112 @@ def quote_pieces(markdown: str):
     return [p.strip() for piece in pieces for p in piece.split("[…]") if p.strip()]
 
 
+GAP = "[…]"
+
+
+def quote_blocks(markdown: str) -> list[list[str]]:
+    """Each block quote of a Markdown cell (a run of '>' lines; a line without '>'
+    ends it) as its text pieces in order: paragraphs and bullets, with the elision
+    mark ``[…]`` kept as a piece of its own."""
+    blocks, block, current = [], [], []
+
+    def close_paragraph():
+        if current:
+            text = " ".join(current)
+            parts = [t.strip() for t in re.split(r"(\[…\])", text)]
+            block.extend(t for t in parts if t)
+            current.clear()
+
+    for line in markdown.splitlines() + [""]:
+        if line.startswith(">"):
+            body = line[1:].strip()
+            if body.startswith("* ") or not body:
+                close_paragraph()
+                if body:
+                    current.append(body[2:])
+            else:
+                current.append(body)
+        else:
+            close_paragraph()
+            if block:
+                blocks.append(list(block))
+                block.clear()
+    return blocks
+
+
+def paper_edges(paper: str) -> tuple[str, set, set]:
+    """(the paper's text without whitespace, where its paragraphs and bullets start,
+    where they end), positions in that text."""
+    squashed, starts, ends = "", set(), set()
+    for line in paper.splitlines():
+        body = _squash(line)
+        if not body:
+            continue
+        starts.add(len(squashed))
+        if body.startswith("*"):
+            starts.add(len(squashed) + 1)
+        squashed += body
+        ends.add(len(squashed))
+    return squashed, starts, ends
+
+
+def silent_gaps(block: list[str], paper: str) -> list[str]:
+    """What a block quote leaves out without saying so: a piece that is not the
+    paper's text, or that starts or ends inside a paragraph of the paper without a
+    ``[…]`` there and without the next piece following on directly."""
+    text, starts, ends = paper_edges(paper)
+    problems, at = [], 0
+    pieces = [p for p in block if p != GAP]
+    for i, piece in enumerate(block):
+        if piece == GAP:
+            continue
+        found = text.find(_squash(piece), at)
+        if found < 0:
+            found = text.find(_squash(piece))
+        if found < 0:
+            problems.append(f"not the paper's words: {piece[:70]}")
+            continue
+        end = found + len(_squash(piece))
+        gap_before = i > 0 and block[i - 1] == GAP
+        gap_after = i + 1 < len(block) and block[i + 1] == GAP
+        follows = i > 0 and not gap_before and found == at
+        if not (gap_before or follows or found in starts):
+            problems.append(f"starts inside a paragraph, no {GAP}: {piece[:70]}")
+        nxt = pieces.index(piece) + 1 if piece in pieces else len(pieces)
+        leads_on = nxt < len(pieces) and text.find(_squash(pieces[nxt]), end) == end
+        if not (gap_after or leads_on or end in ends):
+            problems.append(f"stops inside a paragraph, no {GAP}: …{piece[-70:]}")
+        at = end
+    return problems
+
+
+def test_the_gap_check_catches_a_silent_omission():
+    paper = "One two three. Four five six.\n\nSeven eight.\n"
+    assert silent_gaps(["One two three. Four five six."], paper) == []
+    assert silent_gaps(["One two three.", GAP], paper) == []
+    assert silent_gaps(["One two three.", GAP, "Seven eight."], paper) == []
+    assert silent_gaps(["One two three. Four five six.", "Seven eight."], paper) == []
+    # a sentence dropped at the end, in the middle, or at the start, unmarked
+    assert silent_gaps(["One two three."], paper)
+    assert silent_gaps(["One two three.", "Seven eight."], paper)
+    assert silent_gaps(["Four five six."], paper)
+    assert silent_gaps(["Eight nine."], paper)  # not the paper's words
+    md = "> One two three.\n> Four five six.\n>\n> Seven eight.\n\n— §1"
+    assert quote_blocks(md) == [["One two three. Four five six.", "Seven eight."]]
+
+
+@pytest.mark.skipif(
+    not PAPER.is_file(), reason="paper excerpts not beside the repository"
+)
+def test_every_block_quote_marks_each_omission():
+    paper = PAPER.read_text(encoding="utf-8")
+    md = [c for t, c in cells(PY) if t == "markdown"]
+    problems = [
+        g for cell in md for b in quote_blocks(cell) for g in silent_gaps(b, paper)
+    ]
+    assert not problems, "\n".join(problems)
+
+
 @pytest.mark.skipif(
     not PAPER.is_file(), reason="paper excerpts not beside the repository"
 )
