@@ -228,54 +228,37 @@ def random_scores(n: int, K: int, seed: int = 0, dtype=torch.float64):
 
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
 @pytest.mark.parametrize("K", [5, 11])
-def test_label_smoothing_is_smoothed_cross_entropy_minus_entropy(K, eps):
+def test_loss_sum_is_the_librarys_smoothed_cross_entropy(K, eps):
     logits, target = random_scores(17, K, seed=K)
-    n_nonpad = int((target != PAD).sum())
-    assert 0 < n_nonpad < len(target)
-    kl = tat.LabelSmoothing(K, PAD, eps)(F.log_softmax(logits, dim=-1), target)
+    assert 0 < int((target != PAD).sum()) < len(target)
+    got = tat.loss_sum(F.log_softmax(logits, dim=-1), target, eps)
     ce = F.cross_entropy(
         logits, target, ignore_index=PAD, label_smoothing=eps, reduction="sum"
     )
-    expected = float(ce) - n_nonpad * smoothed_entropy(K, eps)
-    # float64 throughout, so the identity must hold to float64 precision
-    assert kl.dtype == torch.float64
-    assert float(kl) == pytest.approx(expected, rel=1e-12, abs=1e-12)
+    assert float(got) == pytest.approx(float(ce), rel=1e-6)
 
 
-def test_label_smoothing_in_float32_training_precision():
-    K, eps = 11, 0.1
-    logits, target = random_scores(40, K, seed=1, dtype=torch.float32)
-    kl = tat.LabelSmoothing(K, PAD, eps)(F.log_softmax(logits, dim=-1), target)
-    ce = F.cross_entropy(
-        logits, target, ignore_index=PAD, label_smoothing=eps, reduction="sum"
-    )
-    expected = float(ce) - int((target != PAD).sum()) * smoothed_entropy(K, eps)
-    assert float(kl) == pytest.approx(expected, rel=1e-5)
-
-
-def test_label_smoothing_is_minimised_by_the_smoothed_distribution():
-    K, eps = 6, 0.2
-    target = torch.tensor([1, 4, PAD, 5])
-    ls = tat.LabelSmoothing(K, PAD, eps)
-    q = ls.true_dist(target).double()
-    log_q = torch.where(q > 0, q, torch.ones_like(q)).log()  # pad row: any distribution
-    assert float(ls(log_q, target)) == pytest.approx(0.0, abs=1e-6)  # KL(q||q) = 0
-    logits, _ = random_scores(4, K)
-    assert float(ls(F.log_softmax(logits, -1), target)) > 0
-
-
-def test_true_dist_rows_sum_to_one_and_padding_rows_are_zero():
-    K, eps = 9, 0.1
-    target = torch.tensor([0, 1, PAD, 3, 8, PAD, 4])
-    q = tat.LabelSmoothing(K, PAD, eps).true_dist(target)
-    assert q.shape == (len(target), K)
-    pad_rows = target == PAD
-    assert torch.equal(q[pad_rows], torch.zeros(int(pad_rows.sum()), K))
-    torch.testing.assert_close(q[~pad_rows].sum(-1), torch.ones(int((~pad_rows).sum())))
-    for row, y in zip(q[~pad_rows], target[~pad_rows]):
-        assert float(row[y]) == pytest.approx(1 - eps + eps / K)
-        others = torch.cat([row[:y], row[y + 1 :]])
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.2])
+def test_the_smoothed_target_is_the_papers_q(eps):
+    K = 9
+    for y in (0, 4, 8):
+        q = tat.smoothed_target(K, y, eps)
+        assert q.shape == (K,)
+        assert float(q.sum()) == pytest.approx(1.0)
+        assert float(q[y]) == pytest.approx(1 - eps + eps / K)
+        others = torch.cat([q[:y], q[y + 1 :]])
         torch.testing.assert_close(others, torch.full((K - 1,), eps / K))
+
+
+def test_loss_sum_is_least_at_q_where_it_equals_the_entropy_of_q():
+    K, eps = 6, 0.2
+    q = tat.smoothed_target(K, 4, eps).double()
+    floor = float(tat.loss_sum(q.log().unsqueeze(0), torch.tensor([4]), eps))
+    assert floor == pytest.approx(smoothed_entropy(K, eps), rel=1e-6)  # H(q, q) = H(q)
+    for seed in range(5):
+        logits, _ = random_scores(1, K, seed=seed)
+        other = float(tat.loss_sum(F.log_softmax(logits, -1), torch.tensor([4]), eps))
+        assert other > floor
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1])
@@ -295,12 +278,6 @@ def test_loss_sum_is_the_cross_entropy_it_wraps(eps):
         if target[b, t] != PAD
     )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    # the training loss is LabelSmoothing's KL plus the constant n·H(q)
-    n_nonpad = int((target != PAD).sum())
-    kl = tat.LabelSmoothing(K, PAD, eps)(log_probs.reshape(-1, K), target.reshape(-1))
-    assert float(got) == pytest.approx(
-        float(kl) + n_nonpad * smoothed_entropy(K, eps), rel=1e-5
-    )
     # with eps = 0 it is the negative log-likelihood of the non-pad targets
     nll = (
         -log_probs.reshape(-1, K)[target.reshape(-1) != PAD]
