@@ -1,23 +1,24 @@
 """Setting up a hosted notebook (Colab, Kaggle).
 
 Opened in Colab or Kaggle, the notebook has the host's own packages (torch among them,
-built for its GPU) but not all of ours. `hosted_setup_plan` decides what is missing and
-`hosted_setup` installs it, at the versions of ``requirements.txt``, with the host's
-torch
-pinned as it is so that nothing replaces it. Outside a hosted notebook both do nothing.
-The tests check the decisions with the environment faked.
+built for its GPU), not all of ours, and some of ours at other versions.
+`hosted_setup_plan` decides what is missing or at another version than
+``requirements.txt`` pins (by the installed distributions' versions, not by whether a
+package imports) and `hosted_setup` installs those at the pinned versions, with the
+host's torch pinned as it is so that nothing replaces it. Outside a hosted notebook both
+do nothing. The tests check the decisions with the environment faked.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from types import MappingProxyType
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -44,33 +45,55 @@ def is_hosted(environ, modules) -> bool:
     )
 
 
-def hosted_setup_plan(environ, modules, have_module: Callable[[str], bool]) -> dict:
-    """What a hosted notebook lacks: ``{"hosted": bool, "install": [requirements]}``.
+def hosted_setup_plan(
+    environ, modules, version_of: Callable[[str], Optional[str]]
+) -> dict:
+    """What a hosted notebook lacks: ``{"hosted": bool, "install": [requirements],
+    "found": {requirement: what is there}}``.
 
     ``environ`` and ``modules`` are the environment and ``sys.modules``;
-    ``have_module(name)`` says whether a package imports. Outside a hosted notebook the
-    list is empty; torch is never installed.
+    ``version_of(name)`` is the installed version of distribution ``name`` (None when
+    it is not installed). A package at another version than its pin is installed again
+    at the pin. Outside a hosted notebook the list is empty; torch is never installed.
     """
     if not is_hosted(environ, modules):
-        return {"hosted": False, "install": []}
-    install = [req for name, req in HOSTED_PACKAGES.items() if not have_module(name)]
-    return {"hosted": True, "install": install}
+        return {"hosted": False, "install": [], "found": {}}
+    found = {}
+    for req in HOSTED_PACKAGES.values():
+        name, pinned = req.split("==")
+        version = version_of(name)
+        if version != pinned:
+            found[req] = "not installed" if version is None else f"{version} installed"
+    return {"hosted": True, "install": list(found), "found": found}
 
 
-def importable(name: str) -> bool:
-    """Whether package ``name`` can be imported here (without importing it)."""
-    return importlib.util.find_spec(name) is not None
+def installed_version(name: str) -> Optional[str]:
+    """The installed version of distribution ``name``, or None when it is absent."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def hosted_setup(plan: dict | None = None, log: Callable = print) -> None:
     """Carry out a :func:`hosted_setup_plan` (by default this process's): pip, with the
     installed torch kept. Outside a hosted notebook it does nothing."""
     if plan is None:
-        plan = hosted_setup_plan(os.environ, sys.modules, importable)
+        plan = hosted_setup_plan(os.environ, sys.modules, installed_version)
     if not plan["install"]:
         return
     pins = Path(tempfile.mkdtemp()) / "keep-torch.txt"
     pins.write_text(f"torch=={torch.__version__}\n")
-    log(f"installing {', '.join(plan['install'])} (torch {torch.__version__} kept)")
+    found = plan.get("found", {})
+    said = [f"{req} ({found[req]})" if req in found else req for req in plan["install"]]
+    log(f"installing {', '.join(said)}; torch {torch.__version__} kept")
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "-c", str(pins)]
     subprocess.run([*pip, *plan["install"]], check=True)
+    loaded = [
+        r.split("==")[0] for r in plan["install"] if r.split("==")[0] in sys.modules
+    ]
+    if loaded:
+        log(
+            f"{', '.join(loaded)} were imported before: restart the runtime and run "
+            "the notebook again to use the installed versions"
+        )

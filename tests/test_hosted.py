@@ -1,6 +1,12 @@
-"""The hosted-notebook cell's decisions, with the environment faked: nothing is installed here."""
+"""The hosted-notebook cell's decisions, with the environment faked: nothing is installed
+here. The notebook's first code cells run as a hosted kernel runs them (COLAB_RELEASE_TAG
+set, no `machinery` beside the notebook): they stop with one line when no address is set,
+and fetch the project from the address when one is."""
 
+import ast
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,15 +22,25 @@ import machinery  # noqa: E402
 COLAB_ENV = {"COLAB_RELEASE_TAG": "release"}
 
 
+def pinned(name):
+    """The version requirements.txt pins for distribution ``name``."""
+    return next(
+        r.split("==")[1]
+        for r in machinery.HOSTED_PACKAGES.values()
+        if r.split("==")[0] == name
+    )
+
+
 def has_all_but(*missing):
-    return lambda name: name not in missing
+    """Every package installed at its pin, except those ``missing``."""
+    return lambda name: None if name in missing else pinned(name)
 
 
 def test_outside_a_hosted_notebook_nothing_is_planned():
     plan = machinery.hosted_setup_plan(
         {}, {"ipykernel": object()}, has_all_but("sacrebleu", "seaborn")
     )
-    assert plan == {"hosted": False, "install": []}
+    assert plan == {"hosted": False, "install": [], "found": {}}
     assert not machinery.is_hosted({}, {"ipykernel": object()})
 
 
@@ -41,14 +57,34 @@ def test_a_hosted_notebook_installs_only_what_is_missing(environ, modules):
     plan = machinery.hosted_setup_plan(
         environ, modules, has_all_but("sacrebleu", "sentencepiece", "torch")
     )
-    assert set(plan) == {"hosted", "install"}, "no figures are fetched any more"
+    assert set(plan) == {"hosted", "install", "found"}, (
+        "no figures are fetched any more"
+    )
     assert plan["hosted"]
     assert sorted(plan["install"]) == [
         "sacrebleu==2.6.0",
         "sentencepiece==0.2.3",
     ]  # torch is never installed
+    assert plan["found"]["sacrebleu==2.6.0"] == "not installed"
     complete = machinery.hosted_setup_plan(environ, modules, has_all_but())
-    assert complete == {"hosted": True, "install": []}
+    assert complete == {"hosted": True, "install": [], "found": {}}
+
+
+def test_a_package_that_imports_at_another_version_than_its_pin_is_installed_again():
+    versions = {"tqdm": "4.67.1", "matplotlib": pinned("matplotlib") + ".post1"}
+
+    def version_of(name):
+        return versions.get(name, pinned(name))
+
+    plan = machinery.hosted_setup_plan(COLAB_ENV, {}, version_of)
+    assert sorted(plan["install"]) == [
+        f"matplotlib=={pinned('matplotlib')}",
+        f"tqdm=={pinned('tqdm')}",
+    ]
+    assert plan["found"][f"tqdm=={pinned('tqdm')}"] == "4.67.1 installed"
+    # this process's own versions are read from the installed distributions
+    assert machinery.hosted.installed_version("torch") == torch.__version__
+    assert machinery.hosted.installed_version("no-such-distribution-here") is None
 
 
 def test_the_pins_are_those_of_requirements_txt():
@@ -108,6 +144,106 @@ def test_without_a_plan_it_plans_for_this_process_and_a_colab_one_installs(monke
     machinery.hosted_setup(log=lambda *a: None)  # not hosted: nothing
     assert commands == []
     monkeypatch.setenv("COLAB_RELEASE_TAG", "test")
-    monkeypatch.setattr(machinery.hosted, "importable", lambda name: name != "tqdm")
+    monkeypatch.setattr(machinery.hosted, "installed_version", has_all_but("tqdm"))
     machinery.hosted_setup(log=lambda *a: None)
     assert len(commands) == 1 and commands[0][-1] == "tqdm==4.70.1"
+
+
+# The notebook's first code cells, as a hosted kernel runs them.
+
+NOTEBOOK = ROOT / "the_annotated_transformer.py"
+
+
+def cells_up_to_import_machinery() -> str:
+    """The notebook's code cells (jupytext's ``# %%`` cells, markdown left out) up to
+    and including the line ``import machinery``."""
+    code, cell = [], None
+    for line in NOTEBOOK.read_text(encoding="utf-8").splitlines():
+        if line.startswith("# %%"):
+            cell = "markdown" if "[markdown]" in line else "code"
+            continue
+        if cell == "code":
+            code.append(line)
+            if line.split("#")[0].strip() == "import machinery":
+                return "\n".join(code) + "\n"
+    raise AssertionError("the notebook has no `import machinery` line")
+
+
+# run as a Jupyter kernel would: the notebook's code as __main__, with ipykernel loaded
+DRIVER = """
+import sys, types
+sys.modules.setdefault("ipykernel", types.ModuleType("ipykernel"))
+namespace = {"__name__": "__main__"}
+exec(compile(open(sys.argv[1]).read(), "notebook cells", "exec"), namespace)
+print("machinery from", namespace["machinery"].__file__)
+"""
+
+
+def run_hosted(tmp_path, address=None):
+    """The first cells in ``tmp_path/kernel`` (no machinery there), COLAB_RELEASE_TAG
+    set, ``ANNOTATED_TRANSFORMER_REPO`` = ``address`` when given."""
+    kernel = tmp_path / "kernel"
+    kernel.mkdir()
+    (tmp_path / "cells.py").write_text(cells_up_to_import_machinery())
+    (tmp_path / "driver.py").write_text(DRIVER)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k
+        not in ("PYTHONPATH", "ANNOTATED_TRANSFORMER_REPO", "KAGGLE_KERNEL_RUN_TYPE")
+    }
+    env["COLAB_RELEASE_TAG"] = "release-test"
+    env["MPLBACKEND"] = "Agg"
+    if address is not None:
+        env["ANNOTATED_TRANSFORMER_REPO"] = address
+    return subprocess.run(
+        [sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "cells.py")],
+        cwd=kernel,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_a_hosted_notebook_without_an_address_stops_at_its_first_cell_in_one_line(
+    tmp_path,
+):
+    proc = run_hosted(tmp_path)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()
+    assert last and "ANNOTATED_TRANSFORMER_REPO" in last[-1], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and len(last) == 1, proc.stderr[-2000:]
+    assert not (tmp_path / "kernel" / "annotated-transformer").exists()
+
+
+def test_a_hosted_notebook_fetches_the_project_from_the_address_set(tmp_path):
+    # the project as its repository would hold it: the package and the notebook
+    source = tmp_path / "project"
+    source.mkdir()
+    for name in ("machinery", "the_annotated_transformer.py", "CITATION.cff"):
+        subprocess.run(["cp", "-r", str(ROOT / name), str(source)], check=True)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C"]
+    subprocess.run([*git, str(source), "init", "-q"], check=True)
+    subprocess.run([*git, str(source), "add", "-A"], check=True)
+    subprocess.run([*git, str(source), "commit", "-q", "-m", "p"], check=True)
+    origin = tmp_path / "origin.git"
+    clone = ["git", "clone", "-q", "--bare", str(source), str(origin)]
+    subprocess.run(clone, check=True)
+    proc = run_hosted(tmp_path, address=origin.as_uri())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checkout = tmp_path / "kernel" / "annotated-transformer"
+    assert (checkout / "machinery" / "__init__.py").is_file()
+    where = proc.stdout.strip().splitlines()[-1]
+    assert where == f"machinery from {checkout / 'machinery' / '__init__.py'}", where
+
+
+def test_the_notebooks_project_address_is_the_one_citation_cff_names():
+    tree = ast.parse(NOTEBOOK.read_text(encoding="utf-8"))
+    literal = [
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign)
+        and [getattr(t, "id", None) for t in node.targets] == ["PROJECT_URL"]
+    ]
+    assert literal == [machinery.project_url()], literal
