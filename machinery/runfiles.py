@@ -225,6 +225,9 @@ def save_checkpoint(
             "ranks": rng,
         },  # the first process's streams at the top, as older checkpoints had them
         "config": dataclasses.asdict(cfg),
+        # how precision and attention were decided (the log's lines, with what `auto`
+        # measured), so that a resumed run still reports it
+        "decided": dict(getattr(trainer, "decided", None) or {}),
         "vocab": {"src": data.src_vocab.itos, "tgt": data.tgt_vocab.itos},
         # the BPE model's bytes, as a tensor so that weights_only loading accepts it
         "subwords": torch.frombuffer(

@@ -416,23 +416,42 @@ def measure_compute(
     return times
 
 
+def kept_line(carried: Optional[str], plain: str) -> str:
+    """The line a checkpoint carried for an `auto` decision, marked as kept from it, so
+    that what was measured stays said; ``plain`` where it carried none (our
+    addition)."""
+    if not carried or "(auto: " not in carried or not carried.endswith(")"):
+        return plain
+    if carried.endswith("; kept from the checkpoint)"):
+        return carried
+    return carried[:-1] + "; kept from the checkpoint)"
+
+
 def decide_compute(
-    cfg: Config, data: Dataset, device: torch.device, saved: Optional[dict], world: int
+    cfg: Config,
+    data: Dataset,
+    device: torch.device,
+    saved: Optional[dict],
+    world: int,
+    carried: Optional[dict] = None,
 ) -> tuple[str, str, dict]:
     """(precision, attention path, {"precision": line, "attention": line}) of a run:
-    what its checkpoint recorded, else what was asked for, else measured here — A.2 (our
-    addition). In a distributed run process 0's measurement decides for all."""
+    what its checkpoint recorded (``saved``, its config, and ``carried``, its decision
+    lines), else what was asked for, else measured here — A.2 (our addition). In a
+    distributed run process 0's measurement decides for all."""
     precisions, attention_paths = [cfg.precision], [cfg.attention]
     lines: dict = {}
+    carried = carried or {}
     if saved and cfg.precision == "auto" and saved.get("precision", "auto") != "auto":
         precisions = [saved["precision"]]
-        lines["precision"] = resolve_precision(saved["precision"], device)[1].replace(
+        plain = resolve_precision(saved["precision"], device)[1].replace(
             "(asked for", "(auto: kept from the checkpoint"
         )
+        lines["precision"] = kept_line(carried.get("precision"), plain)
     if saved and cfg.attention == "auto" and saved.get("attention", "auto") != "auto":
         attention_paths = [saved["attention"]]
-        lines["attention"] = f"attention: {saved['attention']} path (auto: kept from "
-        lines["attention"] += "the checkpoint)"
+        plain = f"attention: {saved['attention']} path (auto: kept from the checkpoint)"
+        lines["attention"] = kept_line(carried.get("attention"), plain)
     if precisions == ["auto"]:
         precisions = precision_candidates(device)[0]
     if attention_paths == ["auto"]:
@@ -480,8 +499,11 @@ def setup(
     files = RunFiles(run_dir_for(cfg), cfg.keep_checkpoints, write=rank == 0)
     found = find_checkpoint(files, cfg, data, rank, world, log)
     saved = found[1]["config"] if found else None
+    carried = found[1].get("decided") if found else None
     tf32 = allow_tf32(device)  # before measuring: float32 runs use it
-    precision, attention, decided = decide_compute(cfg, data, device, saved, world)
+    precision, attention, decided = decide_compute(
+        cfg, data, device, saved, world, carried
+    )
     cfg = dataclasses.replace(cfg, precision=precision, attention=attention)
     model = nb.make_model(
         len(data.src_vocab), len(data.tgt_vocab), cfg, attention=attention
