@@ -1047,11 +1047,65 @@ def test_the_attention_maps_can_be_explored(fresh, explorer_site, site):
     assert visit.errors == [] and visit.left_file == []
 
 
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_explorer_has_a_colour_scale_presets_and_keeps_its_size(
+    fresh, explorer_site, width
+):
+    page = fresh(width, explorer_site).page
+    figure = page.locator("figure.attention-explorer").first
+    figure.scroll_into_view_if_needed()
+    scale = figure.locator(".ae-scale")
+    assert scale.is_visible()
+    ticks = scale.locator("svg text").all_text_contents()
+    assert ticks[0] == "0" and ticks[-1] == "1"
+    stops = scale.evaluate(
+        "s => [...s.querySelectorAll('stop')].map(t => t.getAttribute('stop-color'))"
+    )
+    fills = figure.evaluate(
+        "f => [...f.querySelectorAll('rect[data-q]')].map(r => r.getAttribute('fill'))"
+    )
+    assert stops[0] == "#f7fbff" and stops[-1] == "#08306b" and fills
+    presets = figure.locator(".ae-presets button")
+    assert presets.count() == 3
+    for i in range(presets.count()):
+        button = presets.nth(i)
+        button.click()
+        assert button.get_attribute("aria-pressed") == "true"
+        kind = figure.locator('select[data-role="kind"]').input_value()
+        label = button.text_content().lower()
+        assert {"encoder": "encoder head", "decoder": "decoder head",
+                "cross": "encoder–decoder"}[kind] in label  # fmt: skip
+    size = figure.evaluate("""f => { const s = f.querySelector('.ae-map svg');
+        const m = f.querySelector('.ae-map');
+        return {shown: s.getBoundingClientRect().width, drawn: +s.getAttribute('width'),
+                map: m.clientWidth, scrolls: m.scrollWidth > m.clientWidth,
+                cue: m.classList.contains('scroll-more-right')}; }""")
+    assert abs(size["shown"] - size["drawn"]) < 1, size  # never shrunk
+    assert size["scrolls"] == (size["drawn"] > size["map"]) and (
+        size["cue"] or not size["scrolls"]
+    )
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
+
+
+def test_the_explorer_replaces_the_static_maps_of_single_heads(wide):
+    if not has_attention_maps(NB):
+        pytest.skip("the notebook's stored outputs have no attention maps yet")
+    order = wide.page.evaluate("""(() => {
+        const f = document.querySelector('figure.attention-explorer');
+        const cell = f.closest('.cell');
+        return [...cell.querySelectorAll('pre.output, figure')].map(e =>
+            e.matches('pre') ? 'text' : e.matches('.attention-explorer') ? 'explorer'
+            : 'image'); })()""")
+    assert order.count("explorer") == 1 and order.count("image") <= 1
+    assert order.index("explorer") < (order + ["image"]).index("image")
+    assert all(o == "text" for o in order[: order.index("explorer")])
+
+
 def test_the_attention_maps_have_a_static_image_without_script(fresh, explorer_site):
     page = fresh(1280, explorer_site, java_script_enabled=False).page
     figure = page.locator("figure.attention-explorer").first
     assert figure.locator("svg rect[data-q]").count() > 0
-    assert figure.locator("svg").is_visible()
+    assert figure.locator(".ae-map svg").is_visible()
     assert not figure.locator(".ae-controls").is_visible()
 
 

@@ -562,6 +562,7 @@ def prepare(nb):
                 blob = data[ATTENTION_MIME]
                 blob = json.loads(blob) if isinstance(blob, str) else blob
                 output["data"] = {"text/html": attention_explorer(blob)}
+                output["metadata"] = {"explorer": True}
                 continue
             for mime in ("image/png", "image/jpeg", "image/svg+xml"):
                 if mime not in data:
@@ -577,7 +578,22 @@ def prepare(nb):
                 size = display_size(output, mime)
                 if size:
                     meta["width"], meta["height"], meta["least_width"] = size
+        explorers = [o for o in cell.outputs if o.get("metadata", {}).get("explorer")]
+        if explorers:
+            cell.outputs = explorer_first(cell.outputs, explorers)
     return nb
+
+
+IMAGES = ("image/png", "image/jpeg", "image/svg+xml")
+
+
+def explorer_first(outputs: list, explorers: list) -> list:
+    """A cell's outputs with the attention explorer right under what it printed (the
+    sentence), then the first picture only (an overview): the others are single heads,
+    which the explorer shows with its presets."""
+    pictures = [o for o in outputs if any(m in o.get("data", {}) for m in IMAGES)]
+    rest = [o for o in outputs if all(o is not x for x in pictures + explorers)]
+    return rest + explorers + pictures[:1]
 
 
 def with_alt_text(nb):
@@ -671,6 +687,48 @@ def sharpest(heads: list) -> int:
     return min(range(len(heads)), key=lambda h: entropy(heads[h]))
 
 
+def sharpest_anywhere(layers: list) -> tuple[int, int]:
+    """(layer, head) of the head whose rows are most concentrated, over all layers."""
+
+    def entropy(head):
+        return sum(-sum(w * math.log(w) for w in row if w > 0) for row in head) / max(
+            len(head), 1
+        )
+
+    return min(
+        ((i, j) for i, heads in enumerate(layers) for j in range(len(heads))),
+        key=lambda lh: entropy(layers[lh[0]][lh[1]]),
+    )
+
+
+PRESET_NAMES = {
+    "encoder": "Sharpest encoder head",
+    "decoder": "Sharpest decoder head",
+    "cross": "Sharpest encoder–decoder head",
+}
+
+
+def colour_scale() -> str:
+    """The explorer's legend: weight 0 to 1 on the heat map's colours."""
+    stops = "".join(
+        f'<stop offset="{w:g}" stop-color="{blue(w)}"/>'
+        for w in (0, 0.25, 0.5, 0.75, 1)
+    )
+    ticks = "".join(
+        f'<text x="{10 + 180 * w:g}" y="30" text-anchor="middle">{w:g}</text>'
+        for w in (0, 0.25, 0.5, 0.75, 1)
+    )
+    return (
+        '<div class="ae-scale"><span class="ae-scale-name">Weight</span>'
+        '<svg viewBox="0 0 200 34" width="200" height="34" role="img" '
+        'aria-label="Colour scale: weight 0 is white, 1 is dark blue">'
+        '<defs><linearGradient id="ae-gradient">'
+        f"{stops}</linearGradient></defs>"
+        '<rect x="10" y="2" width="180" height="14" fill="url(#ae-gradient)" '
+        f'stroke="#8a9099" stroke-width=".5"/>{ticks}</svg></div>'
+    )
+
+
 def attention_explorer(blob: dict) -> str:
     """The HTML of the interactive attention figure for one attention-maps blob."""
     aliases = {
@@ -685,10 +743,17 @@ def attention_explorer(blob: dict) -> str:
     layer = len(maps[kind]) - 1
     head = sharpest(maps[kind][layer])
     rows, cols = axes_of(kind, blob.get("sentence", {}))
+    presets = []
+    for k in maps:
+        at_layer, at_head = sharpest_anywhere(maps[k])
+        presets.append(
+            {"label": PRESET_NAMES[k], "kind": k, "layer": at_layer, "head": at_head}
+        )
     data = {
         "sentence": blob.get("sentence", {}),
         "maps": maps,
         "start": {"kind": kind, "layer": layer, "head": head},
+        "presets": presets,
     }
     payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False).replace(
         "</", "<\\/"
@@ -704,8 +769,10 @@ def attention_explorer(blob: dict) -> str:
         '<div class="ae-controls" hidden>'
         '<label>Attention <select data-role="kind"></select></label> '
         '<label>Layer <select data-role="layer"></select></label> '
-        '<label>Head <select data-role="head"></select></label></div>'
-        f'<p class="ae-shown">{htmllib.escape(shown)}</p>'
+        '<label>Head <select data-role="head"></select></label>'
+        '<div class="ae-presets" role="group" aria-label="Heads to look at"></div>'
+        "</div>"
+        f'<p class="ae-shown">{htmllib.escape(shown)}</p>{colour_scale()}'
         '<div class="ae-map" tabindex="0" aria-label="Attention map: arrow keys move '
         f'from cell to cell and read each weight">{svg}</div>'
         '<p class="ae-readout" aria-live="polite">Rows: the token attending (query); '

@@ -516,7 +516,25 @@
       map.innerHTML = heatMap(weights(), rows, cols);
       shown.textContent = `${KINDS[state.kind]}, layer ${state.layer + 1}, ` +
         `head ${state.head + 1}`;
+      presetButtons.forEach(function ([button, p]) {
+        const on = p.kind === state.kind && p.layer === state.layer &&
+          p.head === state.head;
+        button.setAttribute("aria-pressed", String(on));
+      });
+      markScroller(map);
     }
+    // Presets: the sharpest head of each kind, one click away.
+    const presetButtons = (data.presets || []).map(function (p) {
+      const button = document.createElement("button");
+      button.type = "button";
+      button.textContent = p.label;
+      button.addEventListener("click", function () {
+        Object.assign(state, { kind: p.kind, layer: p.layer, head: p.head });
+        draw();
+      });
+      $(".ae-presets", figure).append(button);
+      return [button, p];
+    });
     function read(q, k) {
       const w = weights();
       state.q = Math.max(0, Math.min(w.length - 1, q));
