@@ -150,6 +150,7 @@ if HOSTED and not Path("machinery").is_dir():
 
 import machinery  # noqa: E402  (after the hosted checkout above)
 from machinery import CORPORA, MODEL_PRESETS, ModelConfig  # noqa: E402
+from machinery import IncrementalDecoder  # noqa: E402  (the cache of Part 3)
 from machinery import TrainingDiverged  # noqa: E402
 
 if IN_NOTEBOOK:
@@ -242,6 +243,11 @@ class Generator(nn.Module):
 # > simple, position-wise fully connected feed-forward network. […]
 #
 # — §3.1
+#
+# The stacks below take one option beside the paper's design, `norm_first`. The paper
+# normalizes *after* each residual sum (post-norm, explained with the sub-layer
+# connection below); `norm_first=True` normalizes each sub-layer's input instead
+# (pre-norm), a later variant kept for comparison. Every preset uses post-norm.
 
 
 # %%
@@ -564,8 +570,9 @@ def _():
 # matrix product computes every head's projection; a reshape then splits the heads. A
 # mask of the convention above is made per head by `per_head`, which adds a head axis.
 # $d_v = d_{\text{model}}/h$ always; $d_k$ may be given apart from it, for Table 3's row
-# (B), which shrinks the keys alone — its parameter counts, 58M and 60M against the
-# base's 65M, are what shrinking only $W^Q$ and $W^K$ takes away.
+# (B), which shrinks the keys alone — the paper's parameter counts for that row (§6.2,
+# shown in Part 4), 58M and 60M against the base's 65M, are what shrinking only $W^Q$
+# and $W^K$ takes away.
 
 
 # %%
@@ -585,7 +592,7 @@ class MultiHeadedAttention(nn.Module):
 
     ``w_q``, ``w_k``, ``w_v`` hold $W^Q_i, W^K_i, W^V_i$ for all heads side by side;
     ``w_o`` is $W^O$. The forward pass keeps no attention weights (nothing stays alive
-    after it); :func:`attention_maps` recomputes them for plotting.
+    after it); Part 4's ``machinery.attention_maps`` recomputes them for plotting.
     """
 
     def __init__(self, h: int, d_model: int, dropout: float = 0.1, d_k: int = 0):
@@ -824,11 +831,11 @@ def _():
 # The learned alternative is one matrix of `max_len` rows, one trainable vector per
 # position, added exactly where the sinusoid is added and with the same `offset`
 # argument, so the rest of the model — the incremental decoder, beam search, checkpoints
-# — does not know which of the two it holds. `ModelConfig.positional` chooses
-# (`"sinusoid"`, the paper's choice, by default); Part 4 trains both on Multi30k to see
-# whether "nearly identical" holds at our scale. Like every matrix of the model it
-# starts from `make_model`'s Glorot/Xavier initialisation (the paper does not say how
-# its learned positions started).
+# — does not know which of the two it holds. The model's `positional` setting chooses
+# (`"sinusoid"`, the paper's choice, by default; the full model below reads it); Part
+# 4's Table 3 trains both on Multi30k to see whether "nearly identical" holds at our
+# scale. Like every matrix of the model it starts from `make_model`'s Glorot/Xavier
+# initialisation (the paper does not say how its learned positions started).
 
 
 # %%
@@ -971,19 +978,34 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+# %% [markdown]
+# The paper's two models, as `MODEL_PRESETS` holds them, with their parameters counted
+# at a joint vocabulary of 37,000 pieces (§5.1's "about 37000") beside the counts of
+# the paper's Table 3, which does not give its exact vocabulary or say which tensors it
+# counted. The percentage is our count as a share of the paper's.
+
+
+# %%
 @example
 def _():
-    if PROFILE != "full":  # two large models: skipped in the smoke profile
-        return
+    from IPython.display import Markdown, display
+
+    paper = {"base": 65e6, "big": 213e6}  # Table 3 (§6.2)
+    rows = ["| model | N | d_model | d_ff | h | P_drop | ours | paper's |", "|---" * 8]
     for name in ("base", "big"):
-        m = make_model(37000, 37000, MODEL_PRESETS[name])
-        print(f"{name}: {count_parameters(m) / 1e6:.1f}M parameters, 37,000 pieces")
+        c = MODEL_PRESETS[name]
+        if PROFILE == "full":  # two large models: counted in the full profile only
+            n = count_parameters(make_model(37000, 37000, c))
+            ours = f"{n / 1e6:.1f}M ({n / paper[name]:.1%})"
+        else:
+            ours = "(full profile)"
+        rows.append(
+            f"| {name} | {c.N} | {c.d_model} | {c.d_ff} | {c.h} | {c.P_drop} "
+            f"| {ours} | {paper[name] / 1e6:.0f}M |"
+        )
+    display(Markdown("\n".join(rows)))
 
 
-# %% [markdown]
-# The paper's Table 3 lists 65M parameters for the base model and 213M for the big one.
-# Our counts above are within 3% of those (63.1M and 214.3M); the paper does not give
-# its exact vocabulary size or say which tensors it counted.
 #
 # ## §4 Why Self-Attention
 #
@@ -1042,24 +1064,6 @@ def _():
 # and their checksums, how its text is tokenized and scored — is one record in
 # `machinery/data.py`, and `machinery.load_dataset` finds, downloads, reads and numbers
 # it. This part needs only what it does with the text: a vocabulary, then batches.
-#
-# ## §5.2 Hardware and Schedule
-#
-# > We trained our models on one machine with 8 NVIDIA P100 GPUs. For our base models
-# > using the hyperparameters described throughout the paper, each training step took
-# > about 0.4 seconds. We trained the base models for a total of 100,000 steps or 12
-# > hours. […]
-#
-# — §5.2
-#
-# Our runs are far smaller: the `multi30k-small` preset trains a 3-layer,
-# $d_{\text{model}}=256$ model for 15 epochs (about 3,200 updates of ~2,500 tokens),
-# on a CPU; Part 4 shows that run and the minutes it took. The code is
-# the same on a GPU (`--device cuda`), where bf16 and several processes make the paper's
-# batch sizes practical. A run's settings are one frozen `Config`
-# (`machinery/config.py`), which extends `ModelConfig` with the data, schedule and
-# checkpoint fields; named presets hold the runs of Part 4, and the command line changes
-# any field with `--field value`.
 
 
 # %% [markdown]
@@ -1304,6 +1308,26 @@ def make_batch(pairs: Sequence[tuple[list, list]], idx: Sequence[int]) -> Batch:
         pad_sequences([pairs[i][0] for i in idx]),
         pad_sequences([pairs[i][1] for i in idx]),
     )
+
+
+# %% [markdown]
+# ## §5.2 Hardware and Schedule
+#
+# > We trained our models on one machine with 8 NVIDIA P100 GPUs. For our base models
+# > using the hyperparameters described throughout the paper, each training step took
+# > about 0.4 seconds. We trained the base models for a total of 100,000 steps or 12
+# > hours. […]
+#
+# — §5.2
+#
+# Our runs are far smaller: the `multi30k-small` preset trains a 3-layer,
+# $d_{\text{model}}=256$ model for 15 epochs (about 3,200 updates of ~2,500 tokens),
+# on a CPU; Part 4 shows that run and the minutes it took. The code is
+# the same on a GPU (`--device cuda`), where bf16 and several processes make the paper's
+# batch sizes practical. A run's settings are one frozen `Config`
+# (`machinery/config.py`), which extends `ModelConfig` with the data, schedule and
+# checkpoint fields; named presets hold the runs of Part 4, and the command line changes
+# any field with `--field value`.
 
 
 # %% [markdown]
@@ -1592,7 +1616,7 @@ if IN_NOTEBOOK:
 
 
 # %% [markdown]
-# ## A first run: greedy decoding with an untrained model
+# ## Greedy decoding
 #
 # Decoding is auto-regressive (§3): encode the source once, start the target with the
 # start symbol, and repeatedly append the most probable next token. A *decoder state*
@@ -1724,7 +1748,8 @@ def _():
 # $\mathbf{z}W^K_i$ and $\mathbf{z}W^V_i$ of the encoder output, which never change and
 # are computed once.
 #
-# `IncrementalDecoder` holds that state. Each `step` embeds one new token (its
+# `IncrementalDecoder` (in `machinery/decoding.py`, to keep this part short) holds that
+# state. Each `step` embeds one new token (its
 # positional encoding is that of position $t$, hence the `offset` argument of
 # `PositionalEncoding`), passes it through every layer's three sub-layers using the
 # layer's own modules (`SublayerConnection`, so post-norm and pre-norm both work), and
@@ -1733,67 +1758,6 @@ def _():
 # PyTorch's fused kernel. A step costs $O(t)$ instead of the $O(t^2)$ of recomputing the
 # prefix. `reorder` picks rows of the cache, which beam search (§6.1, below) needs when
 # hypotheses are replaced.
-
-
-# %%
-class IncrementalDecoder:
-    r"""Key/value-cached decoding for :class:`EncoderDecoder` — §3 auto-regression,
-    §3.2.3 masking.
-
-    Holds each decoder layer's self-attention keys and values for the tokens fed so far,
-    and the encoder-decoder keys and values of ``memory`` (computed once). ``step``
-    feeds one token per row and returns the next token's log-probabilities, equal (up to
-    rounding) to ``model.generator(model.decode(...))[:, -1]`` on the whole prefix.
-    """
-
-    def __init__(self, model: EncoderDecoder, memory, src_mask):
-        self.model = model
-        self.src_mask = src_mask  # (batch, 1, src_len)
-        layers = model.decoder.layers
-        # per layer: (k, v), (batch, h, src_len, d_k|d_v)
-        self.cross = [x.src_attn.project_kv(memory, memory) for x in layers]
-        # per layer: (k, v), (batch, h, t, d_k|d_v)
-        self.self_kv: list = [None] * len(model.decoder.layers)
-        self.length = 0  # positions fed so far
-
-    def step(self, tokens):
-        """tokens (batch,) at position ``self.length`` → log-probs (batch, vocab)."""
-        embed, posenc = self.model.tgt_embed
-        x = embed(tokens.unsqueeze(1))  # (batch, 1, d_model)
-        x = posenc(x, offset=self.length)
-        for i, layer in enumerate(self.model.decoder.layers):
-            x = layer.sublayer[0](
-                x, lambda y, i=i, a=layer.self_attn: self._self_attn(i, a, y)
-            )
-            x = layer.sublayer[1](
-                x, lambda y, i=i, a=layer.src_attn: self._src_attn(i, a, y)
-            )
-            x = layer.sublayer[2](x, layer.feed_forward)
-        self.length += 1
-        return self.model.generator(self.model.decoder.norm(x)[:, 0])  # (batch, vocab)
-
-    def _self_attn(self, i: int, a: MultiHeadedAttention, y):
-        """The newest position attends to every position so far (no mask needed)."""
-        q, (k, v) = a.project_q(y), a.project_kv(y, y)  # (batch, h, 1, d_k|d_v)
-        if self.self_kv[i] is not None:
-            k = torch.cat([self.self_kv[i][0], k], dim=2)  # (batch, h, t + 1, d_k)
-            v = torch.cat([self.self_kv[i][1], v], dim=2)  # (batch, h, t + 1, d_v)
-        self.self_kv[i] = (k, v)
-        return a.combine(q, k, v)
-
-    def _src_attn(self, i: int, a: MultiHeadedAttention, y):
-        """Encoder-decoder attention of the newest position (``memory`` cached)."""
-        k, v = self.cross[i]
-        return a.combine(a.project_q(y), k, v, self.src_mask)
-
-    def reorder(self, index):
-        """Keep rows ``index`` (new_batch,) of the self-attention cache; ``index`` maps
-        each row to a row of the same sentence (beam search), whose source is the
-        same."""
-        self.self_kv = [
-            (k.index_select(0, index), v.index_select(0, index))
-            for k, v in self.self_kv
-        ]
 
 
 # %% [markdown]
@@ -1870,7 +1834,9 @@ def _best_extensions(scores, log_probs, done, k: int):
 
 
 # %% [markdown]
-# **Beam search**, batched over sentences. Each sentence keeps $k$ *live* hypotheses
+# ### Beam search
+#
+# Beam search (§6.1), batched over sentences. Each sentence keeps $k$ *live* hypotheses
 # (prefixes without `</s>`) and, apart from them, the best *finished* one. At each step
 # every live hypothesis is extended by every token; of the resulting $k \cdot |V|$
 # candidates the $2k$ most probable are taken (so that $k$ live ones remain even if up

@@ -47,8 +47,9 @@ from .datafiles import (  # noqa: F401
     read_stream,
     split_lines,
 )
+from .decoding import IncrementalDecoder  # noqa: F401
 from .project import colab_url, project_url  # noqa: F401
-from .runs import recipe_differences, run_or_load  # noqa: F401
+from .runs import recipe_differences, results_table, run_or_load  # noqa: F401
 from .table3view import read_table3  # noqa: F401
 from .iwslt import (  # noqa: F401
     prepare_iwslt14,
