@@ -10,22 +10,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
+import re
 import signal
 import sys
 from typing import NoReturn, Optional, Sequence
 
 import torch.distributed as dist
 
-from .config import PRESETS, Config, default_preset, get_config, run_dir_for
+from .config import PRESETS, Config, default_preset, get_config, run_dir_for, shorten
 from .datafiles import DataError
-from .inference import OneLineParser, _quiet_stdout, run_inference_command
+from .inference import OneLineParser, OutputError, _quiet_stdout, run_inference_command
 from .runfiles import (
     CheckpointError,
     RunDirectoryError,
     TrainingInterrupted,
     first_line,
 )
+from .planning import PlanError
 from .training import TrainingDiverged, train
 
 
@@ -37,7 +40,9 @@ def _parse_value(text: str, like, name: str = ""):
             return True
         if text.lower() in ("0", "false", "no", "off"):
             return False
-        raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected true/false, got {shorten(repr(text))}"
+        )
     try:
         if isinstance(like, tuple):
             return tuple(float(x) for x in text.split(","))
@@ -49,7 +54,7 @@ def _parse_value(text: str, like, name: str = ""):
             tuple: "numbers separated by commas",
         }
         raise argparse.ArgumentTypeError(
-            f"expected {kind.get(type(like)) or 'text'}, got {text!r}"
+            f"expected {kind.get(type(like)) or 'text'}, got {shorten(repr(text))}"
         ) from None
 
 
@@ -131,16 +136,57 @@ PROCESS_VARIABLES = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def environment_problem(environ=os.environ) -> Optional[str]:
-    """A line naming a process variable that is not a whole number, or None (our
-    addition)."""
+    """A line naming a process variable that is not a whole number, or that does not
+    fit the others (a rank at or above the world size, a world of 0 processes, a port
+    that is not one), or None (our addition)."""
+    numbers = {}
     for name in PROCESS_VARIABLES:
         value = environ.get(name)
         if value is not None and not (value.strip().isdigit() and value.isascii()):
             return (
-                f"environment variable {name}={value!r} is not a whole number "
-                "(torchrun sets it); unset it or set it right"
+                f"environment variable {name}={shorten(repr(value))} is not a whole "
+                "number (torchrun sets it); unset it or set it right"
             )
+        if value is not None:
+            numbers[name] = int(value)
+    for size, rank in (("WORLD_SIZE", "RANK"), ("LOCAL_WORLD_SIZE", "LOCAL_RANK")):
+        if numbers.get(size) == 0:
+            return (
+                f"environment variable {size}=0: a run needs at least 1 process; "
+                "unset it or set it right"
+            )
+        if size in numbers and numbers.get(rank, 0) >= numbers[size]:
+            return (
+                f"environment variable {rank}={numbers[rank]} is not below "
+                f"{size}={numbers[size]} (ranks count from 0); set them as torchrun "
+                "does"
+            )
+    if numbers.get("WORLD_SIZE", 1) > 1 and "RANK" not in numbers:
+        return (
+            f"environment variable WORLD_SIZE={numbers['WORLD_SIZE']} without RANK: "
+            "start the processes with torchrun, or set RANK for each"
+        )
+    port = environ.get("MASTER_PORT")
+    if port is not None and not (
+        port.strip().isdigit() and port.isascii() and 0 < int(port) < 65536
+    ):
+        return (
+            f"environment variable MASTER_PORT={shorten(repr(port))} is not a port "
+            "number (1 to 65535); unset it or set it right"
+        )
     return None
+
+
+def _say(*args, **kwargs) -> None:
+    """``print`` for the training log, whose failure names standard output (our
+    addition)."""
+    try:
+        print(*args, **kwargs)
+    except OSError as e:
+        raise OutputError(
+            f"cannot write to standard output ({e.strerror or e}); the run stopped: "
+            "rerun with it redirected to a file with room (the same command resumes)"
+        ) from None
 
 
 def main(argv: Sequence[str]) -> int:
@@ -156,8 +202,23 @@ def main(argv: Sequence[str]) -> int:
     if problem := environment_problem():
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    if sys.stdout is None:  # closed (>&-): whatever it says would vanish
+        print(
+            "error: standard output is closed: nowhere to write; redirect it to a file "
+            "(or /dev/null)",
+            file=sys.stderr,
+        )
+        return 2
     if not argv or argv[0] in ("-h", "--help"):  # no command: the three, and how
-        print(usage(), file=sys.stdout if argv else sys.stderr)
+        try:
+            print(usage(), file=sys.stdout if argv else sys.stderr, flush=True)
+        except OSError as e:  # --help > /dev/full
+            _quiet_stdout()
+            print(
+                f"error: cannot write to standard output ({e.strerror or e})",
+                file=sys.stderr,
+            )
+            return 2
         return 0 if argv else 2
     if argv[0] not in COMMANDS and not argv[0].startswith("-"):
         print(
@@ -171,9 +232,9 @@ def main(argv: Sequence[str]) -> int:
             return run_inference_command(argv[0], argv[1:])
         command, cfg = config_from_args(argv)
         if command == "train":
-            summary = train(cfg)
+            summary = train(cfg, log=_say)
             if summary.get("bleu") is not None:
-                print(
+                _say(
                     f"done in {summary['total_minutes']:.1f} min: "
                     f"BLEU {summary['bleu']:.2f}; "
                     f"results in {summary['run_dir']}/results.json"
@@ -189,16 +250,19 @@ def main(argv: Sequence[str]) -> int:
         CheckpointError,
         TrainingDiverged,
         RunDirectoryError,
+        PlanError,
+        OutputError,
         OSError,
     ) as e:
         if debug:
             raise
-        print(
-            f"error: {e.strerror}: {e.filename}"
+        message = (
+            f"{e.strerror}: {e.filename}"
             if isinstance(e, OSError) and e.filename and e.strerror
-            else f"error: {first_line(e)}",
-            file=sys.stderr,
+            else first_line(e)
         )
+        message = re.sub(r"\S{1000,}", lambda m: shorten(m.group(0)), message)
+        print(f"error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         if debug:
@@ -233,12 +297,23 @@ def script(argv: Sequence[str]) -> NoReturn:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         status = 130
+    except SystemExit as e:  # argparse: --help (0) or a mistake, already said (2)
+        status = e.code if isinstance(e.code, int) else 2
+        if status == 0 and sys.stdout is None:  # --help >&-
+            print("error: standard output is closed: nowhere to write", file=sys.stderr)
+            status = 2
     signal.signal(signal.SIGINT, lambda *_: os._exit(status))
     if sys.stdout is not None:
         try:
             sys.stdout.flush()
-        except OSError:
+        except OSError as e:  # a full disk, a closed pipe: said once, never 0
             _quiet_stdout()
+            if e.errno != errno.EPIPE:
+                print(
+                    f"error: cannot write to standard output ({e.strerror or e})",
+                    file=sys.stderr,
+                )
+            status = status or (141 if e.errno == errno.EPIPE else 2)
     if sys.stderr is not None:
         sys.stderr.flush()
     # Leave now: interpreter shutdown puts SIGINT's default action back, so a Ctrl-C

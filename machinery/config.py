@@ -127,7 +127,11 @@ def _config_rules(c: "Config") -> list:
             f"must be one of {', '.join(POSITIONAL_KINDS)}",
         ),
         ("dataset", c.dataset in CORPORA, f"must be one of {', '.join(CORPORA)}"),
-        ("bpe_size", c.bpe_size >= 8, "must be at least 8"),
+        (
+            "bpe_size",
+            8 <= c.bpe_size <= 1_000_000,
+            "must be from 8 to 1000000 (sentencepiece's range)",
+        ),
         ("min_freq", c.min_freq >= 1, "must be at least 1"),
         ("max_tokens", c.max_tokens >= 1, "must be at least 1"),
         ("batch_tokens", c.batch_tokens >= 1, "must be at least 1"),
@@ -187,7 +191,43 @@ def _config_rules(c: "Config") -> list:
         ("max_eval_sentences", c.max_eval_sentences >= 0, "must be 0 (all) or more"),
         ("max_valid_sentences", c.max_valid_sentences >= 0, "must be 0 (all) or more"),
         ("examples_to_show", c.examples_to_show >= 0, "must be 0 or more"),
+        ("seed", 0 <= c.seed <= SEED_LIMIT, f"must be from 0 to {SEED_LIMIT:,}"),
+        (
+            "average_last",
+            c.average_last <= c.keep_checkpoints,
+            f"must be at most keep_checkpoints={c.keep_checkpoints} (raise "
+            "--keep_checkpoints: only that many checkpoints are kept to average)",
+        ),
+        *[
+            (name, getattr(c, name) <= INT_LIMIT, f"must be at most {INT_LIMIT:,}")
+            for name in _whole_number_fields()
+        ],
     ]
+
+
+# Every whole-number setting is bounded (our addition): sizes well past any machine's
+# memory are refused by the plan's estimate (`planning.py`), but a number past what a
+# tensor's shape or sentencepiece can hold would fail inside the library, and the seeds
+# of every process (`seed_process`) must stay within what the generators accept.
+INT_LIMIT = 2**31 - 1
+SEED_LIMIT = 2**32 - 1
+
+
+def _whole_number_fields() -> tuple:
+    """The names of Config's whole-number fields (our addition)."""
+    return tuple(
+        f.name
+        for f in dataclasses.fields(Config)
+        if isinstance(f.default, int) and not isinstance(f.default, bool)
+    )
+
+
+def shorten(text: str, limit: int = 80) -> str:
+    """``text`` cut to about ``limit`` characters, saying how long it was — our
+    addition: a value pasted by mistake is not echoed back whole."""
+    if len(text) <= limit:
+        return text
+    return f"{text[: limit // 2]}… ({len(text):,} characters)"
 
 
 def device_problem(name: str) -> Optional[str]:
@@ -267,11 +307,13 @@ class Config(ModelConfig):
     examples_to_show: int = 5
 
     def __post_init__(self):
-        problems = [
-            f"{name} {words}, not {getattr(self, name)!r}"
-            for name, ok, words in _config_rules(self)
-            if not ok
-        ]
+        problems, named = [], set()
+        for name, ok, words in _config_rules(self):
+            if not ok and name not in named:  # the first rule a field breaks
+                named.add(name)
+                problems.append(
+                    f"{name} {words}, not {shorten(repr(getattr(self, name)))}"
+                )
         if problems:
             raise ValueError("; ".join(problems))
         problem = device_problem(self.device)

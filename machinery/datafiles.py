@@ -24,6 +24,28 @@ class DataError(RuntimeError):
     """A data set is missing, malformed or cannot be fetched."""
 
 
+def file_problem(path: Path) -> Optional[str]:
+    """Why ``path`` cannot be read as a data file, in words ("is missing", "is a
+    directory, not a file", "is a symbolic link loop", …); None if it can (our
+    addition)."""
+    path = Path(path)
+    try:
+        if path.is_file():
+            return None if os.access(path, os.R_OK) else "cannot be read (permission)"
+        if path.is_symlink():
+            try:
+                os.stat(path)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    return "is a symbolic link loop"
+                return "is a broken symbolic link"
+        if path.is_dir():
+            return "is a directory, not a file"
+        return "is not a regular file" if path.exists() else "is missing"
+    except OSError as e:
+        return f"cannot be read ({e.strerror or e})"
+
+
 # `download` writes through `atomic_file` (Part 2), and checks the checksum before the
 # rename.
 

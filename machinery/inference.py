@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
-from .config import Config, device_problem
+from .config import Config, device_problem, shorten
 from .data import CORPORA, locate_test_split, make_copy_data, make_tokenizer
 from .datafiles import DataError, read_lines, read_parallel, read_stream
 from .devices import resolve_attention, resolve_device
@@ -90,6 +92,7 @@ def load_for_inference(
                 + ("" if Path(run_dir).is_dir() else " (it is not a directory)")
             )
     state = load_checkpoint(paths[-1])
+    subwords = checkpoint_subwords(state, paths[-1])  # checked before the model
     try:
         cfg = config_from_dict(state["config"])
         src_vocab, tgt_vocab = (
@@ -116,13 +119,7 @@ def load_for_inference(
                 "holds NaN or infinite values (training diverged, or the file is "
                 "damaged); use an earlier checkpoint"
             )
-    return (
-        model.to(device).eval(),
-        cfg,
-        src_vocab,
-        tgt_vocab,
-        checkpoint_subwords(state, paths[-1]),
-    )
+    return (model.to(device).eval(), cfg, src_vocab, tgt_vocab, subwords)
 
 
 def encode_sources(
@@ -208,9 +205,25 @@ class OneLineParser(argparse.ArgumentParser):
     """An argument parser whose errors are one line on stderr and exit status 2 — our
     addition."""
 
+    def _print_message(self, message, file=None):
+        """Write ``message`` (help, usage) to ``file``; a failure is one line, not
+        ignored as argparse ignores it (our addition)."""
+        if not message:
+            return
+        file = file or sys.stderr
+        try:
+            file.write(message)
+            file.flush()
+        except OSError as e:
+            if file is sys.stdout:
+                _quiet_stdout()
+            name = "standard output" if file is sys.stdout else "standard error"
+            raise OutputError(f"cannot write to {name} ({e.strerror or e})") from None
+
     def error(self, message: str):
         """Print ``message`` as one line and exit with status 2 (argparse prints the
         usage too)."""
+        message = re.sub(r"\S{200,}", lambda m: shorten(m.group(0)), message)
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
@@ -273,7 +286,7 @@ def inference_parser(command: str) -> argparse.ArgumentParser:
         "--average_last",
         "--average-last",
         type=_whole_number(1),
-        default=5,
+        default=None,
         help="checkpoints of --run_dir to average (default 5, fewer if fewer exist)",
     )
     parser.add_argument(
@@ -394,6 +407,11 @@ def skipped_message(skipped: Sequence[tuple[int, int]], max_len: int) -> str:
 # (`script` in `cli.py` uses it too).
 
 
+class OutputError(RuntimeError):
+    """Standard output cannot be written (closed, a full disk, a closed pipe) — our
+    addition."""
+
+
 def _quiet_stdout() -> None:
     """Point standard output at the null device, so that the interpreter's own flush at
     exit does not print a second error (our addition)."""
@@ -405,6 +423,18 @@ def _quiet_stdout() -> None:
         os.close(devnull)
     except OSError:
         pass
+
+
+def argument_text(text: str, number: int) -> str:
+    """A sentence given as an argument, decoded from the bytes it came as like standard
+    input is — UTF-8 whatever the locale says (our addition: under ``LANG=C`` Python
+    hands non-ASCII bytes over as surrogate escapes, which no tokenizer accepts)."""
+    try:
+        return os.fsencode(text).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"sentence argument {number}: invalid UTF-8 ({e.reason} at byte {e.start})"
+        ) from None
 
 
 def run_inference_command(command: str, argv: Sequence[str]) -> int:
@@ -429,7 +459,7 @@ def run_inference_command(command: str, argv: Sequence[str]) -> int:
                 f"({args.input} would be ignored)"
             )
         if args.sentences:
-            lines = list(args.sentences)
+            lines = [argument_text(a, i) for i, a in enumerate(args.sentences, 1)]
         elif args.input and str(args.input) != "-":
             lines = read_lines(args.input)
         elif sys.stdin is None:  # closed (<&-)
@@ -439,9 +469,22 @@ def run_inference_command(command: str, argv: Sequence[str]) -> int:
             )
         else:
             lines = read_stream(sys.stdin.buffer, "standard input")
+    if args.checkpoint is not None and args.average_last is not None:
+        raise DataError(
+            "--average_last averages the last checkpoints of --run_dir; --checkpoint "
+            "names one file, so it cannot apply: give --run_dir, or leave "
+            "--average_last out"
+        )
+    present = len(checkpoint_paths(args.run_dir)) if args.run_dir else 0
+    if args.average_last and 0 < present < args.average_last:  # asked for more
+        print(
+            f"note: --average_last {args.average_last:,}, but {args.run_dir} holds "
+            f"{present} checkpoint(s): averaging those {present}",
+            file=sys.stderr,
+        )
     device = resolve_device(args.device)
     model, cfg, src_vocab, tgt_vocab, subwords = load_for_inference(
-        args.checkpoint, args.run_dir, args.average_last, device
+        args.checkpoint, args.run_dir, args.average_last or 5, device
     )
     if command == "evaluate":
         lines, refs = evaluation_pairs(args, cfg)
@@ -466,6 +509,8 @@ def run_inference_command(command: str, argv: Sequence[str]) -> int:
         sys.stdout.flush()
     except OSError as e:  # standard output closed, or a full disk behind it
         _quiet_stdout()
+        if e.errno == errno.EPIPE:  # `| head -1` read enough: stop quietly, as Unix
+            return 141  # tools do (128 + SIGPIPE)
         raise DataError(
             f"cannot write to standard output ({e.strerror or e}); nothing was printed "
             "whole: rerun with it redirected to a file with room"

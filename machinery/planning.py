@@ -9,6 +9,7 @@ after every one; the estimate comes from a few of the first updates, timed here.
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -18,6 +19,7 @@ import torch.nn as nn
 
 from .config import Config
 from .data import Dataset
+from .devices import any_process
 from .parts import notebook
 
 
@@ -115,3 +117,218 @@ def plan_run(
             "data (see the README)"
         )
     return max(total - step, 0), lines
+
+
+# ### A plan that cannot work is refused before any work
+#
+# Settings that are each valid can still make a run that means nothing: a `max_tokens`
+# that filters out every training pair, a vocabulary of little more than the four
+# specials (BLEU over it means nothing), a batch budget below one sentence (every batch
+# one pair: tens of thousands of updates an epoch), three-way weight tying (§3.4)
+# without one vocabulary, or a model that cannot fit the machine's memory. `check_plan`
+# looks at all of them once the config is complete and the data is read, before the
+# model is built, and refuses in one line naming the option to change (our addition).
+
+VOCAB_FLOOR = 10  # symbols, specials included, below which a vocabulary is refused
+
+
+class PlanError(RuntimeError):
+    """A run whose settings cannot make a meaningful run on this data or machine; raised
+    before the model is built (our addition)."""
+
+
+def parameter_count(cfg: Config, src_vocab: int, tgt_vocab: int) -> int:
+    r"""The number of distinct parameters ``make_model`` builds for ``cfg`` — §3's
+    arithmetic (the notebook counts them the same way), without building anything."""
+    d, f, hk = cfg.d_model, cfg.d_ff, cfg.h * cfg.head_size
+    attention = 2 * (d * hk + hk) + 2 * (d * d + d)  # W^Q, W^K; W^V, W^O with biases
+    ffn = d * f + f + f * d + d
+    encoder = cfg.N * (attention + ffn + 2 * 2 * d)  # two sub-layers' LayerNorms
+    decoder = cfg.decoder_layers * (2 * attention + ffn + 3 * 2 * d)
+    stacks = (2 * 2 * d) if cfg.norm_first else 0  # each stack's final LayerNorm
+    embeddings = src_vocab * d + tgt_vocab * d
+    if cfg.positional == "learned":
+        embeddings += 2 * cfg.max_len * d
+    generator = d * tgt_vocab + tgt_vocab
+    if cfg.tie_weights:
+        generator -= d * tgt_vocab  # the target embedding's matrix (§3.4)
+        if cfg.shared_vocab and src_vocab == tgt_vocab:
+            embeddings -= src_vocab * d
+    return encoder + decoder + stacks + embeddings + generator
+
+
+def memory_estimate(
+    cfg: Config, src_vocab: int, tgt_vocab: int, longest: int
+) -> tuple[int, int, int]:
+    """(bytes in all, bytes of parameters with their gradients and Adam's two moments,
+    bytes of activations) of training ``cfg`` — an estimate (our addition).
+
+    Activations are those of a batch of ``batch_tokens`` tokens a side, its sequences
+    ``longest`` positions long: per layer the projections, the h attention maps, the
+    feed-forward's inner layer and the residual stream, and the output layer's logits
+    over the target vocabulary; all counted in float32.
+    """
+    params = parameter_count(cfg, src_vocab, tgt_vocab)
+    d, f, hk, length = cfg.d_model, cfg.d_ff, cfg.h * cfg.head_size, longest
+    attention = 2 * hk + 2 * d + 2 * cfg.h * length + d  # per token
+    encoder = attention + 2 * f + d + 4 * d
+    decoder = 2 * attention + 2 * f + d + 6 * d
+    per_token = cfg.N * encoder + cfg.decoder_layers * decoder + 2 * d + 3 * tgt_vocab
+    activations = 4 * cfg.batch_tokens * per_token + 4 * 2 * cfg.max_len * d
+    weights = 4 * 4 * params  # weights, gradients, Adam's m and v (§5.3)
+    return weights + activations, weights, activations
+
+
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, where) this process can still allocate on ``device`` (our addition): the
+    GPU's free memory, or the CPU's available memory, lowered to the address-space limit
+    (``ulimit -v``) when one is set; (-1, "") where unknown."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"free on {device}"
+    found = []
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append((int(line.split()[1]) * 1024, "available in RAM"))
+    except (OSError, ValueError, IndexError):
+        try:
+            pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            found.append((pages, "available in RAM"))
+        except (OSError, ValueError, AttributeError):
+            pass
+    try:
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit != resource.RLIM_INFINITY:
+            used = 0
+            with open("/proc/self/status", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("VmSize:"):
+                        used = int(line.split()[1]) * 1024
+            found.append((max(limit - used, 0), "left under the address-space limit"))
+    except (ImportError, OSError, ValueError, IndexError):
+        pass
+    return min(found) if found else (-1, "")
+
+
+def gib(n: int) -> str:
+    """Bytes in GiB (MiB below one), for messages (our addition)."""
+    return f"{n / 2**30:,.1f} GiB" if n >= 2**30 else f"{n / 2**20:,.0f} MiB"
+
+
+def check_plan(
+    cfg: Config, data: Dataset, device: torch.device, world: int
+) -> list[str]:
+    """Refuse, with :class:`PlanError` naming the option to change, a run that cannot
+    be meaningful or cannot fit; else lines for the log (our addition)."""
+    pairs = data.splits["train"]
+    if not pairs:
+        dropped = data.stats.get("train_too_long_filtered", 0)
+        raise PlanError(
+            f"no training pairs left: all {dropped:,} have a side longer than "
+            f"max_tokens={cfg.max_tokens} tokens; raise --max_tokens"
+            if dropped
+            else "the training split holds no pairs"
+        )
+    for side, vocab in (("source", data.src_vocab), ("target", data.tgt_vocab)):
+        if len(vocab) < VOCAB_FLOOR:
+            raise PlanError(
+                f"the {side} vocabulary holds only {len(vocab)} symbols, the 4 "
+                f"specials included (fewer than {VOCAB_FLOOR}): a score over it means "
+                "nothing; "
+                + (
+                    f"lower --min_freq (now {cfg.min_freq}: rarer words are dropped)"
+                    if cfg.vocab == "words"
+                    else "raise --bpe_size, or train on more data"
+                )
+            )
+    if cfg.tie_weights and not cfg.shared_vocab:
+        raise PlanError(
+            "tie_weights=true shares one matrix between both embeddings and the output "
+            "layer (§3.4), which needs one vocabulary for both languages: give "
+            "--shared_vocab true, or --tie_weights false"
+        )
+    longest = max(max(len(s), len(t)) for s, t in pairs)
+    if cfg.batch_tokens < longest:
+        raise PlanError(
+            f"batch_tokens={cfg.batch_tokens} is below one sentence: the longest "
+            f"training pair takes {longest} positions (<s> and </s> included), so "
+            f"batches would hold one pair each; give --batch_tokens {longest} or more "
+            "(or a smaller --max_tokens)"
+        )
+    total, per_epoch, _ = planned_updates(cfg, data, world)
+    if per_epoch == 0:
+        raise PlanError(
+            f"the {len(pairs):,} training pairs make fewer batches than the {world} "
+            "processes, so an epoch takes no update: lower --batch_tokens, or run "
+            "fewer processes"
+        )
+    need, weights, activations = memory_estimate(
+        cfg, len(data.src_vocab), len(data.tgt_vocab), longest
+    )
+    have, where = available_memory(device)
+    estimate = (
+        f"about {gib(need)} ({weights / 16e6:,.1f}M "
+        f"parameters with their gradients and Adam's moments: {gib(weights)}; "
+        f"activations of a batch of {cfg.batch_tokens:,} tokens: {gib(activations)})"
+    )
+    if 0 <= have < need:
+        raise PlanError(
+            f"the model cannot fit: it needs {estimate}, and {gib(have)} is {where}; "
+            "lower --N, --d_model, --d_ff or --batch_tokens (--accum_steps keeps the "
+            "tokens per update)"
+        )
+    return [f"memory: {estimate}" + (f"; {gib(have)} {where}" if have >= 0 else "")]
+
+
+def agreed_plan(
+    cfg: Config, data: Dataset, device: torch.device, world: int
+) -> list[str]:
+    """:func:`check_plan` in every process; when one refuses, all stop (our addition:
+    the others would wait for it forever)."""
+    try:
+        lines, problem = check_plan(cfg, data, device, world), None
+    except PlanError as e:
+        lines, problem = [], e
+    if world > 1 and any_process([problem is not None], world, device)[0]:
+        problem = problem or PlanError(
+            "another process refused the run's plan (its message says why)"
+        )
+    if problem is not None:
+        raise problem
+    return lines
+
+
+# ### A loss that explodes
+#
+# A run whose learning rate is far too high does not always produce a NaN: its loss can
+# grow to thousands and stay finite. A model that guesses uniformly over the target
+# vocabulary V has a loss of ln |V| per token, and a freshly initialised one starts near
+# it; a loss several times that, update after update, means the run diverged.
+# `LossWatch` stops such a run (our addition).
+
+
+@dataclass
+class LossWatch:
+    """Counts consecutive updates whose loss per token is above ``factor`` × ln |V|;
+    :meth:`problem` says, after ``patience`` of them, that the run diverged."""
+
+    vocab: int
+    factor: float = 3.0
+    patience: int = 5
+    above: int = 0
+
+    def problem(self, loss_per_token: float) -> Optional[str]:
+        """None while the loss is plausible; a line naming the cause once it is not."""
+        limit = self.factor * math.log(max(self.vocab, 2))
+        self.above = self.above + 1 if loss_per_token > limit else 0
+        if self.above < self.patience:
+            return None
+        return (
+            f"loss exploded ({loss_per_token:,.1f} per token, above {limit:.1f} = "
+            f"{self.factor:g} × ln {self.vocab:,}, the loss of a uniform guess, for "
+            f"{self.patience} updates in a row; lower --lr_factor or lengthen --warmup)"
+        )

@@ -9,6 +9,7 @@ vocabulary and BPE model before use.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +91,29 @@ def write_atomic(path: Path, data) -> None:
                 f.write(line + "\n")
 
 
+# Caches (a BPE model, a vocabulary) are written with their SHA-256 beside them, in
+# ``<name>.sha256``, and checked when read (our addition): a cache damaged in a way that
+# still parses would otherwise be used without a word.
+
+
+def write_with_digest(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and its SHA-256 to ``path.sha256``, atomically."""
+    write_atomic(path, data)
+    write_atomic(Path(f"{path}.sha256"), [sha256_hex(data)])
+
+
+def read_verified(path: Path) -> bytes:
+    """The bytes of ``path``, checked against ``path.sha256`` when that exists; a
+    mismatch raises ValueError."""
+    data = Path(path).read_bytes()
+    digest = Path(f"{path}.sha256")
+    if digest.is_file() and digest.read_text(encoding="ascii").strip() != sha256_hex(
+        data
+    ):
+        raise ValueError(f"its bytes do not match the SHA-256 in {digest.name}")
+    return data
+
+
 # Three small helpers for the files of A.3 and A.4: reading back a metrics log that a
 # crash may have torn, and the short forms of an error and of the free disk space that
 # their messages quote.
@@ -113,6 +138,54 @@ def metrics_lines_upto(raw: bytes, step: int) -> tuple[list[str], int, int]:
         else:
             kept.append(line)
     return kept, torn, later
+
+
+def finished_run_problem(run_dir: Path, cfg: Config) -> Optional[str]:
+    """Why re-running the finished run in ``run_dir`` with ``cfg`` would lose its
+    result, or None (our addition): its ``results.json`` was made with other settings,
+    and the run has nothing left to train, so the new result would only replace it."""
+    try:
+        saved = json.loads((Path(run_dir) / "results.json").read_text("utf-8"))
+        saved = saved["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    now = dataclasses.asdict(cfg)
+
+    def same(a, b) -> bool:
+        return (list(a) if isinstance(a, tuple) else a) == (
+            list(b) if isinstance(b, tuple) else b
+        )
+
+    diff = [
+        f"{k}={saved[k]!r} (now {now[k]!r})"
+        for k in now
+        if k in saved and k not in RESULT_NEUTRAL and not same(saved[k], now[k])
+    ]
+    if not diff:
+        return None
+    return (
+        f"run directory {run_dir} holds a finished run whose results.json was made "
+        f"with {', '.join(diff[:3])}{' …' if len(diff) > 3 else ''}; re-running it "
+        "with other settings would replace that result: give another --run_dir (or "
+        "the run's own settings)"
+    )
+
+
+# settings that do not change a run's result (where it runs, how its files are kept)
+RESULT_NEUTRAL = (
+    "run_dir",
+    "device",
+    "precision",
+    "attention",
+    "compile",
+    "data_dir",
+    "data_mirror",
+    "download",
+    "eval_batch_size",
+    "checkpoint_minutes",
+    "keep_checkpoints",
+    "examples_to_show",
+)
 
 
 def first_line(e: BaseException) -> str:
@@ -236,6 +309,7 @@ def save_checkpoint(
         if data.subwords
         else None,
     }
+    state["digests"] = carried_digests(state)
     with atomic_file(path) as f:
         torch.save(state, f)
     return Path(path)
@@ -264,11 +338,13 @@ def load_checkpoint(
         )
         raise UnreadableCheckpoint(f"checkpoint {path} {where}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # a foreign pickle: refused below, in one line
+            warnings.simplefilter("ignore", UserWarning)
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch raises several types for truncated or foreign files
         raise UnreadableCheckpoint(
             f"cannot read checkpoint {path}: it is truncated or not a checkpoint "
-            f"({first_line(e)})"
+            f"({first_line(e).split('. ')[0]})"
         ) from e
     if not isinstance(state, dict) or state.get("format") != 1:
         raise UnreadableCheckpoint(
@@ -280,6 +356,15 @@ def load_checkpoint(
     if missing:
         raise UnreadableCheckpoint(
             f"{path} is damaged or hand-made: it lacks {', '.join(missing)}"
+        )
+    if problem := digest_problem(state):
+        raise UnreadableCheckpoint(
+            f"{path}: {problem}: the checkpoint is damaged; use another one"
+        )
+    if cfg is not None and (tensor := non_finite_tensor(state)):  # training resumes
+        raise UnreadableCheckpoint(
+            f"{path} holds NaN or infinite values in {tensor} (training diverged, or "
+            "the file is damaged)"
         )
     return check_fits(state, path, cfg, src_vocab, tgt_vocab, subwords)
 
@@ -319,6 +404,12 @@ def check_fits(
             raise CheckpointError(
                 f"{path} was written for another model config ({'; '.join(diff)})"
             )
+        if state["config"].get("seed", cfg.seed) != cfg.seed:
+            raise CheckpointError(
+                f"{path} was trained with seed={state['config']['seed']}, and the seed "
+                "decides the order of the batches still to come: resume with --seed "
+                f"{state['config']['seed']}, or give another --run_dir to start over"
+            )
     for side, vocab in (("src", src_vocab), ("tgt", tgt_vocab)):
         if vocab is not None and state["vocab"][side] != vocab.itos:
             raise CheckpointError(
@@ -340,12 +431,77 @@ def checkpoint_subwords(state: dict, path="the checkpoint") -> Optional[Subwords
     if blob is None:
         return None
     try:
-        return notebook().Subwords(blob.numpy().tobytes())
+        subwords = notebook().Subwords(blob.numpy().tobytes())
     except (RuntimeError, ValueError, TypeError, AttributeError) as e:
         raise CheckpointError(
             f"the BPE model inside {path} cannot be read ({first_line(e)}): the "
             "checkpoint is damaged; use another one"
         ) from None
+    vocab = state.get("vocab", {}).get("src")
+    if vocab is not None and subwords.vocab.itos != vocab:
+        raise CheckpointError(
+            f"the BPE model inside {path} has {len(subwords.vocab):,} pieces but the "
+            f"checkpoint's vocabulary {len(vocab):,}: the checkpoint is damaged; use "
+            "another one"
+        )
+    return subwords
+
+
+# What a checkpoint carries is checked when it is read (our addition): the SHA-256 of
+# its BPE model and of its vocabularies, written beside them, catch a file damaged in a
+# way that still parses (a BPE model cut in half reads as a smaller model); and a run
+# that resumes checks that every weight and every optimizer moment is finite (one +inf
+# in Adam's second moment freezes its weight for the rest of the run).
+
+
+def sha256_hex(data: bytes) -> str:
+    """The SHA-256 of ``data``, in hex (our addition)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def carried_digests(state: dict) -> dict:
+    """SHA-256 of a checkpoint's vocabularies and BPE model (our addition)."""
+    vocab = json.dumps(state["vocab"], ensure_ascii=False, sort_keys=True)
+    blob = state.get("subwords")
+    return {
+        "vocab": sha256_hex(vocab.encode()),
+        "subwords": None if blob is None else sha256_hex(blob.numpy().tobytes()),
+    }
+
+
+def digest_problem(state: dict) -> Optional[str]:
+    """What of a checkpoint's vocabularies and BPE model does not match the digest
+    written with it; None when all match or it has none (older checkpoints)."""
+    saved = state.get("digests")
+    if not isinstance(saved, dict):
+        return None
+    try:
+        now = carried_digests(state)
+    except (AttributeError, TypeError, ValueError):
+        return "its vocabulary or BPE model cannot be read"
+    names = {"vocab": "its vocabulary", "subwords": "its BPE model"}
+    for key, what in names.items():
+        if key in saved and saved[key] != now[key]:
+            return f"{what} does not match the SHA-256 written with it"
+    return None
+
+
+def non_finite_tensor(state: dict) -> Optional[str]:
+    """The name of the first weight or optimizer state of a checkpoint that holds NaN
+    or infinite values; None when all are finite (our addition)."""
+    for name, tensor in state["model"].items():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            return f"weight {name}"
+    optimizer = state.get("optimizer") or {}
+    for index, moments in (optimizer.get("state") or {}).items():
+        for key, tensor in moments.items():
+            if (
+                isinstance(tensor, torch.Tensor)
+                and tensor.is_floating_point()
+                and not torch.isfinite(tensor).all()
+            ):
+                return f"optimizer state {key} of parameter {index}"
+    return None
 
 
 # Listing and averaging checkpoints (§6.1 averages the last 5 for base models, the last
@@ -575,8 +731,9 @@ def open_run_dir(run_dir: Path):
         run_dir.mkdir(parents=True, exist_ok=True)
         lock = lock_run_dir(run_dir)
     except OSError as e:
+        where = f" ({Path(e.filename).name})" if e.filename else ""
         raise RunDirectoryError(
-            f"cannot write in run directory {run_dir}: {e.strerror or e}"
+            f"cannot write in run directory {run_dir}{where}: {e.strerror or e}"
         ) from None
     for tmp in [
         *run_dir.glob(".checkpoint-*.part"),

@@ -61,10 +61,12 @@ from .runfiles import (
     TrainingInterrupted,
     checkpoint_paths,
     epoch_updates,
+    RunDirectoryError,
     write_atomic,
 )
 
 if TYPE_CHECKING:
+    finished_run_problem,
     from the_annotated_transformer import Batch, EncoderDecoder
 
 
@@ -649,6 +651,9 @@ def train(
                     f"stopped after update {pos.step} (end of epoch {pos.epoch}); "
                     "checkpoint "
                     f"saved to {path or 'the run directory of the first process'}. "
+    if not remaining and evaluate and rank == 0:  # nothing to train: a result to keep
+        if problem := finished_run_problem(run.files.dir, cfg):
+            raise RunDirectoryError(problem)
                     "Run the same command again to continue from there."
                 )
     summary = {

@@ -1369,3 +1369,545 @@ def test_a_second_ctrl_c_exits_quietly_with_the_same_status(tmp_path):
     assert p.returncode == 130, err
     assert "Traceback" not in err and "Exception ignored" not in err, err
     assert "interrupted" in err
+
+
+# --- round four: settings that cannot make a meaningful run, sizes, streams ----------
+
+
+def tiny_mirror(c, damage: Optional[Callable] = None) -> Path:
+    """An IWSLT14-layout mirror of a few made-up tokenized sentences at ``c.tmp``; then
+    ``damage(folder)``."""
+    folder = c.tmp / "mirror" / "iwslt14"
+    words = [f"w{i}" for i in range(30)]
+    for split, n in (("train", 60), ("valid", 10), ("test", 10)):
+        lines = [" ".join(words[(i * 7 + k) % 30] for k in range(6)) for i in range(n)]
+        for lang in ("de", "en"):
+            write(folder / f"{split}.{lang}", "\n".join(lines) + "\n")
+    if damage:
+        damage(folder)
+    return folder
+
+
+def mirror_train(c, *more) -> list:
+    """Train the tiny preset on the mirror of :func:`tiny_mirror`, offline."""
+    return [
+        "train",
+        "--config",
+        "tiny",
+        "--dataset",
+        "iwslt14",
+        "--min_freq",
+        "1",
+        "--data_mirror",
+        str(c.tmp / "mirror"),
+        "--data_dir",
+        str(c.tmp / "data"),
+        "--download",
+        "false",
+        "--device",
+        "cpu",
+        "--precision",
+        "fp32",
+        "--max_eval_sentences",
+        "2",
+        "--run_dir",
+        str(c.tmp / "run"),
+        *more,
+    ]
+
+
+def replaced_by(what: str) -> Callable:
+    """A damage for :func:`tiny_mirror`: ``valid.en`` replaced by ``what``."""
+
+    def damage(folder: Path) -> None:
+        target = folder / "valid.en"
+        target.unlink()
+        if what == "a directory":
+            target.mkdir()
+        elif what == "a symbolic link loop":
+            target.symlink_to(folder / "loop.en")
+            (folder / "loop.en").symlink_to(target)
+
+    return damage
+
+
+def emptied(folder: Path) -> None:
+    for lang in ("de", "en"):
+        write(folder / f"train.{lang}", b"")
+
+
+def cut_cached_bpe(c) -> None:
+    """The tiny mirror's cached BPE model, cut in half after it was built."""
+    tiny_mirror(c)
+    cfg = machinery.get_config(
+        "tiny",
+        dataset="iwslt14",
+        vocab="bpe",
+        bpe_size=40,
+        data_mirror=str(c.tmp / "mirror"),
+        data_dir=str(c.tmp / "data"),
+        download=False,
+    )
+    machinery.load_dataset(cfg, log=lambda *a, **k: None)
+    (model,) = (c.tmp / "data" / "cache").glob("bpe-*.model")
+    model.write_bytes(model.read_bytes()[: len(model.read_bytes()) // 2])
+
+
+def bpe_cut_in_half(c, digests: bool = True) -> None:
+    """The test checkpoint carrying a real BPE model (and its vocabulary), then the model
+    cut in half; with or without the digests written with it."""
+    nb = machinery.parts.notebook()
+    text = [f"ein satz mit {w} und {v}" for w in "abcdefgh" for v in "ijklmnop"]
+    full = nb.Subwords.train(text, 60)
+
+    def edit(state):
+        state["subwords"] = torch.frombuffer(
+            bytearray(full.model_proto), dtype=torch.uint8
+        )
+        state["vocab"] = {"src": full.vocab.itos, "tgt": full.vocab.itos}
+        state["digests"] = machinery.runfiles.carried_digests(state)
+        if not digests:
+            del state["digests"]
+        half = full.model_proto[: len(full.model_proto) // 2]
+        state["subwords"] = torch.frombuffer(bytearray(half), dtype=torch.uint8)
+
+    edited(c, "bpe.pt", edit)
+
+
+class Payload:
+    """A pickle that would create a file if it were ever unpickled by plain pickle."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def malicious_pickle(c) -> None:
+    import pickle
+
+    c.marker = c.tmp / "pwned"
+    write(c.tmp / "evil.pt", pickle.dumps({"model": Payload(c.marker)}))
+
+
+def no_run(c, r) -> bool:
+    return not (c.tmp / "run").exists()
+
+
+ROUND_FOUR = [
+    *[
+        Case(
+            f"train {' '.join(opt)}",
+            lambda c, opt=opt: [*TRAIN, *opt, "--run_dir", str(c.tmp / "run")],
+            2,
+            words,
+            check=no_run,
+        )
+        for opt, words in [
+            (["--N", "99999999999999999999"], ("N", "at most 2,147,483,647")),
+            (["--seed", "99999999999999999999"], ("seed", "from 0 to 4,294,967,295")),
+            (["--bpe_size", "100000000000000000000"], ("bpe_size", "to 1000000")),
+            (
+                ["--keep_checkpoints", "2", "--average_last", "5"],
+                ("average_last", "keep_checkpoints=2", "--keep_checkpoints"),
+            ),
+            (["--N", "100000"], ("cannot fit", "GiB", "available", "--N")),
+            (["--N_dec", "2147483647"], ("cannot fit", "GiB")),
+            (["--d_model", "1000000"], ("cannot fit", "--d_model")),
+            (["--d_ff", "1000000000"], ("cannot fit", "--d_ff")),
+            (["--d_k", "2147483647"], ("cannot fit",)),
+            (
+                ["--tie_weights", "true", "--shared_vocab", "false"],
+                ("tie_weights", "--shared_vocab true", "--tie_weights false"),
+            ),
+            (
+                ["--batch_tokens", "5"],
+                ("batch_tokens=5", "below one sentence", "--batch_tokens 12"),
+            ),
+        ]
+    ],
+    Case(
+        "train --config <100,000 characters>: the value is cut",
+        lambda c: ["train", "--config", "x" * 100_000],
+        2,
+        ("--config", "100,002 characters"),
+        check=lambda c, r: len(r.err) < 1000,
+    ),
+    Case(
+        "train --max_tokens 1 keeps no training pair",
+        lambda c: mirror_train(c, "--max_tokens", "1"),
+        2,
+        ("no training pairs left", "max_tokens=1", "--max_tokens"),
+        setup=tiny_mirror,
+        check=no_run,
+    ),
+    Case(
+        "train --vocab words --min_freq 1000000: only the specials",
+        lambda c: mirror_train(c, "--min_freq", "1000000"),
+        2,
+        ("vocabulary holds only 4 symbols", "--min_freq"),
+        setup=tiny_mirror,
+        check=no_run,
+    ),
+    Case(
+        "empty training files (0 bytes, both sides)",
+        lambda c: mirror_train(c),
+        2,
+        ("train.de", "train.en", "no sentence pairs"),
+        setup=lambda c: tiny_mirror(c, emptied),
+        check=no_run,
+    ),
+    Case(
+        "one file of the mirror missing",
+        lambda c: mirror_train(c),
+        2,
+        ("valid.en is missing", "mirror"),
+        setup=lambda c: tiny_mirror(c, lambda f: (f / "valid.en").unlink()),
+        check=no_run,
+    ),
+    *[
+        Case(
+            f"a mirror file that is {what}",
+            lambda c: mirror_train(c),
+            2,
+            (f"valid.en is {what}",),
+            setup=lambda c, what=what: tiny_mirror(c, replaced_by(what)),
+            check=no_run,
+        )
+        for what in ("a directory", "a symbolic link loop")
+    ],
+    Case(
+        "the cached BPE model cut in half",
+        lambda c: mirror_train(c, "--vocab", "bpe", "--bpe_size", "40"),
+        2,
+        ("cached BPE model", "damaged", "SHA-256"),
+        setup=cut_cached_bpe,
+        check=no_run,
+    ),
+    Case(
+        "a checkpoint whose BPE model was cut in half",
+        lambda c: ["translate", "--checkpoint", str(c.tmp / "bpe.pt"), "1"],
+        2,
+        ("bpe.pt", "damaged", "BPE model", "SHA-256"),
+        setup=bpe_cut_in_half,
+        check=lambda c, r: r.out == "",
+    ),
+    Case(
+        "the same, in a checkpoint written before digests",
+        lambda c: ["translate", "--checkpoint", str(c.tmp / "bpe.pt"), "1"],
+        2,
+        ("bpe.pt", "damaged", "BPE model"),
+        setup=lambda c: bpe_cut_in_half(c, digests=False),
+        check=lambda c, r: r.out == "",
+    ),
+    Case(
+        "translate --checkpoint FILE --average_last 3",
+        lambda c: translate(c, "--average_last", "3", "1 2"),
+        2,
+        ("--average_last", "--run_dir", "cannot apply"),
+        check=lambda c, r: r.out == "",
+    ),
+    Case(
+        "translate --average_last 99999999999999999999: what is there, said",
+        lambda c: [
+            "translate",
+            "--run_dir",
+            str(c.run),
+            "--beam",
+            "1",
+            "--average_last",
+            "99999999999999999999",
+            NORMAL[0],
+        ],
+        0,
+        check=lambda c, r: "averaging those 1" in r.err
+        and r.out == c.alone[NORMAL[0]] + "\n",
+    ),
+    Case(
+        "a plain-pickle malicious checkpoint: refused with no warning first",
+        lambda c: ["translate", "--checkpoint", str(c.tmp / "evil.pt"), "1"],
+        2,
+        ("evil.pt", "not a checkpoint"),
+        setup=malicious_pickle,
+        check=lambda c, r: "Warning" not in r.err and not c.marker.exists(),
+    ),
+    Case(
+        "standard output closed (train)",
+        lambda c: [*TRAIN, "--run_dir", str(c.tmp / "run")],
+        2,
+        ("standard output is closed",),
+        streams="no stdout",
+        check=no_run,
+    ),
+    *[
+        Case(
+            f"{' '.join(f'{k}={v}' for k, v in env.items())}",
+            lambda c: [*TRAIN, "--run_dir", str(c.tmp / "run")],
+            2,
+            words,
+            env=env,
+            check=no_run,
+        )
+        for env, words in [
+            ({"WORLD_SIZE": "2", "RANK": "5"}, ("RANK=5", "WORLD_SIZE=2")),
+            ({"WORLD_SIZE": "0"}, ("WORLD_SIZE=0", "at least 1")),
+            (
+                {"WORLD_SIZE": "2", "RANK": "0", "MASTER_PORT": "garbage"},
+                ("MASTER_PORT", "'garbage'", "port number"),
+            ),
+        ]
+    ],
+]
+
+
+@pytest.mark.parametrize("case", ROUND_FOUR, ids=lambda c: c.name)
+def test_round_four_is_one_clear_line_and_loses_nothing(
+    case, model, tmp_path, monkeypatch, capsys
+):
+    test_bad_input_is_one_clear_line_and_loses_nothing(
+        case, model, tmp_path, monkeypatch, capsys
+    )
+
+
+def exploding(c, monkeypatch):
+    c.before = None
+
+
+def finished(c, monkeypatch):
+    c.main(train(c.run, "--max_steps", "32"))
+    c.results = (c.run / "results.json").read_bytes()
+    c.before = names(c.run)
+
+
+def damaged_newest(where: str) -> Callable:
+    """Two checkpoints; then one +inf in the newest one's weights or Adam moments."""
+
+    def setup(c, monkeypatch):
+        c.main(train(c.run, "--max_steps", "32", "--keep_checkpoints", "5"))
+        older, c.newest = machinery.checkpoint_paths(c.run)[-2:]
+        c.older = older
+        state = torch.load(c.newest, weights_only=True)
+        if where == "weights":
+            c.tensor = next(k for k, v in state["model"].items() if v.dim() > 1)
+            state["model"][c.tensor].view(-1)[0] = float("inf")
+        else:
+            state["optimizer"]["state"][0]["exp_avg_sq"].view(-1)[0] = float("inf")
+            c.tensor = "exp_avg_sq"
+        torch.save(state, c.newest)
+
+    return setup
+
+
+def set_aside(c, r) -> bool:
+    return (
+        resumed_from(c, r, c.older)
+        and c.tensor in r.err
+        and "falling back" in r.err
+        and (c.run / (c.newest.name + ".unreadable")).is_file()
+        and json.loads((c.run / "results.json").read_text())["steps"] == 48
+    )
+
+
+TRAINING_ROUND_FOUR = [
+    Case(
+        "train --lr_factor 1e6: a finite loss that explodes",
+        lambda c: train(c.run, "--lr_factor", "1e6", "--max_steps", "48"),
+        2,
+        ("loss exploded", "ln 14", "--lr_factor", "--warmup"),
+        check=lambda c, r: not (c.run / "results.json").exists(),
+    ),
+    Case(
+        "re-running a finished run with other settings",
+        lambda c: train(
+            c.run, "--max_steps", "32", "--epochs", "1", "--max_eval_sentences", "2"
+        ),
+        2,
+        ("finished run", "epochs=16", "--run_dir"),
+        setup=finished,
+        check=lambda c, r: (c.run / "results.json").read_bytes() == c.results
+        and names(c.run) == c.before,
+    ),
+    Case(
+        "resuming with another --seed",
+        lambda c: train(c.run, "--max_steps", "48", "--seed", "7"),
+        2,
+        ("seed=1", "--seed 1", "--run_dir"),
+        setup=finished,
+        check=lambda c, r: (c.run / "results.json").read_bytes() == c.results
+        and names(c.run) == c.before,
+    ),
+    Case(
+        "+inf in the newest checkpoint's weights: set aside, the one before resumed",
+        lambda c: train(c.run, "--max_steps", "48", "--keep_checkpoints", "5"),
+        0,
+        setup=damaged_newest("weights"),
+        check=set_aside,
+    ),
+    Case(
+        "+inf in the newest checkpoint's Adam moments: set aside too",
+        lambda c: train(c.run, "--max_steps", "48", "--keep_checkpoints", "5"),
+        0,
+        setup=damaged_newest("optimizer"),
+        check=set_aside,
+    ),
+    Case(
+        "run.lock is a directory",
+        lambda c: train(c.run, "--max_steps", "16"),
+        2,
+        ("run.lock", "Is a directory"),
+        setup=lambda c, m: (c.run / "run.lock").mkdir(parents=True),
+        check=lambda c, r: names(c.run) == ["run.lock"],
+    ),
+]
+
+
+@pytest.mark.parametrize("case", TRAINING_ROUND_FOUR, ids=lambda c: c.name)
+def test_training_round_four_is_one_clear_line_and_loses_nothing(
+    case, tmp_path, monkeypatch, capsys
+):
+    test_training_fault_is_one_clear_line_and_loses_nothing(
+        case, tmp_path, monkeypatch, capsys
+    )
+
+
+# The script itself, round four: full and closed streams, a closed pipe, the C locale,
+# SIGHUP, a partner process that never comes, and a memory limit.
+
+
+def full_stdout(*argv, timeout=300):
+    """Run the script with standard output on /dev/full."""
+    with open("/dev/full", "w") as full:
+        return subprocess.run(
+            [sys.executable, str(SCRIPT), *argv],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            timeout=timeout,
+        )
+
+
+@pytest.mark.parametrize(
+    "argv", [["--help"], ["train", "--help"], ["translate", "--help"]]
+)
+def test_help_to_a_full_disk_is_one_line_and_not_0(argv):
+    r = full_stdout(*argv)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "standard output" in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_help_to_a_closed_stdout_is_one_line_and_not_0():
+    r = script("--help", close=(1,))
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "standard output is closed" in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_training_to_a_full_disk_names_standard_output(tmp_path):
+    r = full_stdout(*train(tmp_path / "run", "--max_steps", "16"))
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "Traceback" not in err, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: cannot write to standard output"), err[-2000:]
+    assert "No space left" in last, last
+
+
+def test_translate_into_a_closed_pipe_ends_quietly(model):
+    p = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "translate", "--checkpoint", str(model.ck)]
+        + ["--beam", "1", "--input", "-"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    p.stdout.close()  # `| head -0`: the reader is gone before the first line
+    _, err = p.communicate(("\n".join(NORMAL * 50) + "\n").encode(), timeout=300)
+    assert err.decode() == "" and p.returncode == 141, err.decode()
+
+
+def test_a_sentence_argument_under_the_c_locale_is_read_as_utf8(model):
+    sentence = "1 2 ä 3"
+    common = ["translate", "--checkpoint", str(model.ck), "--beam", "1"]
+    env = {"LANG": "C", "LC_ALL": "C", "PYTHONUTF8": "0"}
+    as_argument = script(*common, sentence, env=env)
+    from_stdin = subprocess.run(
+        [sys.executable, str(SCRIPT), *common],
+        input=(sentence + "\n").encode(),
+        capture_output=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        timeout=300,
+    )
+    assert as_argument.returncode == 0, as_argument.stderr.decode()
+    assert as_argument.stdout == from_stdin.stdout
+    assert as_argument.stdout.count(b"\n") == 1
+
+
+def test_sighup_saves_a_checkpoint_like_sigterm(tmp_path):
+    run_dir = tmp_path / "run"
+    p = subprocess.Popen(
+        [sys.executable, str(SCRIPT), *train(run_dir, "--epochs", "1000")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        deadline = time.time() + 240
+        while not (run_dir / "metrics.jsonl").is_file() and time.time() < deadline:
+            time.sleep(0.05)
+        p.send_signal(signal.SIGHUP)
+        _, err = p.communicate(timeout=240)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    err = err.decode()
+    assert p.returncode == 130 and "checkpoint saved" in err, err[-2000:]
+    assert machinery.checkpoint_paths(run_dir), err[-2000:]
+
+
+def test_a_process_whose_partners_never_come_says_so_and_gives_up(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        "WORLD_SIZE": "2",
+        "RANK": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "ANNOTATED_TRANSFORMER_START_TIMEOUT": "6",
+    }
+    r = script(*train(tmp_path / "run"), env=env, timeout=240)
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "Traceback" not in err, err
+    assert "waiting for the other 1 process(es)" in err, err
+    last = err.strip().splitlines()[-1]
+    assert "did not start within 6 s" in last and "MASTER_PORT" in last, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_model_too_large_is_refused_under_a_memory_limit(tmp_path):
+    """--N 100000 under a 2 GiB address-space limit: refused by the estimate, with what
+    it needs and what is left, long before the allocator would fail."""
+    import resource
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
+
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), *train(tmp_path / "run", "--N", "100000")],
+        capture_output=True,
+        preexec_fn=limit,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert "cannot fit" in last and "address-space limit" in last, err
+    assert "MemoryError" not in err and not (tmp_path / "run").exists()
