@@ -396,6 +396,63 @@ def _distributed(device: torch.device = torch.device("cpu")) -> tuple[int, int]:
     return dist.get_rank(), world
 
 
+# Starting several processes waits until all of them are there. A process whose partners
+# never come (rank 0 not started, a wrong MASTER_ADDR) would wait in silence for
+# torch's half hour; `start_watch` says after a few seconds what it waits for, and ends
+# the process with one line after `START_TIMEOUT_S` (our addition).
+
+START_TIMEOUT_S = 600  # ANNOTATED_TRANSFORMER_START_TIMEOUT (seconds) replaces it
+START_NOTE_S = 10  # no partner after this long: say what is awaited
+
+
+@contextmanager
+def start_watch(world: int, environ=None):
+    """Within the block, say after ``START_NOTE_S`` seconds which processes are awaited,
+    and end the process (status 2) after the start timeout (our addition)."""
+    environ = os.environ if environ is None else environ
+    try:
+        limit = float(environ.get("ANNOTATED_TRANSFORMER_START_TIMEOUT", ""))
+    except ValueError:
+        limit = START_TIMEOUT_S
+    if not 0 < limit <= 10**6:  # nan, inf, 0 or less: the default
+        limit = START_TIMEOUT_S
+    where = (
+        f"rank {environ.get('RANK', '?')} of {world}, at "
+        f"{environ.get('MASTER_ADDR', '?')}:{environ.get('MASTER_PORT', '?')}"
+    )
+
+    def note() -> None:
+        print(
+            f"waiting for the other {world - 1} process(es) to start ({where}); "
+            f"giving up after {limit:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def give_up() -> None:
+        print(
+            f"error: the other {world - 1} process(es) did not start within "
+            f"{limit:.0f} s ({where}): start all {world} (torchrun --nproc_per_node, "
+            "--nnodes), or check MASTER_ADDR and MASTER_PORT",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(2)
+
+    timers = [
+        threading.Timer(min(START_NOTE_S, limit / 2), note),
+        threading.Timer(limit, give_up),
+    ]
+    for t in timers:
+        t.daemon = True
+        t.start()
+    try:
+        yield
+    finally:
+        for t in timers:
+            t.cancel()
+
+
 def _barrier(device: torch.device) -> None:
     """Wait for every process (our addition; NCCL is told this process's GPU)."""
     dist.barrier(device_ids=[device.index]) if device.type == "cuda" else dist.barrier()
@@ -454,63 +511,6 @@ def restore_rng(state: dict, device: torch.device) -> None:
 
 class StopRequest:
     """Turns SIGINT/SIGTERM/SIGHUP into a request to stop after the current update.
-
-# Starting several processes waits until all of them are there. A process whose partners
-# never come (rank 0 not started, a wrong MASTER_ADDR) would wait in silence for
-# torch's half hour; `start_watch` says after a few seconds what it waits for, and ends
-# the process with one line after `START_TIMEOUT_S` (our addition).
-
-START_TIMEOUT_S = 600  # ANNOTATED_TRANSFORMER_START_TIMEOUT (seconds) replaces it
-START_NOTE_S = 10  # no partner after this long: say what is awaited
-
-
-@contextmanager
-def start_watch(world: int, environ=None):
-    """Within the block, say after ``START_NOTE_S`` seconds which processes are awaited,
-    and end the process (status 2) after the start timeout (our addition)."""
-    environ = os.environ if environ is None else environ
-    try:
-        limit = float(environ.get("ANNOTATED_TRANSFORMER_START_TIMEOUT", ""))
-    except ValueError:
-        limit = START_TIMEOUT_S
-    if not 0 < limit <= 10**6:  # nan, inf, 0 or less: the default
-        limit = START_TIMEOUT_S
-    where = (
-        f"rank {environ.get('RANK', '?')} of {world}, at "
-        f"{environ.get('MASTER_ADDR', '?')}:{environ.get('MASTER_PORT', '?')}"
-    )
-
-    def note() -> None:
-        print(
-            f"waiting for the other {world - 1} process(es) to start ({where}); "
-            f"giving up after {limit:.0f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def give_up() -> None:
-        print(
-            f"error: the other {world - 1} process(es) did not start within "
-            f"{limit:.0f} s ({where}): start all {world} (torchrun --nproc_per_node, "
-            "--nnodes), or check MASTER_ADDR and MASTER_PORT",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(2)
-
-    timers = [
-        threading.Timer(min(START_NOTE_S, limit / 2), note),
-        threading.Timer(limit, give_up),
-    ]
-    for t in timers:
-        t.daemon = True
-        t.start()
-    try:
-        yield
-    finally:
-        for t in timers:
-            t.cancel()
-
 
     A context manager: inside it the first signal only sets ``signum``; the training
     loop checks :meth:`requested` after each update, saves and stops. A second signal

@@ -57,16 +57,16 @@ from .resuming import find_checkpoint, newest_readable_checkpoint, resume  # noq
 from .runs import machine_name
 from .runfiles import (
     Position,
+    RunDirectoryError,
     RunFiles,
     TrainingInterrupted,
     checkpoint_paths,
     epoch_updates,
-    RunDirectoryError,
+    finished_run_problem,
     write_atomic,
 )
 
 if TYPE_CHECKING:
-    finished_run_problem,
     from the_annotated_transformer import Batch, EncoderDecoder
 
 
@@ -610,6 +610,9 @@ def train(
         f"h={cfg.h}, P_drop={cfg.P_drop})"
     )
     remaining, plan = plan_run(cfg, data, world, pos.step, run.model)
+    if not remaining and evaluate and rank == 0:  # nothing to train: a result to keep
+        if problem := finished_run_problem(run.files.dir, cfg):
+            raise RunDirectoryError(problem)
     for line in plan:
         log(line)
     clock = UpdateClock(remaining, device, log)
@@ -651,9 +654,6 @@ def train(
                     f"stopped after update {pos.step} (end of epoch {pos.epoch}); "
                     "checkpoint "
                     f"saved to {path or 'the run directory of the first process'}. "
-    if not remaining and evaluate and rank == 0:  # nothing to train: a result to keep
-        if problem := finished_run_problem(run.files.dir, cfg):
-            raise RunDirectoryError(problem)
                     "Run the same command again to continue from there."
                 )
     summary = {
