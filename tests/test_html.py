@@ -313,6 +313,14 @@ def test_every_image_is_decoded_and_has_alt_text(wide):
     assert all(i["w"] > 0 and i["h"] > 0 for i in images)
     assert all(i["alt"] for i in images), [i for i in images if not i["alt"]]
     assert not [i["alt"] for i in images if "▁" in i["alt"]]
+    # each a sentence a screen reader can say: one line, no TeX, a full stop
+    said = [
+        i["alt"]
+        for i in images
+        if not re.fullmatch(r"[A-Z][^\n\\$^{}]{10,400}[.]", i["alt"])
+        or re.search(r"\s{2,}", i["alt"])
+    ]
+    assert said == []
 
 
 def test_the_papers_words_stand_apart_from_our_commentary(wide):

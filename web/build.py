@@ -447,24 +447,58 @@ def join_pieces(text: str) -> str:
     return re.sub(r"\.(?=;)", "", text)  # "… Zaun.; columns" → "… Zaun; columns"
 
 
+def drawn_text(code: str, call: str) -> list[str]:
+    """The literal strings a figure's code passes as ``call`` ("set_title", …), also as
+    a keyword of ``ax.set(...)`` ("title", "xlabel", "ylabel")."""
+    keyword = {"set_title": "title", "set_xlabel": "xlabel", "set_ylabel": "ylabel"}
+    found = re.findall(call + r'\(\s*"([^"{}]+)"', code)
+    if call in keyword:
+        found += re.findall(rf'\.set\([^)]*\b{keyword[call]}\s*=\s*"([^"{{}}]+)"', code)
+    return [t.replace("\\n", " ") for t in found]  # a line break in the string
+
+
+def sentence(text: str, limit: int = 200) -> str:
+    """Text as one sentence a screen reader can say: no TeX, one line, a capital at
+    the start and a full stop at the end; a long text cut at a sentence's end."""
+    text = re.sub(r"!\[[^\]]*\]\([^)]*\)|<!--.*?-->", "", text, flags=re.S)
+    text = re.sub(r"\$+([^$]*)\$+", lambda m: tex_words(m.group(1)), text)
+    text = re.sub(r"[`*]|(?<!\w)_+|_+(?!\w)|^[>#]+", "", text, flags=re.M)
+    text = re.sub(r"\s+", " ", text).strip()
+    if len(text) > limit:  # to the first full stop that ends a sentence
+        stops = r"(?<!\bEq)(?<!\bFig)(?<!\be\.g)(?<!\bi\.e)\.(?=\s)"
+        ends = [m.end() for m in re.finditer(stops, text[:limit]) if m.end() > 20]
+        text = text[: ends[0]] if ends else text[:limit].rsplit(" ", 1)[0]
+    text = text.rstrip(" .;:,")
+    return (text[:1].upper() + text[1:] + ".") if text else ""
+
+
+def tex_words(tex: str) -> str:
+    """A formula as words, roughly: ``step\\_num \\ge 1`` → "step_num ≥ 1"."""
+    symbols = {"ge": "≥", "le": "≤", "times": "×", "cdot": "·", "to": "→"}
+    tex = re.sub(r"\\(ge|le|times|cdot|to)\b", lambda m: symbols[m.group(1)], tex)
+    tex = re.sub(r"\\([_%&$#])", r"\1", tex)
+    tex = re.sub(r"\\[a-zA-Z]+\s*", "", tex)
+    return re.sub(r"[{}^]", "", tex)
+
+
 def figure_alt(code: str, prose: str) -> str:
-    """Alt text for a figure a cell drew: titles and axis labels, else the prose."""
-    found = []
-    for call, what in (
-        ("suptitle", "Plot"),
-        ("set_title", "Plot"),
-        ("set_xlabel", "x axis"),
-        ("set_ylabel", "y axis"),
-    ):
-        for text in re.findall(call + r'\(\s*"([^"{}]+)"', code):
-            found.append(
-                f"{what}: " + text.replace("\\n", " ")
-            )  # a line break in the string
-    if found:
-        return "; ".join(found)
+    """Alt text for a figure a cell drew, as a sentence: its title and axis labels
+    ("Plot of T: y against x."), else the first sentence of the prose before."""
+    titles = drawn_text(code, "suptitle") + drawn_text(code, "set_title")
+    xs, ys = drawn_text(code, "set_xlabel"), drawn_text(code, "set_ylabel")
+    if titles:
+        axes = f": {ys[0]} against {xs[0]}" if xs and ys else ""
+        axes = axes or (f", against {xs[0]}" if xs else f": {ys[0]}" if ys else "")
+        return sentence(f"Plot of {titles[0]}{axes}")
+    if xs or ys:
+        return sentence(
+            f"Plot of {ys[0]} against {xs[0]}"
+            if xs and ys
+            else f"Plot against {(xs or ys)[0]}"
+        )
     paragraphs = [p for p in prose.split("\n\n") if plain(p)]
-    return "Figure: " + plain(
-        paragraphs[-1] if paragraphs else "output of the code above"
+    return sentence(
+        "Figure: " + (paragraphs[-1] if paragraphs else "output of the code above")
     )
 
 
@@ -574,7 +608,7 @@ def prepare(nb):
                     or cell.metadata.get("alt")
                     or figure_alt(cell.source, prose)
                 )
-                meta["alt"] = join_pieces(alt)
+                meta["alt"] = sentence(join_pieces(alt), limit=400)
                 size = display_size(output, mime)
                 if size:
                     meta["width"], meta["height"], meta["least_width"] = size
