@@ -14,11 +14,13 @@ import dataclasses
 import json
 import math
 import random
+import re
 import sys
 import time
 import types
 from pathlib import Path
 
+import jupytext
 import pytest
 import torch
 import torch.nn as nn
@@ -438,6 +440,48 @@ def test_a_change_to_a_notebook_cell_takes_effect_in_part_4s_runs(
     assert any(not torch.equal(edited[k], smoothed[k]) for k in edited), (
         "the edit made no difference"
     )
+
+
+# The definitions Part 4's opening paragraph names as shared with the production loop.
+PART_4_SHARES = (
+    "make_model",
+    "length_batches",
+    "make_batch",
+    "batch_loss",
+    "loss_sum",
+    "make_optimizer",
+    "rate",
+    "greedy_decode",
+    "beam_search",
+)
+
+
+def test_part_4_names_exactly_the_definitions_it_shares():
+    cells = jupytext.read(ROOT / "the_annotated_transformer.py").cells
+    (opening,) = [c.source for c in cells if "\n# Part 4 — " in f"\n{c.source}"]
+    # the names between "builds on the definitions above" and "A cell among those"
+    named = set(re.findall(r"`(\w+)`", opening.split("A cell among those")[0]))
+    assert named == set(PART_4_SHARES), named
+
+
+@pytest.mark.parametrize("name", PART_4_SHARES)
+def test_every_definition_part_4_names_is_the_one_its_runs_call(
+    name, tmp_path, monkeypatch
+):
+    # a reader who redefines the cell replaces the name in the notebook's namespace;
+    # the production run (training, then greedy and beam decoding) goes through it
+    calls = []
+    original = getattr(tat, name)
+
+    def edited(*args, **kwargs):
+        calls.append(name)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(tat, name, edited)
+    cfg = tiny_cfg(tmp_path / "run", max_steps=2, max_eval_sentences=2, beam_size=2)
+    summary = run(cfg, tiny_data(cfg), evaluate=True)
+    assert summary["steps"] == 2 and "bleu" in summary and "bleu_greedy" in summary
+    assert calls, f"the run never called the notebook's {name}"
 
 
 def test_the_package_finds_the_running_notebook_else_imports_the_module(monkeypatch):
