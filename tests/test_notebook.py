@@ -1,5 +1,6 @@
 """The notebook and the module: in sync, read top to bottom, quoting the paper exactly, quiet on import, executable."""
 
+import ast
 import os
 import re
 import subprocess
@@ -343,6 +344,10 @@ def test_the_notebook_executes_top_to_bottom(tmp_path, mirror):
     from nbclient import NotebookClient
 
     nb = jupytext.read(PY)
+    # after Part 4's names exist, an early demonstration still runs (no name it needs,
+    # `example` among them, was rebound on the way)
+    early = next(c for c in nb.cells if c.source.startswith("@example"))
+    nb.cells.append(nbformat.v4.new_code_cell(early.source))
     env = {
         "NOTEBOOK_PROFILE": "smoke",
         "NOTEBOOK_RUNS": str(tmp_path / "runs"),
@@ -377,6 +382,49 @@ def test_the_notebook_executes_top_to_bottom(tmp_path, mirror):
     )
     assert "profile: smoke" in text
     assert "copy task:" in text and "test BLEU" in text
+
+
+def part_4_first_cell() -> str:
+    """The first code cell of Part 4 (its set-up)."""
+    all_cells = jupytext.read(PY).cells
+    start = next(
+        i for i, c in enumerate(all_cells) if "\n# Part 4 — " in f"\n{c.source}"
+    )
+    return next(c.source for c in all_cells[start:] if c.cell_type == "code")
+
+
+def test_part_4s_first_cell_deletes_nothing_a_reader_made(tmp_path, monkeypatch):
+    import machinery
+
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("NOTEBOOK_RUNS", str(runs))
+    source = part_4_first_cell()
+    assert "NOTEBOOK_RUNS" in source  # the cell that sets up Part 4's run folders
+    scope = {"IN_NOTEBOOK": True, "PROFILE": "smoke", "os": os, "Path": Path}
+    scope["machinery"] = machinery
+    exec(source, dict(scope))
+    mine = runs / "iwslt14" / "checkpoint-00000100.pt"  # a reader's own run
+    mine.parent.mkdir(parents=True)
+    mine.write_bytes(b"weights")
+    exec(source, dict(scope))  # run again, as a reader re-running the cell
+    assert mine.read_bytes() == b"weights"
+
+
+def test_no_cell_rebinds_a_name_an_earlier_cell_defined_as_a_function():
+    sources = [c.source for c in jupytext.read(PY).cells if c.cell_type == "code"]
+    defined, clashes = {}, []
+    for i, src in enumerate(sources):
+        tree = ast.parse(src)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                if node.id in defined and defined[node.id] < i:
+                    clashes.append((i, node.id))
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name != "_":
+                defined.setdefault(node.name, i)
+    assert not clashes, (
+        f"(cell, name) rebinding a function of an earlier cell: {clashes}"
+    )
 
 
 def test_committed_notebook_carries_no_execution_timestamps():
