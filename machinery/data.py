@@ -231,7 +231,7 @@ def build_subwords(
     return subwords
 
 
-# ## A.1 Where the data comes from
+# ## Where the data comes from
 #
 # Each data set is a folder of parallel files. The loader looks, in order, in a local
 # **mirror** folder (`Config.data_mirror`, or the environment variable `DATA_MIRROR`),

@@ -1,4 +1,4 @@
-"""Data files: downloading one (atomically, checked against a pinned SHA-256 — A.1) and
+"""Data files: downloading one (atomically, checked against a pinned SHA-256) and
 reading parallel text carefully, one sentence a line (§5.1's sentence pairs).
 
 `DataError`, which these and the rest of the data code raise, is defined here, below

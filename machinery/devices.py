@@ -116,7 +116,7 @@ def progress_bar(iterable=None, **options):
     return tqdm(iterable, **options)
 
 
-# ## A.2 Devices, precision, processes and signals
+# ## Devices, precision, processes and signals
 #
 # Small pieces a run needs from its surroundings: which device, which precision pays off
 # there, whether several processes train together (`torchrun` sets `WORLD_SIZE`), and a
@@ -325,6 +325,65 @@ def allow_tf32(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     where = "tensor cores" if (major, minor) >= (8, 0) else "no effect before Ampere"
     return f"float32 matrix products: TF32 allowed ({where})"
+
+
+# **A compiled step.** Eagerly, every op of an update is dispatched by the host one at a
+# time: about 1,800 ops in float32 for `iwslt14-small` (`benchmarks/dispatch.py`),
+# which on a GPU can take longer than the arithmetic they launch. `compile=True` hands
+# the model's forward pass, and with it the backward, to `torch.compile`, which fuses
+# them into a few generated kernels; on CUDA with CUDA graphs (`reduce-overhead`), which
+# replay a recorded shape's kernels in one launch. Each new batch shape costs a
+# compilation (or a recording), so a compiled run rounds its batches' lengths up to a
+# multiple of `LENGTH_MULTIPLE` (padding, masked like any other). Where compiling
+# cannot work — no C compiler for the generated code, no Triton on CUDA — the run says
+# so in one line and trains eagerly.
+
+LENGTH_MULTIPLE = 8
+
+
+def compile_problem(device: torch.device) -> str:
+    """Why ``torch.compile`` cannot compile a training step on ``device`` here; "" when
+    it can (our addition)."""
+    import shutil
+
+    if not torch._dynamo.is_dynamo_supported():
+        return f"torch.compile does not support Python {platform.python_version()}"
+    if device.type == "cuda":
+        from torch.utils._triton import has_triton
+
+        if not has_triton():
+            return "Triton, which compiles CUDA kernels, is not installed"
+        names = (os.environ.get("CC"), "cc", "gcc", "clang")
+        what = "C compiler, which Triton's launcher needs"
+    else:
+        names = (os.environ.get("CXX"), "c++", "g++", "clang++")
+        what = "C++ compiler, which the generated CPU code needs"
+    if not any(name and shutil.which(name) for name in names):
+        return f"no {what}"
+    return ""
+
+
+def compile_model(model: nn.Module, device: torch.device, log) -> nn.Module:
+    """``model`` compiled by ``torch.compile`` — with CUDA graphs on CUDA — or, where
+    :func:`compile_problem` finds it cannot be, ``model`` itself, said in one line of
+    ``log`` (our addition)."""
+    if problem := compile_problem(device):
+        log(f"compile: not here ({problem}); training eagerly")
+        return model
+    mode = "reduce-overhead" if device.type == "cuda" else None
+    log(
+        "compile: torch.compile"
+        + (f" (mode {mode}: CUDA graphs)" if mode else "")
+        + f"; batch lengths rounded up to multiples of {LENGTH_MULTIPLE}"
+    )
+    return torch.compile(model, mode=mode)
+
+
+def compilations() -> int:
+    """Graphs ``torch.compile`` has compiled in this process so far (our addition)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
 
 
 # **Memory that is freed and asked for again.** On a CPU, PyTorch takes each tensor's

@@ -114,9 +114,9 @@ def read_verified(path: Path) -> bytes:
     return data
 
 
-# Three small helpers for the files of A.3 and A.4: reading back a metrics log that a
-# crash may have torn, and the short forms of an error and of the free disk space that
-# their messages quote.
+# Three small helpers for the checkpoint files below and for a training job: reading
+# back a metrics log that a crash may have torn, and the short forms of an error and
+# of the free disk space that their messages quote.
 
 
 def metrics_lines_upto(raw: bytes, step: int) -> tuple[list[str], int, int]:
@@ -171,6 +171,42 @@ def finished_run_problem(run_dir: Path, cfg: Config) -> Optional[str]:
     )
 
 
+def changed_settings(saved: dict, cfg: Config) -> str:
+    """A line naming the training settings a resumed run changes from its checkpoint's
+    (dropout, smoothing, the schedule, Adam's settings, clipping, the length filter);
+    "" when none (our addition: the run goes on, but it is no longer the run that was
+    stopped)."""
+    now = dataclasses.asdict(cfg)
+    diff = [
+        f"{k} {saved[k]!r} → {now[k]!r}"
+        for k in RESUME_SAID
+        if k in saved
+        and (list(saved[k]) if isinstance(saved[k], tuple) else saved[k])
+        != (list(now[k]) if isinstance(now[k], tuple) else now[k])
+    ]
+    return (
+        f"settings changed since the checkpoint ({', '.join(diff)}): the rest of the "
+        "run differs from the run that was stopped"
+        if diff
+        else ""
+    )
+
+
+RESUME_SAID = (
+    "P_drop",
+    "ffn_dropout",
+    "attn_dropout",
+    "eps_ls",
+    "lr_factor",
+    "warmup",
+    "betas",
+    "adam_eps",
+    "weight_decay",
+    "clip_grad",
+    "max_tokens",
+)
+
+
 # settings that do not change a run's result (where it runs, how its files are kept)
 RESULT_NEUTRAL = (
     "run_dir",
@@ -204,7 +240,7 @@ def free_space(folder: Path) -> str:
         return "free space unknown"
 
 
-# ## A.3 Checkpoint files
+# ## Checkpoint files
 #
 # A checkpoint holds the model, optimizer, scheduler and gradient-scaler states, the
 # step and the position in the epoch, every process's random-number states, the config
@@ -583,16 +619,6 @@ def average_checkpoints(paths: Sequence[Path]) -> dict:
         for k, v in avg.items()
     }
 
-
-# ## A.4 Running a training job
-#
-# Part 2's `update` is the core. Around it a run needs: epochs of length-batched
-# updates, optional gradient clipping, the precision of A.2, `torch.compile` (an option;
-# compiling is slow on a CPU, so the tests leave it out), several processes through
-# `torchrun` with `DistributedDataParallel` (NCCL on GPUs, Gloo on CPUs), `tqdm`
-# progress bars with loss, learning rate and tokens per second, a validation loss every
-# epoch, a JSONL metrics log, a training-curve figure, checkpoints (A.3), resuming, and
-# at the end the test set translated and scored with Part 3's decoding.
 
 # ### Checkpoint and metrics bookkeeping; resuming
 #

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
 from .config import Config, run_dir_for
@@ -38,8 +39,11 @@ from .devices import (
     _barrier,
     _distributed,
     allocator_note,
+    LENGTH_MULTIPLE,
     allow_tf32,
     any_process,
+    compilations,
+    compile_model,
     measured_ratio,
     precision_candidates,
     progress_bar,
@@ -96,10 +100,13 @@ class Trainer:
 # update — counted over every micro-batch and, in a distributed run, every process (the
 # `all_reduce`) — and multiplied by the number of processes, because DDP *averages*
 # gradients over processes. So the gradient is the one of the mean loss per target token
-# of the whole update, however it is split (a test checks it). Loss and token counts
-# stay on the device until one transfer at the end of the update, and in a distributed
-# run the loss is summed over the processes first, so a NaN in any of them stops all of
-# them together, before the step.
+# of the whole update, however it is split (a test checks it). The token counts come
+# from the host, where each batch counted its own when it was made (`Batch.ntokens`);
+# the loss stays on the device until one transfer at the end of the update, and in a
+# distributed run the loss and counts are summed over the processes first, so a NaN in
+# any of them stops all of them together, before the step. Every op the update
+# dispatches costs host time that a GPU waits through, so nothing is computed per update
+# that the host already knows (`benchmarks/dispatch.py` counts the ops).
 
 
 def update(trainer: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]:
@@ -112,11 +119,12 @@ def update(trainer: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]
     synchronisation per update.
     """
     nb = notebook()
-    # counted where the batches are
-    ntokens = torch.stack([(b.tgt_y != nb.PAD).sum() for b in micro]).sum().float()
-    if trainer.world > 1:
-        dist.all_reduce(ntokens)
-    total = torch.zeros((), device=trainer.device)
+    ntokens = float(sum(b.ntokens for b in micro))  # counted when the batches were made
+    if trainer.world > 1:  # every process's: on the device, one collective
+        counted = torch.tensor(ntokens, device=trainer.device)
+        dist.all_reduce(counted)
+        ntokens = counted
+    losses = []
     for j, b in enumerate(micro):
         last = j == len(micro) - 1
         several = trainer.world > 1 and not last
@@ -125,11 +133,17 @@ def update(trainer: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]
             loss = nb.batch_loss(
                 trainer.model, b, trainer.cfg.eps_ls, trainer.train_model
             )
-        trainer.scaler.scale(loss * trainer.world / ntokens).backward()
-        total += loss.detach()
+        # DDP averages over processes: times `world` (dividing last, as the notebook)
+        share = loss * trainer.world / ntokens if trainer.world > 1 else loss / ntokens
+        trainer.scaler.scale(share).backward()
+        losses.append(loss.detach())
+    one = len(losses) == 1 and trainer.world == 1
+    total = losses[0] if one else torch.stack(losses).sum()
     if trainer.world > 1:
         dist.all_reduce(total)  # a NaN anywhere makes the sum NaN everywhere
-    total, tokens = torch.stack([total, ntokens]).tolist()  # the one host sync
+        total, tokens = torch.stack([total, ntokens]).tolist()  # the one host sync
+    else:
+        total, tokens = total.item(), ntokens  # the one host sync
     if not math.isfinite(total):
         raise TrainingDiverged(f"loss is {total}")
     if trainer.cfg.clip_grad:
@@ -151,12 +165,13 @@ def update(trainer: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]
 # ## Running a training job
 #
 # `update` is the core. Around it a run needs: epochs of length-batched updates,
-# optional gradient clipping, the precision of A.2, `torch.compile` (an option;
-# compiling is slow on a CPU, so the tests leave it out), several processes through
-# `torchrun` with `DistributedDataParallel` (NCCL on GPUs, Gloo on CPUs), `tqdm`
-# progress bars with loss, learning rate and tokens per second, a validation loss every
-# epoch, a JSONL metrics log, a training-curve figure, checkpoints (A.3), resuming, and
-# at the end the test set translated and scored with Part 3's decoding.
+# optional gradient clipping, the precision `devices.py` picks, `torch.compile` (an
+# option; compiling is slow on a CPU, so the tests leave it out), several processes
+# through `torchrun` with `DistributedDataParallel` (NCCL on GPUs, Gloo on CPUs),
+# `tqdm` progress bars with loss, learning rate and tokens per second, a validation
+# loss every epoch, a JSONL metrics log, a training-curve figure, checkpoints
+# (`runfiles.py`), resuming, and at the end the test set translated and scored with
+# Part 3's decoding.
 
 # A run is a `Trainer` (what `update` needs, Part 2) together with what the machinery
 # around it needs: the data, this process's rank, the run directory and the log.
@@ -227,6 +242,32 @@ def prefetched(make: Callable[[int], object], count: int, depth: int):
         worker.join()
 
 
+# A compiled step sees as few batch shapes as it can: each batch's source and target
+# lengths rounded up to a multiple of `LENGTH_MULTIPLE` with padding, which the masks
+# and the loss ignore like any other (our addition).
+
+
+def round_lengths(batch: Batch, multiple: int) -> Batch:
+    """``batch`` with its source and target lengths padded up to multiples of
+    ``multiple`` (our addition)."""
+    nb = notebook()
+    # (batch, tgt_len + 1): the whole target, decoder input and prediction together
+    whole = torch.cat([batch.tgt[:, :1], batch.tgt_y], dim=1)
+    src = F.pad(batch.src, (0, -batch.src.size(1) % multiple), value=nb.PAD)
+    whole = F.pad(whole, (0, -(whole.size(1) - 1) % multiple), value=nb.PAD)
+    return nb.Batch(src, whole, nb.PAD)
+
+
+def update_batches(run: Run, pairs: Sequence, indices: Sequence) -> list[Batch]:
+    """The batches of one update (``indices``: one list of pair indices per batch) on
+    the run's device; lengths rounded for a compiled step."""
+    nb = notebook()
+    made = [nb.make_batch(pairs, idx) for idx in indices]
+    if run.cfg.compile:
+        made = [round_lengths(b, LENGTH_MULTIPLE) for b in made]
+    return [b.to(run.device) for b in made]
+
+
 # ### One epoch
 #
 # The batches of an epoch are a function of (seed, epoch), so `train_epoch` can start at
@@ -268,7 +309,7 @@ def train_epoch(
     watch = LossWatch(len(run.data.tgt_vocab))  # a finite loss that explodes
     finished = False
     ahead = prefetched(
-        lambda u: [nb.make_batch(pairs, idx).to(run.device) for idx in updates[u]],
+        lambda u: update_batches(run, pairs, updates[u]),
         len(updates),
         PREFETCH.get(run.device.type, 0),
     )
@@ -341,9 +382,9 @@ def train_epoch(
 #
 # `setup` builds a run's objects: the run directory and the checkpoint to resume from,
 # the precision and attention path (kept from that checkpoint, or asked for, or
-# measured: A.2), the model (the same initial weights in every process), the optimizer
-# and its schedule, DDP when several processes train, and `torch.compile` last —
-# PyTorch's documented order, compiling the DDP module so that its gradient
+# measured: `devices.py`), the model (the same initial weights in every process), the
+# optimizer and its schedule, DDP when several processes train, and `torch.compile`
+# last — PyTorch's documented order, compiling the DDP module so that its gradient
 # communication overlaps the backward pass.
 
 
@@ -374,7 +415,7 @@ def measure_compute(
     timer: Optional[Callable] = None,
 ) -> dict:
     """Seconds per forward and backward pass of the run's model, for each (precision,
-    attention path), on a real batch on ``device`` — A.2 (our addition).
+    attention path), on a real batch on ``device`` (our addition; `devices.py`).
 
     Inside ``fork_rng``: the run's random streams are as they were. ``timer`` is
     :func:`time_calls` unless given (tests give fake times).
@@ -439,8 +480,8 @@ def decide_compute(
 ) -> tuple[str, str, dict]:
     """(precision, attention path, {"precision": line, "attention": line}) of a run:
     what its checkpoint recorded (``saved``, its config, and ``carried``, its decision
-    lines), else what was asked for, else measured here — A.2 (our addition). In a
-    distributed run process 0's measurement decides for all."""
+    lines), else what was asked for, else measured here (our addition; `devices.py`).
+    In a distributed run process 0's measurement decides for all."""
     precisions, attention_paths = [cfg.precision], [cfg.attention]
     lines: dict = {}
     carried = carried or {}
@@ -521,8 +562,8 @@ def setup(
             broadcast_buffers=False,
         )
         seed_process(cfg.seed, rank)
-    if cfg.compile:
-        train_model = torch.compile(train_model)  # after DDP, as PyTorch documents
+    if cfg.compile:  # after DDP, as PyTorch documents
+        train_model = compile_model(train_model, device, log)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
     autocast = (
         (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
@@ -601,6 +642,7 @@ def train(
             _barrier(device)
     for line in agreed_plan(cfg, data, device, world):  # refuses before any work
         log(line)
+    compiled = compilations() if cfg.compile else 0
     run = setup(cfg, data, device, rank, world, log)
     pos = resume(run)
     log(
@@ -667,6 +709,7 @@ def train(
         "attention": run.cfg.attention,
         "auto": {k: measured_ratio(v) for k, v in run.decided.items()},
         "data": data.origin,
+        **({"compilations": compilations() - compiled} if cfg.compile else {}),
         "run_dir": str(run.files.dir),
     }
     if rank == 0 and run.files.metrics.is_file():
