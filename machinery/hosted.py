@@ -29,7 +29,6 @@ HOSTED_PACKAGES = MappingProxyType(
         "sacrebleu": "sacrebleu==2.6.0",
         "sacremoses": "sacremoses==0.2.0",
         "spacy": "spacy==3.8.18",
-        "seaborn": "seaborn==0.13.2",
         "matplotlib": "matplotlib==3.11.2",
         "tqdm": "tqdm==4.70.1",
     }

@@ -38,7 +38,7 @@ def has_all_but(*missing):
 
 def test_outside_a_hosted_notebook_nothing_is_planned():
     plan = machinery.hosted_setup_plan(
-        {}, {"ipykernel": object()}, has_all_but("sacrebleu", "seaborn")
+        {}, {"ipykernel": object()}, has_all_but("sacrebleu", "sacremoses")
     )
     assert plan == {"hosted": False, "install": [], "found": {}}
     assert not machinery.is_hosted({}, {"ipykernel": object()})
