@@ -1270,16 +1270,17 @@ class Batch:
 # batches holding at most `batch_tokens` tokens on either side *including padding*, and
 # shuffle the order of the batches. Everything random comes from a generator seeded with
 # (seed, epoch), so the batches of an epoch can be recomputed exactly — that is what
-# lets training resume in the middle of an epoch. In a distributed run, rank $r$ of $W$
-# takes batches $r, r+W, …$.
+# lets training resume in the middle of an epoch. In a distributed run the machinery
+# deals these batches out: process $r$ of $W$ takes batches $r, r+W, …$.
 
 
 # %%
 def length_batches(
-    lengths, batch_tokens, seed=0, epoch=0, shuffle=True, rank=0, world_size=1
+    lengths, batch_tokens, seed=0, epoch=0, shuffle=True
 ) -> list[list[int]]:
     """Index batches of similar-length pairs, given each pair's (source, target)
-    lengths: at most ``batch_tokens`` tokens, padding included, on either side."""
+    lengths: at most ``batch_tokens`` tokens, padding included, on either side — §5.1.
+    Several processes deal these out among themselves (``machinery`` does)."""
     rng = random.Random(f"{seed}-{epoch}")
     order = list(range(len(lengths)))
     if shuffle:
@@ -1297,8 +1298,6 @@ def length_batches(
         batches.append(current)
     if shuffle:
         rng.shuffle(batches)
-    if world_size > 1:
-        batches = batches[: len(batches) - len(batches) % world_size][rank::world_size]
     return batches
 
 
