@@ -79,11 +79,8 @@ def planned_updates(cfg: Config, data: Dataset, world: int) -> tuple[int, int, l
     per epoch, (source, target) lengths of the first epoch's pairs)."""
     nb = notebook()
     lengths = [(len(s), len(t)) for s, t in data.splits["train"]]
-    batches = len(
-        nb.length_batches(
-            lengths, cfg.batch_tokens, cfg.seed, 0, rank=0, world_size=world
-        )
-    )
+    # each process's share of the epoch's batches (as runfiles.epoch_updates deals them)
+    batches = len(nb.length_batches(lengths, cfg.batch_tokens, cfg.seed, 0)) // world
     per_epoch = math.ceil(batches / cfg.accum_steps)
     total = (
         per_epoch * cfg.epochs
