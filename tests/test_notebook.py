@@ -433,3 +433,11 @@ def test_committed_notebook_carries_no_execution_timestamps():
     assert not stamped, (
         f"cells with execution timestamps: {stamped[:10]}… (make notebook stores none)"
     )
+
+
+def test_the_notebook_keeps_its_length_budgets():
+    # the reader's path: the whole module within 2,300 lines, Part 4 before line 2,000
+    lines = PY.read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 2300, len(lines)
+    part_4 = next(i for i, line in enumerate(lines, 1) if line.startswith("# # Part 4"))
+    assert part_4 < 2000, part_4
