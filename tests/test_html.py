@@ -159,6 +159,30 @@ def fixture_notebook(path: Path) -> Path:
                 )
             ],
         ),
+        new.new_markdown_cell("## Table 3 at our scale\n\nThe rows, as a table."),
+        new.new_code_cell(
+            "if IN_NOTEBOOK:\n    display(Markdown(table))",
+            outputs=[
+                new.new_output(
+                    "display_data",
+                    data={
+                        "text/markdown": "| row | BLEU | paper BLEU |\n|---|--:|--:|\n"
+                        "| base | 20.2 | 25.8 |\n| A-h1 | 19.8 | 24.9 |\n"
+                        "<script>window.ran = 1</script>",
+                        "text/plain": "<IPython.core.display.Markdown object>",
+                    },
+                ),
+                new.new_output(
+                    "display_data",
+                    data={
+                        "text/html": '<table onclick="window.ran = 2"><tr><th>a</th>'
+                        '</tr><tr><td><img src="https://example.org/x.png">1</td>'
+                        "</tr></table><script>window.ran = 3</script>",
+                        "text/plain": "a table",
+                    },
+                ),
+            ],
+        ),
         new.new_code_cell('if __name__ == "__main__":\n    sys.exit(main())'),
     ]
     nbformat.write(new.new_notebook(cells=cells), path)
@@ -303,12 +327,13 @@ def test_every_image_is_decoded_and_has_alt_text(wide):
         return imgs.map(i => ({w: i.naturalWidth, h: i.naturalHeight,
                                alt: i.alt.trim()}));
     }""")
-    stored = sum(
-        "image/png" in o.get("data", {})
-        for c in nbformat.read(NB, as_version=4).cells
-        if c.cell_type == "code"
-        for o in c.outputs
-    )
+    stored = 0  # the stored pictures the page shows: the explorer's cell keeps one
+    for c in nbformat.read(NB, as_version=4).cells:
+        if c.cell_type != "code":
+            continue
+        n = sum("image/png" in o.get("data", {}) for o in c.outputs)
+        explored = any(build.ATTENTION_MIME in o.get("data", {}) for o in c.outputs)
+        stored += min(n, 1) if explored else n
     assert len(images) >= stored > 0
     assert all(i["w"] > 0 and i["h"] > 0 for i in images)
     assert all(i["alt"] for i in images), [i for i in images if not i["alt"]]
@@ -559,6 +584,50 @@ def test_every_code_block_has_a_copy_button_that_copies_only_the_code(wide):
         if c.cell_type == "code"
     ]
     assert page.evaluate("window.copied") == expected  # every line, nothing else
+
+
+def test_markdown_and_html_outputs_show_as_tables_without_scripts(fixture_wide):
+    page = fixture_wide.page
+    state = page.evaluate("""(() => {
+        const tables = [...document.querySelectorAll('main .output table')];
+        tables.forEach(t => t.click());
+        return {tables: tables.map(t => [...t.querySelectorAll('td, th')]
+                    .map(c => [c.textContent, getComputedStyle(c).textAlign])),
+                scripts: document.querySelectorAll(
+                    'main .output script:not([type="application/json"])').length,
+                images: document.querySelectorAll('main .output img').length,
+                ran: window.ran || 0,
+                folded: [...document.querySelectorAll('details.code-fold')]
+                    .map(d => [d.dataset.why, d.open])}; })()""")
+    assert len(state["tables"]) == 2
+    assert [text for text, _ in state["tables"][1]] == ["a", "1"]
+    assert ["20.2", "right"] in state["tables"][0]
+    assert state["scripts"] == state["images"] == state["ran"] == 0, state
+    assert state["folded"] == [["table", False]]
+    assert fixture_wide.left_file == []
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_table_3_is_an_html_table_beside_the_papers_and_its_code_folded(fresh, width):
+    page = fresh(width).page
+    found = page.evaluate("""(() => {
+        const h = [...document.querySelectorAll('main h2')]
+            .find(e => e.textContent.startsWith('Table 3'));
+        if (!h) return null;
+        const tables = [...h.closest('section').querySelectorAll('.output table')];
+        return {tables: tables.map(t => ({
+                    rows: t.querySelectorAll('tr').length,
+                    head: [...t.querySelectorAll('th')].map(c => c.textContent)})),
+                folded: [...h.closest('section').querySelectorAll(
+                    'details.code-fold[data-why="table"]')].length,
+                pre: [...h.closest('section').querySelectorAll('pre.output')]
+                    .filter(p => /[|]\\s*paper/.test(p.textContent)).length}; })()""")
+    assert found is not None, "no Table 3 section"
+    assert found["tables"], "Table 3 is not an HTML <table> (a text dump?)"
+    table = found["tables"][0]
+    assert table["rows"] >= 2 and any("paper" in h.lower() for h in table["head"])
+    assert found["folded"] >= 1 and found["pre"] == 0
+    assert page.evaluate("document.documentElement.scrollWidth") <= width
 
 
 def test_plumbing_is_folded_and_the_papers_code_is_not(wide):

@@ -494,7 +494,15 @@ def test_html_and_markdown_outputs_are_sanitised_and_tables_recognised():
         '<iframe src="https://x"></iframe><style>p{}</style>'
     )
     clean = build.sanitize_html(dirty)
-    for gone in ("onclick", "<script", "javascript:", "http://x", "<iframe", "<style"):
+    for gone in (
+        "onclick",
+        "<script",
+        "javascript:",
+        "http:",
+        "<iframe",
+        "<img",
+        "<style",
+    ):
         assert gone not in clean, gone
     assert '<td style="text-align: right">1</td>' in clean
     table = {"data": {"text/markdown": "| a | b |\n|---|--:|\n| 1 | 2 |"}}

@@ -998,6 +998,9 @@ def sanitize_html(markup: str) -> str:
                 or (name == "src" and low.startswith("data:image/"))
             ):  # links may lead out; nothing is loaded from anywhere
                 del tag.attrs[name]
+                if tag.name == "img" and name == "src":  # a picture from elsewhere
+                    tag.decompose()
+                    break
             elif name.lower() == "style":
                 kept = re.findall(r"text-align\s*:\s*(left|right|center)", low)
                 if kept:
