@@ -119,7 +119,7 @@ def run_or_load(
             f"loaded the finished run in {where}: {summary['steps']:,} updates, "
             f"trained in {summary['train_minutes']:.0f} min{on}"
         )
-        summary["run_dir"] = str(where)
+        summary |= {"run_dir": str(where), "curve": str(where / "curve.png")}
         return summary
     checkpoints = checkpoint_paths(Path(cfg.run_dir))
     if recorded is not None and not checkpoints and Path(recorded).is_file():
@@ -128,6 +128,8 @@ def run_or_load(
             f"loaded the recorded summary {recorded} ({summary['steps']:,} updates, "
             f"trained in {summary['train_minutes']:.0f} min); no run directory here"
         )
+        recorded = Path(recorded)
+        summary["curve"] = str(recorded.with_name(f"{recorded.stem}-curve.png"))
         return summary
     if checkpoints:
         log(f"resuming the run in {cfg.run_dir} from {checkpoints[-1].name}")
@@ -141,3 +143,29 @@ def run_or_load(
         f"on {summary.get('machine', summary['device'])}"
     )
     return summary
+
+
+# The paper's rows of the Results table (Table 2 and §5.2): BLEU on newstest2014.
+PAPER_RESULTS = (
+    ("the paper, base", "WMT 2014 EN→DE newstest2014", "65M", "8 P100 GPUs", "12 h",
+     "27.3"),
+    ("the paper, big", "the same", "213M", "8 P100 GPUs", "3.5 days", "28.4"),
+)  # fmt: skip
+
+
+def results_table(ours: Sequence[tuple]) -> str:
+    """The Results table as Markdown: the paper's base and big models, then ``ours``,
+    rows of (preset, data, parameters, run summary with ``bleu``), each with the
+    minutes and machine its summary recorded (our addition)."""
+    lines = [
+        "| run | data | parameters | hardware | training | BLEU |",
+        "|---|---|---|---|---|---|",
+        *(f"| {' | '.join(row)} |" for row in PAPER_RESULTS),
+    ]
+    for name, data, params, run in ours:
+        machine = run.get("machine") or f"{run.get('device', '?')} (not recorded)"
+        lines.append(
+            f"| `{name}` | {data} | {params:,} | {machine} "
+            f"| {run['train_minutes']:.0f} min | {run['bleu']:.1f} |"
+        )
+    return "\n".join(lines)
