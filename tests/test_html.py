@@ -250,6 +250,8 @@ class Visit:
         # http, https, ws, …: refused and noted
         self.context.route(re.compile(r"^(?!file:|data:)"), block)
         self.page = self.context.new_page()
+        self.requests = []  # every address the page asked for, file:// included
+        self.page.on("request", lambda r: self.requests.append(r.url))
         self.page.on(
             "console",
             lambda m: self.errors.append(m.text) if m.type == "error" else None,
@@ -947,6 +949,7 @@ def test_the_footer_names_the_build_and_the_icon_is_inline(wide):
         "[...document.querySelectorAll('link[rel~=icon]')].map(l => l.href)"
     )
     assert len(icons) == 1 and icons[0].startswith("data:image/svg+xml,")
+    assert not [u for u in wide.requests if "favicon" in u]
 
 
 def test_the_page_ends_with_results_citation_and_credits(wide):
@@ -1245,9 +1248,23 @@ def test_quotations_prose_and_figures_are_legible_in_both_schemes(fresh, scheme)
                 caption: [get('figure.paper-quote figcaption', 'color'),
                           get('figure.paper-quote', 'backgroundColor')],
                 link: [get('main a.xref', 'color'), get('body', 'backgroundColor')],
+                findings: [get('aside.findings li', 'color'),
+                           get('aside.findings', 'backgroundColor')],
+                findingsLink: [get('aside.findings a', 'color'),
+                               get('aside.findings', 'backgroundColor')],
+                stamp: [get('.build-stamp', 'color'), get('body', 'backgroundColor')],
                 katex: [get('.katex', 'color'), get('body', 'backgroundColor')],
                 image: get('figure.plot img', 'backgroundColor')}; })()""")
-    for name in ("body", "quote", "caption", "link", "katex"):
+    for name in (
+        "body",
+        "quote",
+        "caption",
+        "link",
+        "katex",
+        "findings",
+        "findingsLink",
+        "stamp",
+    ):
         fg, bg = colours[name]
         assert contrast(rgb(fg), rgb(bg)) >= 4.5, (name, fg, bg)
     assert rgb(colours["image"]) == (255, 255, 255)  # figures keep a light frame

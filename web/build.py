@@ -19,8 +19,24 @@ What the build reads from the notebook's structure (never from its exact words):
 * A heading that contains "Aside", or starts with "Appendix", opens a section a first
   reading may skip: it is collapsed (a ``<details>``, opened for printing, by a link
   into it, and by the browser's find-in-page).
-* A code cell of more than ``FOLD_OVER`` lines shows its first ``FOLD_SHOW`` or so
-  (signature and docstring) and folds the rest the same way, "… N more lines".
+* Plumbing folds to one line (a closed ``<details>`` that says what it is), found by
+  its content: a cell that sets up a hosted notebook (``hosted_setup(`` or ``git
+  clone``), that prints a table (an output of :func:`is_tabular`), or is all
+  plumbing; else each top-level ``if`` on ``IN_NOTEBOOK``, ``if __name__ …`` that
+  installs a signal handler, and ``@example`` demonstration. Any other cell of more than
+  ``FOLD_OVER`` lines shows its first ``FOLD_SHOW`` or so (signature and docstring) and
+  folds the rest, "… N more lines". Every code block has a copy button (page.js) that
+  copies its code alone, folded lines included.
+* Code cells get ids (``code-`` and the first name they define) and search entries (the
+  names ``def`` and ``class`` define, the comments); the search also reads headings and
+  prose, and lands on the paragraph or cell that matches.
+* ``text/html`` and ``text/markdown`` outputs are shown as HTML (a Markdown table is a
+  ``<table>``), sanitised: nothing runs and nothing is loaded (:func:`sanitize_html`).
+* Under the title, a box of what this reproduction found, read from ``results/`` at
+  build time (:func:`findings`; ``--readme`` writes the same lines into README.md). The
+  repository and Colab links come from CITATION.cff's ``repository-code``
+  (machinery/project.py) and are left out while it is unset; "Cite this reproduction"
+  is BibTeX made from CITATION.cff; the footer names the build's date and commit.
 * A block quote is the paper's wording; the ``— §…`` line under it is its source.
 * A code cell that is only ``if __name__ == "__main__": …`` is left out of the page.
 * Headings "Results", "Conclusion", "Citation"/"How to cite" and "Credits", where the
@@ -33,8 +49,10 @@ Conventions a notebook cell can use for the page:
   Markdown cell before the code cell (one line per image, in the order the cell shows
   them); the output's ``metadata["image/png"]["alt"]`` (``display(..., metadata=...)``);
   the cell's ``metadata["alt"]``; the figure's titles and axis labels in the cell's code
-  (``set_title("…")``, ``suptitle``, ``set_xlabel``, ``set_ylabel``); the paragraph
-  before. SentencePiece markers (``▁``) in alt text are joined into words.
+  (``set_title("…")``, ``suptitle``, ``set_xlabel``, ``set_ylabel``, ``ax.set(...)``);
+  the first sentence of the paragraph before. SentencePiece markers (``▁``) are joined
+  into words, and every alt text is made one sentence a screen reader can say
+  (:func:`sentence`: no TeX, one line, a full stop).
 * **Resolution**: an image is shown at its real size, from the dots per inch its PNG
   stores (the ``pHYs`` chunk, which matplotlib writes: a figure of 7 inches is 672 CSS
   px wide at any dpi), else at the width its output metadata gives
@@ -47,8 +65,10 @@ Conventions a notebook cell can use for the page:
   ``application/vnd.attention-maps+json`` (IPython:
   ``display({"application/vnd.attention-maps+json": blob, "text/plain": "…"},
   raw=True)``) becomes an interactive figure (attention kind, layer, head; hover or
-  arrow keys read a weight) with a static SVG of one head for print and no-script. The
-  blob::
+  arrow keys read a weight; a colour scale; a preset button for the sharpest head of
+  each kind) with a static SVG of one head for print and no-script. It stands right
+  under what the cell printed (the sentence), and of the cell's pictures only the first
+  (an overview) is kept: the others are single heads the presets show. The blob::
 
       {"sentence": {"src": ["▁Ein", "▁Hund", ...], "tgt": ["<s>", "▁A", "▁dog", ...],
                     "tgt_out": ["▁A", "▁dog", ..., "</s>"]},  # optional
