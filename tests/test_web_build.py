@@ -470,10 +470,13 @@ def test_plumbing_folds_by_what_it_is_and_the_papers_code_stays():
     )
     lines = source.split("\n")
     folds = build.code_folds(source)
-    assert [(why, lines[a]) for a, _, why in folds] == [
+    first = [next(x for x in lines[a:] if x.strip()) for a, _, _ in folds]
+    assert [(why, line) for (_, _, why), line in zip(folds, first)] == [
         ("signal", lines[2]),
         ("example", "# a picture of f"),
     ]
+    shown = [x for a, b, _ in folds for x in lines[a:b]]
+    assert shown[0] == "" and "def f(x):" not in shown  # blank lines go with a fold
     assert build.code_folds("if IN_NOTEBOOK:\n    run()\n") == [(0, 3, "notebook")]
     assert build.code_folds("x = 1\nprint(x)", tabular=True) == [(0, 2, "table")]
     assert build.code_folds("def f():\n    pass") == []

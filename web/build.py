@@ -928,6 +928,8 @@ def code_folds(source: str, tabular: bool = False) -> list[tuple[int, int, str]]
         start -= 1
         while start > 0 and lines[start - 1].lstrip().startswith("#"):
             start -= 1
+        while start > 0 and not lines[start - 1].strip():
+            start -= 1  # the blank lines above too: shown code ends with code
         end = node.end_lineno
         while end < len(lines) and not lines[end].strip():
             end += 1
