@@ -11,9 +11,8 @@ themselves); without it the check refuses, unless ``--synthetic`` asks for rando
 sentences instead. ``--wheels`` is a folder of wheels for optional packages this Python
 lacks, installed offline (``pip --no-index --find-links``) into the work folder. Each
 optional package degrades only what needs it: without tqdm no progress bars, without
-matplotlib no curve, without sentencepiece no IWSLT (BPE) steps, without numpy (which
-the notebook's batching imports) no training steps; the cause is written where the
-step would be.
+matplotlib (or numpy, which it needs) no curve, without sentencepiece no IWSLT (BPE)
+steps; the cause is written where the step would be.
 
 The JSON (``--out``, default ``build/gpu-check/``, outside the tracked results) is
 rewritten after every step. It holds first the environment — torch, CUDA, cuDNN, the
@@ -34,8 +33,10 @@ budget:
    GPU busy — the union of the kernel rows' spans over the window — cross-checked by
    sampling ``nvidia-smi`` during the timed window;
 5. batched beam-search decoding: sentences and tokens per second;
-6. last, ``--compile``: compilations and the first update's time; a failure (no C
-   compiler for Triton's launcher, say) is recorded, not fatal.
+6. last, ``--compile`` (CUDA graphs on CUDA, batch lengths rounded up to multiples of
+   8): compilations and the first update's time; where compiling cannot work (no C
+   compiler for Triton's launcher, say) the run trains eagerly and the JSON says why,
+   and a failure is recorded, not fatal.
 
 Without CUDA (or with ``--smoke``) the same steps run tiny, in seconds, on the CPU:
 ``tests/test_gpu_check.py`` runs that, with the optional packages blocked too. A step
@@ -76,7 +77,7 @@ from profiling import window_counts  # noqa: E402
 # Optional packages: what each one's absence costs.
 OPTIONAL = MappingProxyType(
     {
-        "numpy": "the notebook's batching: every training step",
+        "numpy": "matplotlib, which needs it (the notebook and training do not)",
         "tqdm": "progress bars",
         "matplotlib": "the training curve",
         "sentencepiece": "IWSLT14's BPE: the IWSLT steps",
@@ -580,7 +581,7 @@ def main(argv=None) -> int:
 
         machinery.notebook()
         problem = ""
-    except Exception as e:  # numpy absent, most likely: no step can train
+    except Exception as e:  # recorded: no step can train
         problem = f"the notebook does not import here ({type(e).__name__}: {e})"
     report["notebook"] = problem or "imports"
     tiny = TINY if smoke else {}
@@ -695,6 +696,8 @@ def main(argv=None) -> int:
             out["seconds_in_train"] = time.perf_counter() - t0
             if compiled:
                 out["compilations"] = counters["stats"]["unique_graphs"]
+                problem = machinery.devices.compile_problem(device)
+                out["compile_problem"] = problem or None  # then it trained eagerly
                 out["first_update_s"] = rec.ends[0] - t0 if rec.ends else None
                 torch._dynamo.reset()
             else:

@@ -467,7 +467,7 @@ def checkpoint_subwords(state: dict, path="the checkpoint") -> Optional[Subwords
     if blob is None:
         return None
     try:
-        subwords = notebook().Subwords(blob.numpy().tobytes())
+        subwords = notebook().Subwords(tensor_bytes(blob))
     except (RuntimeError, ValueError, TypeError, AttributeError) as e:
         raise CheckpointError(
             f"the BPE model inside {path} cannot be read ({first_line(e)}): the "
@@ -495,13 +495,19 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def tensor_bytes(blob: torch.Tensor) -> bytes:
+    """The bytes a uint8 tensor holds (a checkpoint's BPE model), read without numpy,
+    which a bare GPU image may lack (our addition)."""
+    return bytes(blob.tolist())
+
+
 def carried_digests(state: dict) -> dict:
     """SHA-256 of a checkpoint's vocabularies and BPE model (our addition)."""
     vocab = json.dumps(state["vocab"], ensure_ascii=False, sort_keys=True)
     blob = state.get("subwords")
     return {
         "vocab": sha256_hex(vocab.encode()),
-        "subwords": None if blob is None else sha256_hex(blob.numpy().tobytes()),
+        "subwords": None if blob is None else sha256_hex(tensor_bytes(blob)),
     }
 
 

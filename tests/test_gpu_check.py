@@ -24,10 +24,10 @@ STEPS = [
     "beam_decoding",
     "iwslt14_small_compile",
 ]
-# the steps each package's absence may skip (numpy: the notebook's batching); without
-# numpy, matplotlib does not import either
+# the steps each package's absence skips (none needs numpy, but without it matplotlib
+# does not import)
 NEEDS = {
-    "numpy": set(STEPS),
+    "numpy": set(),
     "tqdm": set(),
     "matplotlib": set(),
     "sentencepiece": set(STEPS) - {"copy_auto", "fp16_interrupted_and_resumed"},
@@ -104,11 +104,9 @@ def test_one_optional_package_blocked_costs_only_its_steps(tmp_path, package):
             continue
         assert name in NEEDS[package] and package in result["skipped"], result
     ran = {name for name, result in steps.items() if result["ok"]}
-    if package != "numpy":  # numpy: the notebook may need it for every step
-        assert ran == set(STEPS) - NEEDS[package]
+    assert ran == set(STEPS) - NEEDS[package]
     curve = tmp_path / "work" / "runs" / "copy-auto" / "curve.png"
-    if "copy_auto" in ran:
-        assert curve.is_file() == (package != "matplotlib")
+    assert curve.is_file() == ("matplotlib" not in absent)
     if ran == set(STEPS):
         resumed = steps["fp16_interrupted_and_resumed"]
         assert resumed["interrupted_at"] == 2 and resumed["steps"] == [4, 4]
