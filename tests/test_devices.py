@@ -834,3 +834,28 @@ def test_allocator_note_says_whether_glibc_keeps_freed_memory(monkeypatch):
     assert machinery.allocator_note(cpu, {}) == ""
     monkeypatch.setattr(machinery.devices.sys, "platform", "darwin")
     assert machinery.allocator_note(cpu, {}) == ""
+
+
+def test_a_batch_bound_for_a_gpu_pins_contiguous_tensors_and_copies_without_waiting(
+    monkeypatch,
+):
+    # the decoder input and targets are slices of one tensor: pinning a slice would
+    # leave the copy to an unpinned temporary. CUDA is faked: pinning and the copy are
+    # recorded, not done.
+    pinned, copies = [], []
+
+    def pin_memory(self):
+        pinned.append(self.is_contiguous())
+        return self
+
+    def to(self, device, non_blocking=False):
+        copies.append((str(device), non_blocking))
+        return self
+
+    batch = tat.make_batch([([4, 5, 6, 7], [1, 4, 5, 2]), ([4, 5], [1, 4, 2])], [0, 1])
+    assert not batch.tgt.is_contiguous() and not batch.tgt_y.is_contiguous()
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    batch.to("cuda")
+    assert pinned == [True] * 5, pinned
+    assert copies == [("cuda", True)] * 5
