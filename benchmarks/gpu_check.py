@@ -498,7 +498,7 @@ def step(report: dict, name: str, fn, budget_s: float, needs: Callable) -> None:
     if cause:
         report["steps"][name] = {"ok": None, "skipped": cause}
     else:
-        signal.signal(signal.SIGALRM, lambda *_: _over(budget_s))
+        previous = signal.signal(signal.SIGALRM, lambda *_: _over(budget_s))
         signal.setitimer(signal.ITIMER_REAL, budget_s)
         try:
             result = fn()
@@ -511,6 +511,7 @@ def step(report: dict, name: str, fn, budget_s: float, needs: Callable) -> None:
             }
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
     report["steps"][name]["seconds"] = time.perf_counter() - t0
     report["steps"][name]["budget_s"] = budget_s
     print(f"[gpu-check] {name}: {json.dumps(report['steps'][name])[:400]}", flush=True)

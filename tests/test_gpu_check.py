@@ -120,3 +120,41 @@ def test_one_optional_package_blocked_costs_only_its_steps(tmp_path, package):
         assert steps["iwslt14_small_compile"]["compilations"] >= 1
         assert steps["beam_decoding"]["sentences"] == 4
         assert set(report["ratios"]) == {"fp16_ms_over_bf16", "fp32_ms_over_bf16"}
+
+
+@pytest.fixture(scope="module")
+def check():
+    from conftest import load_script
+
+    return load_script(ROOT / "benchmarks" / "gpu_check.py", "gpu_check_under_test")
+
+
+def test_a_step_past_its_budget_is_stopped_and_recorded_and_the_next_one_runs(check):
+    report = {"steps": {}}
+
+    def endless():
+        while True:
+            sum(range(1000))
+
+    check.step(report, "endless", endless, 0.3, lambda: "")
+    check.step(report, "quick", lambda: {"value": 1}, 5, lambda: "")
+    check.step(report, "skipped", lambda: {"value": 2}, 5, lambda: "needs nothing here")
+    endless_result, quick, skipped = report["steps"].values()
+    assert (
+        endless_result["ok"] is False
+        and "past its budget of 0.3 s" in (endless_result["error"])
+    )
+    assert quick["ok"] is True and quick["value"] == 1
+    assert skipped == {"ok": None, "skipped": "needs nothing here", **skipped}
+    assert "value" not in skipped
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    from conftest import load_script
+
+    profiling = load_script(
+        ROOT / "benchmarks" / "profiling.py", "profiling_under_test"
+    )
+    # two streams: (0, 10) and (5, 12) overlap by 5; (20, 25) stands alone
+    assert profiling.merged_us([(5, 12), (0, 10), (20, 25), (21, 22)]) == 17
+    assert profiling.merged_us([]) == 0

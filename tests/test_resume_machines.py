@@ -57,10 +57,11 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 base, settings, module = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 vocab_sizes = settings.pop("vocab_size_by_rank")
+folder = base if settings.pop("shared_disk") else f"{base}-rank{rank}"
 spec = importlib.util.spec_from_file_location("machinery.resuming_under_test", module)
 resuming = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(resuming)
-cfg = machinery.get_config("copy", run_dir=f"{base}-rank{rank}", **settings)
+cfg = machinery.get_config("copy", run_dir=folder, **settings)
 data = machinery.make_copy_data(cfg, vocab_size=vocab_sizes[rank], sizes=(200, 40, 20))
 files = machinery.RunFiles(Path(cfg.run_dir), cfg.keep_checkpoints, write=rank == 0)
 record = {}
@@ -71,6 +72,7 @@ except machinery.CheckpointError as e:
     record["error"] = str(e)
 record["files"] = sorted(p.name for p in Path(cfg.run_dir).glob("checkpoint-*"))
 Path(f"{base}-out{rank}.json").write_text(json.dumps(record))
+dist.barrier()  # the files listed before any process leaves
 dist.destroy_process_group()
 """
 
@@ -106,14 +108,16 @@ def lay_out(base: Path, good: dict, holdings: list) -> None:
             (folder / name(step)).write_bytes(blob if kind == "good" else blob[:-4096])
 
 
-def find_on_two(tmp_path, vocab_sizes=(11, 11)) -> list[dict]:
+def find_on_two(tmp_path, vocab_sizes=(11, 11), shared_disk=False) -> list[dict]:
     """`find_checkpoint` in two Gloo processes, each in its own run directory (laid out
     by `lay_out`); what each found (its directory and step, or the error) and its
     checkpoint files after."""
     base = tmp_path / "run"
     script = tmp_path / "find_two.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    settings = dict(SETTINGS, vocab_size_by_rank=list(vocab_sizes))
+    settings = dict(
+        SETTINGS, vocab_size_by_rank=list(vocab_sizes), shared_disk=shared_disk
+    )
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(
@@ -206,3 +210,18 @@ def test_the_state_a_process_is_sent_is_checked_against_its_own_vocabulary(
     records = find_on_two(tmp_path, vocab_sizes=(12, 11))
     for r in records:
         assert "another src vocabulary" in r.get("error", ""), r
+
+
+def test_on_a_shared_disk_both_processes_pass_over_the_same_torn_file_and_it_is_renamed(
+    tmp_path, good
+):
+    # one run directory for both processes (one machine): the torn newest file is the
+    # same file for both, set aside once, and both resume from the one before it
+    folder = tmp_path / "run"
+    folder.mkdir()
+    for step, kind in {2: "good", 4: "good", 6: "corrupt"}.items():
+        blob = good[step].read_bytes()
+        (folder / name(step)).write_bytes(blob if kind == "good" else blob[:-4096])
+    records = find_on_two(tmp_path, shared_disk=True)
+    assert [r.get("found") for r in records] == [["run", 4]] * 2, records
+    assert records[0]["files"] == [name(2), name(4), name(6) + ".unreadable"]
