@@ -922,6 +922,26 @@ def locked(path: Path, wait: bool = True):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def plan_of(base: dict, budget: dict) -> list[dict]:
+    """Every variation of Table 3 (§6.2) the file will hold, in run order, with its
+    changed fields, its seeds and the paper's row: what the table shows before its
+    rows have finished."""
+    plan: dict[str, dict] = {}
+    for r in table3_rows(base, budget["lr_factor"]):
+        entry = plan.setdefault(
+            r["variation"],
+            {
+                "variation": r["variation"],
+                "group": r["group"],
+                "fields": {k: v for k, v in r["fields"].items() if k != "seed"},
+                "seeds": [],
+                "paper": paper_values(r["paper_row"]),
+            },
+        )
+        entry["seeds"].append(r["seed"])
+    return list(plan.values())
+
+
 def fresh_table(base: dict, budget: dict, smoke: bool) -> dict:
     """An empty Table 3 (§6.2) file for ``budget``."""
     return {
@@ -937,6 +957,7 @@ def fresh_table(base: dict, budget: dict, smoke: bool) -> dict:
         "budget": budget_record(budget),
         "rule": RULE,
         "paper_note": PAPER_NOTE,
+        "plan": plan_of(base, budget),
         "rows": [],
         "summary": [],
     }
@@ -977,6 +998,7 @@ def merge(out: Path, record: dict, base: dict, budget: dict, smoke: bool, order)
             key=lambda r: order.index(r["name"]) if r["name"] in order else 10**6,
         )
         data["summary"] = summarise(data)
+        data["plan"] = plan_of(base, budget)
         write_json(out, data)
         draw(data, out.with_suffix(".png"))
         draw_curves(data, out.with_name(out.stem + "-curves.png"))

@@ -76,29 +76,42 @@ class Table3:
         return {}
 
     def markdown(self) -> str:
-        """The table: our rows (validation perplexity and BLEU, test BLEU, parameters,
-        seeds, the verdict) beside the paper's (PPL, BLEU, parameters)."""
+        """The table: every variation the file plans, our columns (validation
+        perplexity and BLEU, test BLEU, parameters, seeds, the verdict) beside the
+        paper's (PPL, BLEU, parameters); a variation not finished yet shows its
+        paper's columns and "not yet run"."""
         head = (
             "| row | changed | seeds | params | valid PPL | valid BLEU | test BLEU "
             "| Δ valid BLEU | verdict | paper PPL | paper BLEU | paper params |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
         )
+        done = {s["variation"]: s for s in self.summary}
+        plan = self.data.get("plan") or list(done.values())
         lines = []
-        for s in self.summary:
-            p = s["paper"]
+        for entry in plan:
+            p, name = entry["paper"], entry["variation"]
+            paper = (
+                f"| {p['ppl_dev']} | {p['bleu_dev']} | {p['params_million'] or ''} |"
+            )
+            fields = entry.get("fields") or self._fields(name)
+            s = done.get(name)
+            if s is None:
+                lines.append(
+                    f"| {name} | {_changed(fields)} | 0 of {len(entry['seeds'])} "
+                    f"| | | not yet run | | | {paper}"
+                )
+                continue
             delta = s.get("diff_valid_bleu")
+            delta = "" if delta is None else f"{delta:+.2f}"
             lines.append(
-                f"| {s['variation']} | {_changed(self._fields(s['variation']))} "
-                f"| {len(s['seeds'])} | {s['params'] / 1e6:.2f}M "
-                f"| {_spread(s['valid_ppl'])} | {_spread(s['valid_bleu'])} "
-                f"| {_spread(s['test_bleu'])} "
-                f"| {'' if delta is None else f'{delta:+.2f}'} "
-                f"| {s.get('verdict', '')} | {p['ppl_dev']} | {p['bleu_dev']} "
-                f"| {p['params_million'] or ''} |"
+                f"| {name} | {_changed(fields)} | {len(s['seeds'])} "
+                f"| {s['params'] / 1e6:.2f}M | {_spread(s['valid_ppl'])} "
+                f"| {_spread(s['valid_bleu'])} | {_spread(s['test_bleu'])} "
+                f"| {delta} | {s.get('verdict', '')} " + paper
             )
         note = f"\n\nRule: {self.data['rule']}" if self.data.get("rule") else ""
         if not lines:
-            return "No row has finished at the full budget yet." + note
+            return "No Table 3 file here yet." + note
         return head + "\n".join(lines) + note
 
     def figures(self) -> list[tuple[str, str]]:
