@@ -68,6 +68,7 @@ def dataset(cfg, lengths: list) -> machinery.Dataset:
     n = len(base.src_vocab)
 
     def sentence(k: int) -> list:
+        """Random ids of length ``k`` between BOS and EOS."""
         return [nb.BOS] + [rng.randrange(4, n) for _ in range(k - 2)] + [nb.EOS]
 
     train = [(sentence(a), sentence(b)) for a, b in lengths]
@@ -133,6 +134,7 @@ def measure(precision: str, compiled: bool, args, lengths: list) -> dict:
 
 
 def main(argv=None) -> int:
+    """Measure each configuration asked for and print one JSON line per row."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--attention", default="fast")

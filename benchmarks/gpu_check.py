@@ -147,6 +147,7 @@ class OverBudget(Exception):
 
 
 def slug(name: str) -> str:
+    """``name`` in lower case with runs of other characters as one hyphen."""
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
 
 
@@ -377,6 +378,7 @@ class SmiSampler:
         self.thread.start()
 
     def _read(self) -> None:
+        """Collect nvidia-smi's lines until it ends (a thread of its own)."""
         for line in self.proc.stdout:
             try:
                 self.samples.append(float(line.strip()))
@@ -412,6 +414,7 @@ class Recorder:
         self.hook: Optional[Callable] = None  # called with the update's number
 
     def sync(self) -> None:
+        """Wait for the GPU's queued work (nothing on a CPU)."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -518,10 +521,12 @@ def step(report: dict, name: str, fn, budget_s: float, needs: Callable) -> None:
 
 
 def _over(budget_s: float):
+    """The alarm's handler: the step in progress ran past ``budget_s``."""
     raise OverBudget(f"past its budget of {budget_s:g} s")
 
 
 def parse_args(argv):
+    """The command line's options (the module docstring says what each is for)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", type=Path, default=None, help="iwslt14 files")
     parser.add_argument(
@@ -535,6 +540,8 @@ def parse_args(argv):
 
 
 def main(argv=None) -> int:
+    """Run the check: refuse without data, record the environment, then each step in
+    turn; 1 if any step failed."""
     args = parse_args(argv)
     source = iwslt_folder(args.data)
     if source is None and not args.synthetic:
@@ -590,6 +597,8 @@ def main(argv=None) -> int:
     state: dict = {}
 
     def base(preset: str, name: str, **over):
+        """``preset``'s config for a step's run ``name`` under the work folder, with
+        ``over`` (and the smoke mode's tiny sizes); its run directory emptied."""
         cfg = machinery.get_config(
             preset,
             device=device.type,
@@ -605,6 +614,7 @@ def main(argv=None) -> int:
         return cfg
 
     def standin():
+        """Step 1: the IWSLT14-sized stand-in, loaded as training loads it."""
         info = build_standin(source, work / "mirror", sizes["pairs"])
         cfg = base("iwslt14-small", "data", max_valid_sentences=1000)
         t0 = time.perf_counter()
@@ -614,6 +624,7 @@ def main(argv=None) -> int:
         return info
 
     def copy_auto():
+        """Step 2: the copy task under ``auto``: what it picked and measured."""
         over = dict(N=1, d_model=32, d_ff=64, h=4) if smoke else {}
         cfg = base("copy", "copy-auto", max_steps=20 if not smoke else 2, **over)
         data = machinery.make_copy_data(cfg, sizes=sizes["copy"])
@@ -625,6 +636,7 @@ def main(argv=None) -> int:
         }
 
     def fp16_resume():
+        """Step 3: fp16 stopped by SIGINT and resumed, against an uninterrupted run."""
         over = dict(N=1, d_model=32, d_ff=64, h=4) if smoke else {}
         stop_at, total = (2, 4) if smoke else (15, 30)
         common = dict(precision="fp16", attention="readable", P_drop=0.1, **over)
@@ -657,7 +669,10 @@ def main(argv=None) -> int:
         }
 
     def iwslt(precision: str, compiled: bool = False):
+        """Step 4 (or 6, ``compiled``): ``iwslt14-small`` in ``precision``, measured."""
+
         def run():
+            """Train, record, and return the measurements."""
             if precision == "bf16" and cuda and tuple(capability) < (8, 0):
                 return {"skipped": f"capability {capability}: no native bf16"}
             name = f"iwslt-{precision}" + ("-compile" if compiled else "")
@@ -708,6 +723,7 @@ def main(argv=None) -> int:
         return run
 
     def decode():
+        """Step 5: batched beam search with an IWSLT run's model."""
         runs = state["runs"]
         run_dir = runs.get("bf16") or next(iter(runs.values()))
         model, cfg, _, tgt_vocab, _ = machinery.load_for_inference(
@@ -753,6 +769,7 @@ def main(argv=None) -> int:
         the step ``after`` finished."""
 
         def cause() -> str:
+            """The first unmet precondition, in words; "" when all are met."""
             if problem:
                 return problem
             lacking = [p for p in packages if p in absent]
@@ -765,6 +782,7 @@ def main(argv=None) -> int:
         return cause
 
     def run_step(name: str, fn, need: Callable) -> None:
+        """One step within its budget, then the JSON rewritten."""
         budget = SMOKE_BUDGET_S if smoke else BUDGET_S[name]
         step(report, name, fn, budget, need)
         write_json(out, report)
@@ -777,6 +795,7 @@ def main(argv=None) -> int:
         run_step(f"iwslt14_small_{precision}", iwslt(precision), bpe)
 
     def trained() -> str:
+        """Why decoding cannot run (no IWSLT run finished), or ""."""
         ran = [p for p in ("bf16", "fp16", "fp32") if p in state.get("runs", {})]
         return bpe() or ("" if ran else "needs an IWSLT run, and none finished")
 

@@ -42,6 +42,7 @@ def window_counts(events: list) -> dict:
     kernels = [e for e in device if not e.name.startswith(COPIES)]
 
     def top_level(e) -> bool:
+        """Whether no ATen op encloses ``e`` (its own dispatch, not a callee's)."""
         parent = e.cpu_parent
         while parent is not None:
             if parent.name.startswith("aten::"):
