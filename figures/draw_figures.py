@@ -1,16 +1,18 @@
 """Draw our own versions of Figures 1 and 2 of "Attention Is All You Need".
 
 Figure 1 is the Transformer architecture (post-norm, as in the paper); Figure 2 shows
-scaled dot-product attention and multi-head attention. Boxes carry the paper's terms and,
-in small grey monospace, the names of the classes and functions in
+scaled dot-product attention and multi-head attention. Boxes carry the paper's terms
+and, in grey monospace, the names of the classes and functions in
 ``the_annotated_transformer.py`` that implement them.
 
 Re-run from the repository root with
 
     .venv/bin/python figures/draw_figures.py
 
-which (re)writes ``figures/figure1_transformer.png`` and ``figures/figure2_attention.png``
-and prints their paths.
+which (re)writes ``figures/figure1_transformer.png`` and
+``figures/figure2_attention.png`` and prints their paths. Each PNG records the size of
+its smallest text in points (the text chunk ``SMALLEST_TEXT_KEY``), so that the web
+page's tests can check the size that text is shown at.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ from matplotlib.path import Path as MplPath  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent
 DPI = 110
+# The PNG text chunk that records a figure's smallest font size, in points.
+SMALLEST_TEXT_KEY = "Smallest text (pt)"
+# Figure 2's smallest text (its notes and code names), in points: the web page shows a
+# figure at no less than 1.1 CSS px per point (a phone), so 10 pt reads at 11 px.
+FIG2_SMALL_PT = 10
 
 # Fill colours per kind of block; the edge is always a darker grey.
 COLORS = {
@@ -84,6 +91,21 @@ def new_axes(width: float, height: float):
     return fig, ax
 
 
+def smallest_text_pt(fig) -> float:
+    """The smallest font size, in points, of the text drawn on ``fig`` (our
+    addition)."""
+    texts = [*fig.texts, *(t for ax in fig.axes for t in ax.texts)]
+    return min(t.get_fontsize() for t in texts if t.get_visible() and t.get_text())
+
+
+def save(fig, path: Path) -> None:
+    """Write ``fig`` as a PNG at ``DPI``, recording its smallest text size (our
+    addition), and close it."""
+    metadata = {SMALLEST_TEXT_KEY: f"{smallest_text_pt(fig):g}"}
+    fig.savefig(path, dpi=DPI, facecolor="white", metadata=metadata)
+    plt.close(fig)
+
+
 def code_text(ax, x, y, s, size=7, **kw):
     """Small grey monospace text naming our code."""
     kw.setdefault("ha", "center")
@@ -99,15 +121,32 @@ def note(ax, x, y, s, size=8.5, **kw):
 
 
 def box(ax, x, y, w, h, label, kind, code=None, size=10, stack=0, zorder=3) -> Box:
-    """A rounded box centred at (x, y); ``stack`` > 0 draws that many copies behind it."""
+    """A rounded box centred at (x, y); ``stack`` > 0 draws that many copies behind
+    it."""
     for i in range(stack, -1, -1):
         dx = dy = 0.07 * i
-        ax.add_patch(FancyBboxPatch(
-            (x - w / 2 + dx, y - h / 2 + dy), w, h,
-            boxstyle="round,pad=0,rounding_size=0.07",
-            facecolor=COLORS[kind], edgecolor=EDGE, linewidth=1.1, zorder=zorder - 0.1 * i))
+        ax.add_patch(
+            FancyBboxPatch(
+                (x - w / 2 + dx, y - h / 2 + dy),
+                w,
+                h,
+                boxstyle="round,pad=0,rounding_size=0.07",
+                facecolor=COLORS[kind],
+                edgecolor=EDGE,
+                linewidth=1.1,
+                zorder=zorder - 0.1 * i,
+            )
+        )
     if code:
-        ax.text(x, y + 0.075, label, ha="center", va="center", fontsize=size, zorder=zorder + 1)
+        ax.text(
+            x,
+            y + 0.075,
+            label,
+            ha="center",
+            va="center",
+            fontsize=size,
+            zorder=zorder + 1,
+        )
         code_text(ax, x, y - 0.135, code, zorder=zorder + 1)
     else:
         ax.text(x, y, label, ha="center", va="center", fontsize=size, zorder=zorder + 1)
@@ -115,17 +154,30 @@ def box(ax, x, y, w, h, label, kind, code=None, size=10, stack=0, zorder=3) -> B
 
 
 def arrow(ax, *points, head=True, color=LINE, lw=1.3):
-    """A polyline through ``points``, with an arrow head at the last point if ``head``."""
+    """A polyline through ``points``, with an arrow head at the last point if
+    ``head``."""
     codes = [MplPath.MOVETO] + [MplPath.LINETO] * (len(points) - 1)
-    ax.add_patch(FancyArrowPatch(
-        path=MplPath(points, codes), arrowstyle="-|>" if head else "-",
-        mutation_scale=11, color=color, linewidth=lw, shrinkA=0, shrinkB=0,
-        joinstyle="miter", capstyle="butt", zorder=2))
+    ax.add_patch(
+        FancyArrowPatch(
+            path=MplPath(points, codes),
+            arrowstyle="-|>" if head else "-",
+            mutation_scale=11,
+            color=color,
+            linewidth=lw,
+            shrinkA=0,
+            shrinkB=0,
+            joinstyle="miter",
+            capstyle="butt",
+            zorder=2,
+        )
+    )
 
 
 def adder(ax, x, y, r=0.13):
     """The ⊕ that adds the positional encoding to the embeddings."""
-    ax.add_patch(Circle((x, y), r, facecolor="white", edgecolor=LINE, linewidth=1.3, zorder=3))
+    ax.add_patch(
+        Circle((x, y), r, facecolor="white", edgecolor=LINE, linewidth=1.3, zorder=3)
+    )
     ax.plot([x - r * 0.65, x + r * 0.65], [y, y], color=LINE, lw=1.3, zorder=4)
     ax.plot([x, x], [y - r * 0.65, y + r * 0.65], color=LINE, lw=1.3, zorder=4)
     return Box(x, y, 2 * r, 2 * r)
@@ -133,29 +185,37 @@ def adder(ax, x, y, r=0.13):
 
 def sine_icon(ax, x, y, r=0.19):
     """A circle with a sine wave: the sinusoidal positional encoding."""
-    ax.add_patch(Circle((x, y), r, facecolor="white", edgecolor=LINE, linewidth=1.2, zorder=3))
+    ax.add_patch(
+        Circle((x, y), r, facecolor="white", edgecolor=LINE, linewidth=1.2, zorder=3)
+    )
     t = np.linspace(-0.75, 0.75, 60)
-    ax.plot(x + t * r, y + 0.5 * r * np.sin(t * 2 * np.pi / 0.75), color=LINE, lw=1.0,
-            zorder=4)
+    ax.plot(
+        x + t * r,
+        y + 0.5 * r * np.sin(t * 2 * np.pi / 0.75),
+        color=LINE,
+        lw=1.0,
+        zorder=4,
+    )
     return Box(x, y, 2 * r, 2 * r)
 
 
 def fan_in(ax, y_split, y_top, xs, x_from):
-    """From the main line at ``x_from``, split at ``y_split`` into arrows up to each of ``xs``."""
+    """From the main line at ``x_from``, split at ``y_split`` into arrows up to each
+    of ``xs``."""
     lo, hi = min(xs + [x_from]), max(xs + [x_from])
     arrow(ax, (lo, y_split), (hi, y_split), head=False)
     for x in xs:
         arrow(ax, (x, y_split), (x, y_top))
 
 
-# ---------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Figure 1: the Transformer
-# ---------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 
 BOX_W, BOX_H = 2.0, 0.5
-RES_GAP = 0.22      # residual line's distance from the box edges
-FRAME_PAD = 0.42    # layer frame's distance from the box edges
-SPLIT = 0.2         # how far below a sub-layer the main line branches
+RES_GAP = 0.22  # residual line's distance from the box edges
+FRAME_PAD = 0.42  # layer frame's distance from the box edges
+SPLIT = 0.2  # how far below a sub-layer the main line branches
 
 
 def sublayer_rows(start: float, kinds: list[str]) -> list[float]:
@@ -168,7 +228,8 @@ def sublayer_rows(start: float, kinds: list[str]) -> list[float]:
 
 
 def residual(ax, col_x, side, y_from, norm: Box):
-    """Residual connection: from the main line at ``y_from`` around the side into ``norm``."""
+    """Residual connection: from the main line at ``y_from`` around the side into
+    ``norm``."""
     x_out = col_x + side * (BOX_W / 2 + RES_GAP)
     edge = norm.left if side < 0 else norm.right
     arrow(ax, (col_x, y_from), (x_out, y_from), (x_out, norm.y), (edge, norm.y))
@@ -177,14 +238,14 @@ def residual(ax, col_x, side, y_from, norm: Box):
 def layer_stack(ax, col_x, side, rows, blocks):
     """Draw one encoder or decoder layer and its residual connections.
 
-    ``blocks`` lists (label, kind, code, inputs) per sub-layer followed by its Add & Norm;
-    ``inputs`` is "qkv" (self-attention), "q" (cross-attention: only the query comes from
-    below) or "x" (feed-forward). Returns the boxes drawn.
+    ``blocks`` lists (label, kind, code, inputs) per sub-layer followed by its Add &
+    Norm; ``inputs`` is "qkv" (self-attention), "q" (cross-attention: only the query
+    comes from below) or "x" (feed-forward). Returns the boxes drawn.
     """
     drawn = []
-    prev_top = None
+    prev_top = split_y = None  # split_y: where the last sub-layer's input branched
     for (label, kind, code, inputs), y in zip(blocks, rows):
-        size = 9 if len(label) > 22 else 10   # keep the longest label inside its box
+        size = 9 if len(label) > 22 else 10  # keep the longest label inside its box
         b = box(ax, col_x, y, BOX_W, BOX_H, label, kind, code=code, size=size)
         if kind == "norm":
             arrow(ax, (col_x, drawn[-1].top), (col_x, b.bottom))
@@ -207,10 +268,18 @@ def layer_stack(ax, col_x, side, rows, blocks):
 def frame(ax, col_x, bottom, top, side, n_label_code):
     """The grey rounded frame around one layer, with the "N×" label outside it."""
     half = BOX_W / 2 + FRAME_PAD
-    ax.add_patch(FancyBboxPatch(
-        (col_x - half, bottom), 2 * half, top - bottom,
-        boxstyle="round,pad=0,rounding_size=0.15", facecolor=COLORS["stack"],
-        edgecolor=EDGE, linewidth=1.1, zorder=1))
+    ax.add_patch(
+        FancyBboxPatch(
+            (col_x - half, bottom),
+            2 * half,
+            top - bottom,
+            boxstyle="round,pad=0,rounding_size=0.15",
+            facecolor=COLORS["stack"],
+            edgecolor=EDGE,
+            linewidth=1.1,
+            zorder=1,
+        )
+    )
     x_label = col_x + side * (half + 0.4)
     y_mid = (bottom + top) / 2
     ax.text(x_label, y_mid + 0.12, "N×", ha="center", va="center", fontsize=16)
@@ -229,13 +298,21 @@ def embedding_block(ax, col_x, side, y_label, label_text, emb_label, emb_code):
     arrow(ax, (icon.x - side * icon.w / 2, icon.y), (col_x + side * plus.w / 2, plus.y))
     text_x = icon.x + side * 0.3
     ha = "right" if side < 0 else "left"
-    ax.text(text_x, plus.y + 0.1, "Positional\nEncoding", ha=ha, va="center", fontsize=9.5,
-            linespacing=1.0)
+    ax.text(
+        text_x,
+        plus.y + 0.1,
+        "Positional\nEncoding",
+        ha=ha,
+        va="center",
+        fontsize=9.5,
+        linespacing=1.0,
+    )
     code_text(ax, text_x, plus.y - 0.25, "PositionalEncoding", size=6.5, ha=ha)
     return plus
 
 
 def draw_figure1(path: Path) -> None:
+    """Figure 1 of the paper (§3, the Transformer), written to ``path``."""
     fig, ax = new_axes(8, 10)
     enc_x, dec_x = 2.35, 5.65
 
@@ -255,20 +332,37 @@ def draw_figure1(path: Path) -> None:
         ("Add & Norm", "norm", "SublayerConnection", None),
     ]
     dec_rows = sublayer_rows(3.15, [b[1] for b in dec_blocks])
-    dec_rows[2:] = [y + 0.2 for y in dec_rows[2:]]   # room for the encoder output line
+    dec_rows[2:] = [y + 0.2 for y in dec_rows[2:]]  # room for the encoder output line
     enc_rows = dec_rows[:2] + dec_rows[2:4]
 
     frame_bottom = 2.5
     enc_top = enc_rows[-1] + BOX_H / 2 + 0.22
     dec_top = dec_rows[-1] + BOX_H / 2 + 0.22
-    enc_half = frame(ax, enc_x, frame_bottom, enc_top, -1, "N=6 ×\nEncoderLayer\n(Encoder)")
-    dec_half = frame(ax, dec_x, frame_bottom, dec_top, +1, "N=6 ×\nDecoderLayer\n(Decoder)")
+    enc_half = frame(
+        ax, enc_x, frame_bottom, enc_top, -1, "N=6 ×\nEncoderLayer\n(Encoder)"
+    )
+    dec_half = frame(
+        ax, dec_x, frame_bottom, dec_top, +1, "N=6 ×\nDecoderLayer\n(Decoder)"
+    )
 
-    enc_plus = embedding_block(ax, enc_x, -1, 0.45, "Inputs", "Input Embedding", "Embeddings")
-    dec_plus = embedding_block(ax, dec_x, +1, 0.45, "Outputs\n(shifted right)",
-                               "Output Embedding", "Embeddings")
-    arrow(ax, (enc_x, enc_plus.top), (enc_x, enc_rows[0] - BOX_H / 2 - SPLIT), head=False)
-    arrow(ax, (dec_x, dec_plus.top), (dec_x, dec_rows[0] - BOX_H / 2 - SPLIT), head=False)
+    enc_plus = embedding_block(
+        ax, enc_x, -1, 0.45, "Inputs", "Input Embedding", "Embeddings"
+    )
+    dec_plus = embedding_block(
+        ax,
+        dec_x,
+        +1,
+        0.45,
+        "Outputs\n(shifted right)",
+        "Output Embedding",
+        "Embeddings",
+    )
+    arrow(
+        ax, (enc_x, enc_plus.top), (enc_x, enc_rows[0] - BOX_H / 2 - SPLIT), head=False
+    )
+    arrow(
+        ax, (dec_x, dec_plus.top), (dec_x, dec_rows[0] - BOX_H / 2 - SPLIT), head=False
+    )
 
     enc = layer_stack(ax, enc_x, -1, enc_rows, enc_blocks)
     dec = layer_stack(ax, dec_x, +1, dec_rows, dec_blocks)
@@ -278,14 +372,33 @@ def draw_figure1(path: Path) -> None:
     x_mid = (enc_x + enc_half + dec_x - dec_half) / 2
     y_up = enc_top + 0.3
     y_kv = cross.bottom - 0.16
-    arrow(ax, (enc_x, enc[-1].top), (enc_x, y_up), (x_mid, y_up), (x_mid, y_kv), (dec_x, y_kv),
-          head=False)
+    arrow(
+        ax,
+        (enc_x, enc[-1].top),
+        (enc_x, y_up),
+        (x_mid, y_up),
+        (x_mid, y_kv),
+        (dec_x, y_kv),
+        head=False,
+    )
     for x in (dec_x - 0.6, dec_x):
         arrow(ax, (x, y_kv), (x, cross.bottom))
-    note(ax, (enc_x + x_mid) / 2, y_up + 0.08, "encoder output (memory)\n"
-         "→ keys $K$ and values $V$", size=7.5, va="bottom")
-    code_text(ax, dec_x - 0.12, frame_bottom - 0.13, "tgt_mask = subsequent_mask", size=6.5,
-              ha="right")
+    note(
+        ax,
+        (enc_x + x_mid) / 2,
+        y_up + 0.08,
+        "encoder output (memory)\n→ keys $K$ and values $V$",
+        size=7.5,
+        va="bottom",
+    )
+    code_text(
+        ax,
+        dec_x - 0.12,
+        frame_bottom - 0.13,
+        "tgt_mask = subsequent_mask",
+        size=6.5,
+        ha="right",
+    )
 
     # Output head: Linear → Softmax → probabilities (our Generator, log-softmax).
     lin = box(ax, dec_x, dec_top + 0.5, BOX_W, 0.42, "Linear", "linear")
@@ -293,40 +406,76 @@ def draw_figure1(path: Path) -> None:
     arrow(ax, (dec_x, dec[-1].top), (dec_x, lin.bottom))
     arrow(ax, (dec_x, lin.top), (dec_x, soft.bottom))
     arrow(ax, (dec_x, soft.top), (dec_x, soft.top + 0.3))
-    ax.text(dec_x, soft.top + 0.37, "Output\nProbabilities", ha="center", va="bottom",
-            fontsize=11)
-    code_text(ax, dec_x + BOX_W / 2 + 0.12, (lin.y + soft.y) / 2,
-              "Generator\n(log-softmax)", size=6.5, ha="left")
+    ax.text(
+        dec_x,
+        soft.top + 0.37,
+        "Output\nProbabilities",
+        ha="center",
+        va="bottom",
+        fontsize=11,
+    )
+    code_text(
+        ax,
+        dec_x + BOX_W / 2 + 0.12,
+        (lin.y + soft.y) / 2,
+        "Generator\n(log-softmax)",
+        size=6.5,
+        ha="left",
+    )
 
     # Dimensions.
-    note(ax, x_mid, 1.3, "every sub-layer\noutput:\n$d_{\\mathrm{model}} = 512$", size=7.5)
-    ax.text(enc_x, 9.6, "Transformer (post-norm)", ha="center", va="center", fontsize=13,
-            weight="bold")
+    note(
+        ax,
+        x_mid,
+        1.3,
+        "every sub-layer\noutput:\n$d_{\\mathrm{model}} = 512$",
+        size=7.5,
+    )
+    ax.text(
+        enc_x,
+        9.6,
+        "Transformer (post-norm)",
+        ha="center",
+        va="center",
+        fontsize=13,
+        weight="bold",
+    )
     code_text(ax, enc_x, 9.25, "EncoderDecoder / make_model()", size=7.5)
-    note(ax, enc_x, 8.6, "Add & Norm:  $\\mathrm{LayerNorm}(x + \\mathrm{Sublayer}(x))$\n"
-         "$h = 8$ heads,  $d_k = d_v = d_{\\mathrm{model}}/h = 64$\n"
-         "$d_{\\mathrm{model}} = 512$,  $d_{ff} = 2048$,  $N = 6$", size=9, linespacing=1.5)
+    note(
+        ax,
+        enc_x,
+        8.6,
+        "Add & Norm:  $\\mathrm{LayerNorm}(x + \\mathrm{Sublayer}(x))$\n"
+        "$h = 8$ heads,  $d_k = d_v = d_{\\mathrm{model}}/h = 64$\n"
+        "$d_{\\mathrm{model}} = 512$,  $d_{ff} = 2048$,  $N = 6$",
+        size=9,
+        linespacing=1.5,
+    )
 
-    fig.savefig(path, dpi=DPI, facecolor="white")
-    plt.close(fig)
+    save(fig, path)
 
 
-# ---------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 # Figure 2: scaled dot-product attention and multi-head attention
-# ---------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------
 
-def draw_scaled_dot_product(ax) -> None:
-    """Left panel: Q, K → MatMul → Scale → Mask (opt.) → SoftMax → MatMul with V."""
-    cx, w, h = 1.95, 1.3, 0.42
-    x_q, x_k, x_v = cx - 0.35, cx + 0.35, 3.55
+
+def draw_scaled_dot_product(ax, top: float) -> None:
+    """Left panel: Q, K → MatMul → Scale → Mask (opt.) → SoftMax → MatMul with V;
+    its title at ``top``."""
+    small = FIG2_SMALL_PT
+    cx, w, h = 2.2, 1.3, 0.42
+    x_q, x_k, x_v = cx - 0.35, cx + 0.35, 3.7
     y_in = 0.35
-    mm1 = box(ax, cx, 1.05, w, h, "MatMul", "matmul")
-    scale = box(ax, cx, 1.65, w, h, "Scale", "scale")
-    mask = box(ax, cx, 2.25, w, h, "Mask (opt.)", "mask")
-    soft = box(ax, cx, 2.85, w, h, "SoftMax", "softmax")
-    mm2 = box(ax, (cx + x_v) / 2 + 0.05, 3.55, x_v - cx + 0.8, h, "MatMul", "matmul")
+    mm1 = box(ax, cx, 1.05, w, h, "MatMul", "matmul", size=11)
+    scale = box(ax, cx, 1.7, w, h, "Scale", "scale", size=11)
+    mask = box(ax, cx, 2.35, w, h, "Mask (opt.)", "mask", size=11)
+    soft = box(ax, cx, 3.0, w, h, "SoftMax", "softmax", size=11)
+    mm2 = box(
+        ax, (cx + x_v) / 2 + 0.05, 3.75, x_v - cx + 0.8, h, "MatMul", "matmul", size=11
+    )
     for name, x in (("Q", x_q), ("K", x_k), ("V", x_v)):
-        ax.text(x, y_in, name, ha="center", va="center", fontsize=12)
+        ax.text(x, y_in, name, ha="center", va="center", fontsize=13)
     arrow(ax, (x_q, y_in + 0.15), (x_q, mm1.bottom))
     arrow(ax, (x_k, y_in + 0.15), (x_k, mm1.bottom))
     arrow(ax, (x_v, y_in + 0.15), (x_v, mm2.bottom))
@@ -335,67 +484,137 @@ def draw_scaled_dot_product(ax) -> None:
     arrow(ax, (cx, soft.top), (cx, mm2.bottom))
     arrow(ax, (mm2.x, mm2.top), (mm2.x, mm2.top + 0.45))
 
-    notes = [(mm1, "$QK^T$"), (scale, "$\\div\\sqrt{d_k}$"), (mask, "masked $\\to -\\infty$"),
-             (soft, "over keys")]
+    notes = [
+        (mm1, "$QK^T$"),
+        (scale, "$\\div\\sqrt{d_k}$"),
+        (mask, "masked $\\to -\\infty$"),
+        (soft, "over keys"),
+    ]
     for b, text in notes:
-        note(ax, b.left - 0.12, b.y, text, ha="right")
-    ax.text(2.3, 4.75, "Scaled Dot-Product Attention", ha="center", va="center",
-            fontsize=12, weight="bold")
-    code_text(ax, 2.3, 4.47, "attention(query, key, value, mask)", size=7.5)
-    note(ax, mm2.x + 0.12, mm2.top + 0.25, "$\\mathrm{softmax}(QK^T/\\sqrt{d_k})\\,V$",
-         size=9, ha="left")
+        note(ax, b.left - 0.12, b.y, text, ha="right", size=small)
+    note(
+        ax,
+        mm2.x + 0.1,
+        mm2.top + 0.27,
+        "$\\mathrm{softmax}(QK^T/\\sqrt{d_k})\\,V$",
+        size=small,
+        ha="left",
+    )
+    ax.text(
+        2.45,
+        top,
+        "Scaled Dot-Product Attention",
+        ha="center",
+        va="center",
+        fontsize=13,
+        weight="bold",
+    )
+    code_text(ax, 2.45, top - 0.33, "attention(query, key, value, mask)", size=small)
 
 
-def draw_multi_head(ax, x0: float) -> None:
-    """Right panel: V, K, Q → h Linear projections → h × attention → Concat → Linear."""
+def draw_multi_head(ax, x0: float, top: float) -> None:
+    """Right panel: V, K, Q → h Linear projections → h × attention → Concat → Linear;
+    its title at ``top``."""
+    small = FIG2_SMALL_PT
     xs = [x0 + 0.7, x0 + 1.95, x0 + 3.2]
     cx = xs[1]
     y_in = 0.35
     heads = 2  # copies drawn behind each stacked box
     lins = []
     for name, x in zip("VKQ", xs):
-        ax.text(x, y_in, name, ha="center", va="center", fontsize=12)
-        lin = box(ax, x, 1.2, 0.95, 0.42, "Linear", "linear", stack=heads)
+        ax.text(x, y_in, name, ha="center", va="center", fontsize=13)
+        lin = box(ax, x, 1.2, 0.95, 0.42, "Linear", "linear", stack=heads, size=11)
         arrow(ax, (x, y_in + 0.15), (x, lin.bottom))
         lins.append(lin)
-    sdpa = box(ax, cx, 2.3, 3.35, 0.55, "Scaled Dot-Product\nAttention", "attention",
-               stack=heads, size=10)
+    sdpa = box(
+        ax,
+        cx,
+        2.65,
+        3.35,
+        0.6,
+        "Scaled Dot-Product\nAttention",
+        "attention",
+        stack=heads,
+        size=11,
+    )
     for lin in lins:
         arrow(ax, (lin.x, lin.top + 0.07 * heads), (lin.x, sdpa.bottom))
-    concat = box(ax, cx, 3.2, 1.4, 0.42, "Concat", "norm")
-    out = box(ax, cx, 3.85, 1.4, 0.42, "Linear", "linear")
+    concat = box(ax, cx, 3.6, 1.4, 0.42, "Concat", "norm", size=11)
+    out = box(ax, cx, 4.25, 1.4, 0.42, "Linear", "linear", size=11)
     arrow(ax, (cx, sdpa.top), (cx, concat.bottom))
     arrow(ax, (cx, concat.top), (cx, out.bottom))
     arrow(ax, (cx, out.top), (cx, out.top + 0.3))
 
     top_right = sdpa.right + 0.07 * heads
-    ax.text(top_right + 0.12, sdpa.y + 0.07 * heads, "h", ha="left", va="center",
-            fontsize=13, style="italic")
-    code_text(ax, top_right + 0.12, sdpa.y - 0.2, "h = 8\nheads", ha="left", size=6.5)
-    ax.text(lins[-1].right + 0.25, lins[-1].y, "h", ha="left", va="center", fontsize=13,
-            style="italic")
-    note(ax, (xs[0] + xs[1]) / 2, 1.72, "$W_i^V, W_i^K, W_i^Q$\n$d_{\\mathrm{model}} \\to d_k$",
-         size=8, linespacing=1.3)
-    code_text(ax, (xs[1] + xs[2]) / 2, 1.72, "w_v, w_k, w_q", size=6.5)
-    note(ax, out.right + 0.12, out.y + 0.06, "$W^O$: $hd_v \\to d_{\\mathrm{model}}$",
-         ha="left", size=8)
-    code_text(ax, out.right + 0.12, out.y - 0.14, "w_o", ha="left", size=6.5)
-    note(ax, concat.right + 0.12, concat.y, "$h \\cdot d_v = 512$", ha="left", size=8)
-    ax.text(cx, 4.75, "Multi-Head Attention", ha="center", va="center", fontsize=12,
-            weight="bold")
-    code_text(ax, cx, 4.47, "MultiHeadedAttention(h, d_model)", size=7.5)
+    ax.text(
+        top_right + 0.12,
+        sdpa.y + 0.2,
+        "h",
+        ha="left",
+        va="center",
+        fontsize=14,
+        style="italic",
+    )
+    code_text(
+        ax, top_right + 0.12, sdpa.y - 0.22, "h = 8\nheads", ha="left", size=small
+    )
+    ax.text(
+        lins[-1].right + 0.25,
+        lins[-1].y,
+        "h",
+        ha="left",
+        va="center",
+        fontsize=14,
+        style="italic",
+    )
+    y_proj = (lins[0].top + 0.07 * heads + sdpa.bottom) / 2
+    note(
+        ax,
+        (xs[0] + xs[1]) / 2,
+        y_proj,
+        "$W_i^V, W_i^K, W_i^Q$\n$d_{\\mathrm{model}} \\to d_k$",
+        size=small,
+        linespacing=1.3,
+    )
+    code_text(ax, (xs[1] + xs[2]) / 2, y_proj, "w_v, w_k, w_q", size=small)
+    note(
+        ax,
+        out.right + 0.12,
+        out.y + 0.08,
+        "$W^O$: $hd_v \\to d_{\\mathrm{model}}$",
+        ha="left",
+        size=small,
+    )
+    code_text(ax, out.right + 0.12, out.y - 0.17, "w_o", ha="left", size=small)
+    note(
+        ax, concat.right + 0.12, concat.y, "$h \\cdot d_v = 512$", ha="left", size=small
+    )
+    ax.text(
+        cx,
+        top,
+        "Multi-Head Attention",
+        ha="center",
+        va="center",
+        fontsize=13,
+        weight="bold",
+    )
+    code_text(ax, cx, top - 0.33, "MultiHeadedAttention(h, d_model)", size=small)
 
 
 def draw_figure2(path: Path) -> None:
-    fig, ax = new_axes(10, 5)
-    draw_scaled_dot_product(ax)
-    ax.plot([5.05, 5.05], [0.3, 4.6], color="#cccccc", lw=1)
-    draw_multi_head(ax, 5.5)
-    fig.savefig(path, dpi=DPI, facecolor="white")
-    plt.close(fig)
+    """Figure 2 of the paper (§3.2: scaled dot-product attention, left; multi-head
+    attention, right), written to ``path``; no text smaller than ``FIG2_SMALL_PT``."""
+    width, height = 10, 5.6
+    fig, ax = new_axes(width, height)
+    top = height - 0.28
+    draw_scaled_dot_product(ax, top)
+    ax.plot([5.1, 5.1], [0.3, top - 0.55], color="#cccccc", lw=1)
+    draw_multi_head(ax, 5.55, top)
+    save(fig, path)
 
 
 def main() -> None:
+    """Draw both figures into this folder and print their paths."""
     fig1 = OUT_DIR / "figure1_transformer.png"
     fig2 = OUT_DIR / "figure2_attention.png"
     draw_figure1(fig1)
