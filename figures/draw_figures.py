@@ -15,8 +15,7 @@ its smallest text in points (the text chunk ``SMALLEST_TEXT_KEY``), so that the 
 page's tests can check the size that text is shown at.
 """
 
-from __future__ import annotations
-
+import io
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +103,15 @@ def save(fig, path: Path) -> None:
     metadata = {SMALLEST_TEXT_KEY: f"{smallest_text_pt(fig):g}"}
     fig.savefig(path, dpi=DPI, facecolor="white", metadata=metadata)
     plt.close(fig)
+
+
+def recorded_smallest_text_pt(png: bytes) -> float | None:
+    """The smallest text size, in points, that a PNG records (``SMALLEST_TEXT_KEY``),
+    or None where it records none (our addition)."""
+    from PIL import Image
+
+    value = Image.open(io.BytesIO(png)).text.get(SMALLEST_TEXT_KEY)
+    return float(value) if value else None
 
 
 def code_text(ax, x, y, s, size=7, **kw):

@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 build = load_script(ROOT / "web" / "build.py", "web_page_build")
+paper_figures = load_script(ROOT / "figures" / "draw_figures.py", "paper_figures")
 
 
 @pytest.mark.parametrize("missing", ["node", "npm"])
@@ -249,6 +250,33 @@ def test_a_figure_is_shown_at_its_real_size_from_its_stored_dpi():
     assert shown(700, 300) == (700, 300, 0)  # nothing known: a pixel is a CSS pixel
     assert build.png_dpi(png(10, 10, 110)) == pytest.approx(110, abs=0.01)
     assert build.png_dpi(png(10, 10)) is None
+
+
+def test_a_drawn_figure_records_the_size_of_its_smallest_text(tmp_path):
+    fig, ax = paper_figures.new_axes(2, 1)
+    ax.text(0.5, 0.5, "label", fontsize=10)
+    ax.text(1.5, 0.5, "note", fontsize=6.5)
+    ax.text(1.0, 0.8, "", fontsize=4)  # draws nothing
+    path = tmp_path / "figure.png"
+    paper_figures.save(fig, path)
+    assert paper_figures.recorded_smallest_text_pt(path.read_bytes()) == 6.5
+    plain = tmp_path / "plain.png"
+    fig, _ = paper_figures.new_axes(1, 1)
+    fig.savefig(plain)
+    assert paper_figures.recorded_smallest_text_pt(plain.read_bytes()) is None
+
+
+def test_figure_2s_smallest_text_reads_at_11_px_at_the_least_scale_of_the_page(
+    tmp_path,
+):
+    # The page shows a figure whose dpi it knows at LEGIBLE_PT_PX CSS px per point or
+    # more (least on a phone); the committed PNG records what the script draws.
+    drawn = tmp_path / "figure2.png"
+    paper_figures.draw_figure2(drawn)
+    smallest = paper_figures.recorded_smallest_text_pt(drawn.read_bytes())
+    assert smallest * build.LEGIBLE_PT_PX >= 11, f"{smallest} pt"
+    committed = ROOT / "figures" / "figure2_attention.png"
+    assert paper_figures.recorded_smallest_text_pt(committed.read_bytes()) == smallest
 
 
 def test_text_outputs_lose_moses_escapes():
