@@ -653,7 +653,7 @@ def test_an_update_synchronises_with_the_host_once_however_many_batches(
     micro = [tat.make_batch(pairs, list(range(i, i + 4))) for i in (0, 4, 8)]
     calls = host_syncs(monkeypatch)
     loss, tokens, _ = machinery.update(r, micro)
-    assert calls == ["tolist"], calls
+    assert len(calls) == 1, calls  # the loss, read once (the token counts: the host's)
     assert tokens == sum(b.ntokens for b in micro) and math.isfinite(loss)
 
 
