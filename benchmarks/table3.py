@@ -695,7 +695,7 @@ def draw_curves(data: dict, out: Path) -> Path:
         ax.set_xlabel("epoch")
         ax.set_yscale("log")
         if any(r["group"] == g for r in done):
-            ax.legend(fontsize=9)
+            ax.legend(fontsize=10)
         else:
             ax.text(0.5, 0.5, "not yet run", ha="center", transform=ax.transAxes)
     axes[0].set_ylabel("validation perplexity (grey: base)")
