@@ -208,9 +208,9 @@ class OneLineParser(argparse.ArgumentParser):
     def _print_message(self, message, file=None):
         """Write ``message`` (help, usage) to ``file``; a failure is one line, not
         ignored as argparse ignores it (our addition)."""
-        if not message:
-            return
         file = file or sys.stderr
+        if not message or file is None:  # nothing to say, or nowhere (closed)
+            return
         try:
             file.write(message)
             file.flush()

@@ -22,6 +22,7 @@ from .runfiles import (
     CheckpointError,
     Position,
     UnreadableCheckpoint,
+    changed_settings,
     check_fits,
     checkpoint_paths,
     load_checkpoint,
@@ -245,5 +246,7 @@ def resume(run: Run) -> Position:
         f"{pos.batch_in_epoch} of its batches done)"
         + ("" if layout == now else f"; written with {layout}, continuing with {now}")
     )
+    if changed := changed_settings(state["config"], run.cfg):
+        run.log(f"note: {changed}")
     run.files.repair_metrics(pos.step)
     return pos

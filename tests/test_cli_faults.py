@@ -1020,6 +1020,7 @@ def other_vocabulary(c, monkeypatch):
     path = machinery.checkpoint_paths(c.run)[-1]
     state = torch.load(path, weights_only=True)
     state["vocab"]["src"] = [*state["vocab"]["src"][:-1], "11"]  # one symbol renamed
+    state["digests"] = machinery.runfiles.carried_digests(state)  # written so: whole
     torch.save(state, path)
     c.before = names(c.run)
 
@@ -1736,6 +1737,15 @@ TRAINING_ROUND_FOUR = [
         setup=finished,
         check=lambda c, r: (c.run / "results.json").read_bytes() == c.results
         and names(c.run) == c.before,
+    ),
+    Case(
+        "resuming with another --lr_factor: said in one line",
+        lambda c: train(c.run, "--max_steps", "48", "--lr_factor", "2"),
+        0,
+        setup=finished,
+        check=lambda c, r: "settings changed since the checkpoint (lr_factor 1.0 → 2.0)"
+        in r.out
+        and json.loads((c.run / "results.json").read_text())["steps"] == 48,
     ),
     Case(
         "+inf in the newest checkpoint's weights: set aside, the one before resumed",

@@ -1,0 +1,110 @@
+"""The plan a run is checked against before any work (`planning.py`), the checks of
+what checkpoints and caches carry (`runfiles.py`), and the environment of several
+processes (`cli.py`): each invariant on its own."""
+
+import dataclasses
+import json
+
+import pytest
+
+import machinery
+from machinery.cli import environment_problem
+from machinery.datafiles import file_problem
+from machinery.parts import notebook
+from machinery.planning import LossWatch, memory_estimate, parameter_count
+from machinery.runfiles import finished_run_problem, read_verified, write_with_digest
+
+
+@pytest.mark.parametrize(
+    "overrides, vocabs",
+    [
+        ({}, (14, 14)),
+        ({"tie_weights": False}, (14, 20)),
+        ({"tie_weights": False, "shared_vocab": False}, (30, 20)),
+        (
+            {"d_k": 16, "N_dec": 3, "norm_first": True, "positional": "learned"},
+            (14, 14),
+        ),
+    ],
+)
+def test_the_parameter_count_is_the_models_without_building_it(overrides, vocabs):
+    cfg = machinery.get_config("copy", **overrides)
+    model = notebook().make_model(*vocabs, cfg)
+    assert parameter_count(cfg, *vocabs) == notebook().count_parameters(model)
+
+
+def test_the_estimate_grows_with_the_model_and_the_batch():
+    cfg = machinery.get_config("iwslt14-small")
+    base, weights, activations = memory_estimate(cfg, 10_000, 10_000, 102)
+    assert base == weights + activations and weights == 16 * parameter_count(
+        cfg, 10_000, 10_000
+    )
+    assert base < 8 * 2**30  # the GPU preset is not refused on an ordinary machine
+    deeper = dataclasses.replace(cfg, N=12)
+    assert memory_estimate(deeper, 10_000, 10_000, 102)[0] > base
+    bigger_batch = dataclasses.replace(cfg, batch_tokens=8192)
+    assert memory_estimate(bigger_batch, 10_000, 10_000, 102)[2] > activations
+
+
+def test_a_loss_far_above_a_uniform_guess_stops_only_after_several_updates():
+    watch = LossWatch(vocab=1000, patience=3)
+    high = 3.5 * 6.91  # above 3 × ln 1000
+    assert watch.problem(high) is None and watch.problem(high) is None
+    assert watch.problem(5.0) is None  # a plausible loss resets the count
+    assert watch.problem(high) is None and watch.problem(high) is None
+    line = watch.problem(high)
+    assert "exploded" in line and "--lr_factor" in line and "--warmup" in line
+
+
+@pytest.mark.parametrize(
+    "environ, words",
+    [
+        ({"WORLD_SIZE": "2", "RANK": "2"}, "RANK=2"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE=0"),
+        ({"WORLD_SIZE": "2"}, "without RANK"),
+        ({"LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "1"}, "LOCAL_RANK=1"),
+        ({"MASTER_PORT": "80a"}, "MASTER_PORT"),
+        ({"MASTER_PORT": "70000"}, "MASTER_PORT"),
+    ],
+)
+def test_process_variables_that_do_not_fit_are_named(environ, words):
+    assert words in (environment_problem(environ) or "")
+
+
+def test_process_variables_that_fit_pass():
+    assert environment_problem({}) is None
+    ok = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_PORT": "29500"}
+    assert environment_problem(ok) is None
+
+
+def test_a_data_file_that_cannot_be_read_says_why(tmp_path):
+    (tmp_path / "file").write_text("a\n")
+    (tmp_path / "dir").mkdir()
+    (tmp_path / "loop").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop")
+    (tmp_path / "broken").symlink_to(tmp_path / "nowhere")
+    assert file_problem(tmp_path / "file") is None
+    assert file_problem(tmp_path / "dir") == "is a directory, not a file"
+    assert file_problem(tmp_path / "loop") == "is a symbolic link loop"
+    assert file_problem(tmp_path / "broken") == "is a broken symbolic link"
+    assert file_problem(tmp_path / "none") == "is missing"
+
+
+def test_a_cache_is_checked_against_the_digest_beside_it(tmp_path):
+    path = tmp_path / "bpe-x.model"
+    write_with_digest(path, b"model bytes")
+    assert read_verified(path) == b"model bytes"
+    path.write_bytes(b"model")
+    with pytest.raises(ValueError, match="SHA-256"):
+        read_verified(path)
+
+
+def test_a_finished_run_is_kept_from_other_settings_only(tmp_path):
+    cfg = machinery.get_config("copy", run_dir=str(tmp_path))
+    results = {"config": json.loads(json.dumps(dataclasses.asdict(cfg)))}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    assert finished_run_problem(tmp_path, cfg) is None
+    elsewhere = dataclasses.replace(cfg, eval_batch_size=7, keep_checkpoints=9)
+    assert finished_run_problem(tmp_path, elsewhere) is None  # same result
+    other = dataclasses.replace(cfg, max_eval_sentences=2)
+    assert "max_eval_sentences=0" in finished_run_problem(tmp_path, other)
