@@ -376,13 +376,15 @@ def test_asked_for_settings_and_a_resumed_run_measure_nothing(
     )
     assert (summary["precision"], summary["attention"]) == ("bf16", "fast")
     assert "attention: fast path (asked for)" in logs
-    # a run measured once keeps its choice when resumed, whatever a new measurement would say
-    auto_run(
+    # a run measured once keeps its choice when resumed, whatever a new measurement
+    # would say, and still says what was measured
+    first_logs, first = auto_run(
         tmp_path,
         monkeypatch,
         FakeTimer(fp32=2.0, bf16=1.0, bf16_fast=0.5),
         name="resumed",
     )
+    assert "bf16 measured" in first["auto"]["precision"], first["auto"]
     logs, summary = auto_run(
         tmp_path, monkeypatch, no_timing, name="resumed", max_steps=4
     )
