@@ -991,7 +991,10 @@ def _():
     from IPython.display import Markdown, display
 
     paper = {"base": 65e6, "big": 213e6}  # Table 3 (§6.2)
-    rows = ["| model | N | d_model | d_ff | h | P_drop | ours | paper's |", "|---" * 8]
+    rows = [
+        "| model | N | d_model | d_ff | h | P_drop | ours | paper's |",
+        "|---" * 8 + "|",
+    ]
     for name in ("base", "big"):
         c = MODEL_PRESETS[name]
         if PROFILE == "full":  # two large models: counted in the full profile only

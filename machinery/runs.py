@@ -85,6 +85,12 @@ def machine_name(device) -> str:
     return f"{name} ({detail})" if detail else name
 
 
+def machine_of(summary: dict) -> str:
+    """The machine a run's summary names: ``machine``, or the ``cpu`` line older
+    summaries carry; "" where it names none."""
+    return summary.get("machine") or summary.get("cpu") or ""
+
+
 def _quiet(*args, **kwargs) -> None:
     """A log that keeps the training run's own lines out of the notebook's outputs."""
 
@@ -114,7 +120,7 @@ def run_or_load(
         summary = json.loads(results.read_text())
         if recipe_differences(summary.get("config", {}), cfg):
             continue
-        on = f" on {summary['machine']}" if summary.get("machine") else ""
+        on = f" on {machine_of(summary)}" if machine_of(summary) else ""
         log(
             f"loaded the finished run in {where}: {summary['steps']:,} updates, "
             f"trained in {summary['train_minutes']:.0f} min{on}"
@@ -140,7 +146,7 @@ def run_or_load(
     summary = train(cfg, log=train_log, progress=False)
     log(
         f"trained {summary['steps']:,} updates in {summary['train_minutes']:.1f} min "
-        f"on {summary.get('machine', summary['device'])}"
+        f"on {machine_of(summary) or summary['device']}"
     )
     return summary
 
@@ -163,7 +169,7 @@ def results_table(ours: Sequence[tuple]) -> str:
         *(f"| {' | '.join(row)} |" for row in PAPER_RESULTS),
     ]
     for name, data, params, run in ours:
-        machine = run.get("machine") or f"{run.get('device', '?')} (not recorded)"
+        machine = machine_of(run) or f"{run.get('device', '?')} (machine not recorded)"
         lines.append(
             f"| `{name}` | {data} | {params:,} | {machine} "
             f"| {run['train_minutes']:.0f} min | {run['bleu']:.1f} |"
