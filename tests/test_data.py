@@ -557,22 +557,26 @@ def test_mirror_iwslt14_vocab_cache_is_reused_and_keyed_on_settings(mirror, tmp_
     cfg = mirror_cfg(mirror, tmp_path)
     cache = tmp_path / "cache"
     first = machinery.load_dataset(cfg, log=quiet)
-    files = sorted(cache.iterdir())
-    assert (
-        len(files) == 1
-        and files[0].name.startswith("vocab-")
-        and files[0].suffix == ".json"
-    )
+    files = sorted(cache.glob("vocab-*.json"))
+    assert len(files) == 1 and sorted(cache.iterdir()) == [
+        files[0],
+        files[0].with_name(files[0].name + ".sha256"),  # its digest beside it
+    ]
     stamp = files[0].stat().st_mtime_ns
 
     second = machinery.load_dataset(cfg, log=quiet)
-    assert sorted(cache.iterdir()) == files and files[0].stat().st_mtime_ns == stamp
+    assert sorted(cache.glob("vocab-*.json")) == files
+    assert files[0].stat().st_mtime_ns == stamp
     assert second.src_vocab == first.src_vocab
 
-    # The cached file really is what a repeated load uses.
+    # The cached file really is what a repeated load uses (written whole, with its
+    # digest); changed behind the digest's back, it is refused as damaged.
     saved = json.loads(files[0].read_text(encoding="utf-8"))
     saved["src"] = saved["src"][:10]
     files[0].write_text(json.dumps(saved), encoding="utf-8")
+    with pytest.raises(DataError, match="damaged"):
+        machinery.load_dataset(cfg, log=quiet)
+    machinery.runfiles.write_with_digest(files[0], json.dumps(saved).encode())
     assert (
         machinery.load_dataset(cfg, log=quiet).src_vocab.itos
         == first.src_vocab.itos[:10]
@@ -581,7 +585,7 @@ def test_mirror_iwslt14_vocab_cache_is_reused_and_keyed_on_settings(mirror, tmp_
     other = machinery.load_dataset(
         dataclasses.replace(cfg, min_freq=cfg.min_freq + 1), log=quiet
     )
-    assert len(list(cache.iterdir())) == 2
+    assert len(list(cache.glob("vocab-*.json"))) == 2
     assert other.src_vocab != first.src_vocab
 
 
