@@ -1921,3 +1921,24 @@ def test_a_model_too_large_is_refused_under_a_memory_limit(tmp_path):
     last = err.strip().splitlines()[-1]
     assert "cannot fit" in last and "address-space limit" in last, err
     assert "MemoryError" not in err and not (tmp_path / "run").exists()
+
+
+def test_a_model_too_large_is_refused_having_used_a_few_hundred_mb(tmp_path):
+    """The same refusal without a limit: the process's peak resident memory stays a
+    few hundred MB (torch itself and the data), nothing like the model's size."""
+    report = (
+        "import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+        "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
+        "sys.exit(r.returncode)"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", report, sys.executable, str(SCRIPT),
+         *train(tmp_path / "run", "--N", "100000")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 2 and "cannot fit" in r.stderr, r.stderr
+    peak_mib = int(r.stdout.split()[-1]) / 1024  # ru_maxrss: KiB on Linux
+    assert peak_mib < 500, f"{peak_mib:.0f} MiB before the refusal"
