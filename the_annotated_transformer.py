@@ -1587,7 +1587,9 @@ def train_loop(model: EncoderDecoder, pairs: list, cfg) -> list[float]:
 # starts near $\ln 14 \approx 2.64$. It cannot fall to 0: the smoothed target of §5.4
 # keeps $\epsilon_{ls} = 0.1$ of its mass spread over every entry, and no model's loss
 # goes below the entropy of that target, $H(q)$. A loss near that floor means the model
-# copies. The trained model stays, as `copy_model`, for Part 3 to decode.
+# copies; one that climbs far above chance and stays there, finite, means a diverging
+# run (a learning rate far too high), which the production loop stops, naming
+# `lr_factor` and `warmup`. The trained model stays, as `copy_model`, for Part 3.
 
 
 # %%
