@@ -441,3 +441,29 @@ def test_the_notebook_keeps_its_length_budgets():
     assert len(lines) <= 2300, len(lines)
     part_4 = next(i for i, line in enumerate(lines, 1) if line.startswith("# # Part 4"))
     assert part_4 < 2000, part_4
+
+
+def test_the_results_tables_parameter_counts_are_the_models():
+    # the stored Results table (full profile) against sum(p.numel()) of each preset's
+    # model, at its joint BPE vocabulary (the vocabulary is the BPE model's size)
+    import machinery
+    import the_annotated_transformer as tat
+
+    nb = nbformat.read(NB, as_version=4)
+    tables = [
+        "".join(o["data"]["text/markdown"])
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if "text/markdown" in o.get("data", {})
+        and "| run | data | parameters |" in "".join(o["data"]["text/markdown"])
+    ]
+    assert len(tables) == 1, "the Results table is not in the stored outputs"
+    counts = dict(
+        re.findall(r"^\| `([\w-]+)` \| [^|]+ \| ([\d,]+) \|", tables[0], re.M)
+    )
+    assert set(counts) == {"multi30k-small", "iwslt14-sample"}, counts
+    for preset, shown in counts.items():
+        cfg = machinery.get_config(preset)
+        model = tat.make_model(cfg.bpe_size, cfg.bpe_size, cfg)
+        assert int(shown.replace(",", "")) == sum(p.numel() for p in model.parameters())
