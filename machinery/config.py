@@ -333,13 +333,19 @@ _IWSLT_LR_FACTOR = 5e-4 * (512 * 4000) ** 0.5
 
 PRESETS = MappingProxyType(
     {
+        # §5.1's ~25,000 tokens per update: 6 batches of 4,096 (padding counted)
         "base": Config(
-            **_model("base"), epochs=10**6, max_steps=100_000, average_last=5
+            **_model("base"),
+            epochs=10**6,
+            max_steps=100_000,
+            accum_steps=6,
+            average_last=5,
         ),
         "big": Config(
             **_model("big"),
             epochs=10**6,
             max_steps=300_000,
+            accum_steps=6,
             keep_checkpoints=20,
             average_last=20,
         ),

@@ -868,3 +868,13 @@ def test_compiled_training_with_inductor_on_the_cpu(tmp_path, monkeypatch):
     assert all(
         torch.isfinite(v).all() for v in last_state(tmp_path / "run")["model"].values()
     )
+
+
+def test_the_papers_presets_update_on_about_25000_tokens():
+    # §5.1: "approximately 25000 source tokens and 25000 target tokens" per batch; our
+    # budget counts padding, so a little above is the nearest
+    for name in ("base", "big"):
+        cfg = machinery.PRESETS[name]
+        per_update = cfg.batch_tokens * cfg.accum_steps
+        assert 24_000 <= per_update <= 26_000, (name, per_update)
+    assert machinery.PRESETS["iwslt14-small"].accum_steps == 1  # fairseq's recipe
