@@ -1057,7 +1057,8 @@ def test_the_text_of_figure_2_and_the_table_3_figure_reads_at_11_px(fresh, width
         .filter(i => /^Figure 2\\b|Table 3/.test(i.alt))
         .map(i => ({alt: i.alt, src: i.src, natural: i.naturalWidth,
                     shown: i.getBoundingClientRect().width}))""")
-    assert {f["alt"][:8] for f in figures} >= {"Figure 2", "Test BLE"}, figures
+    assert any(f["alt"].startswith("Figure 2") for f in figures), figures
+    assert any("Table 3" in f["alt"] for f in figures), figures
     for f in figures:
         data = f["src"].split(",", 1)[1]
         dpi = build.png_dpi(data)
