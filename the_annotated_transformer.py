@@ -2077,8 +2077,8 @@ if IN_NOTEBOOK:
     m30k_model = make_model(
         len(m30k_data.src_vocab), len(m30k_data.tgt_vocab), m30k_cfg
     )
-    k = m30k_run["config"]["average_last"]
-    scored = f"the last {k} checkpoints averaged" if k > 1 else "the last checkpoint"
+    m30k_avg = m30k_run["config"]["average_last"]  # checkpoints the run averages
+    scored = f"the last {m30k_avg} averaged" if m30k_avg > 1 else "the last checkpoint"
     print(
         f"test BLEU ({scored}): beam {m30k_run['bleu']:.2f}, greedy "
         f"{m30k_run['bleu_greedy']:.2f} ({m30k_run['bleu_kind']})"
@@ -2172,7 +2172,7 @@ if IN_NOTEBOOK:
     if not paths:
         print(f"no checkpoints in {m30k_run['run_dir']}: `make train` makes them")
 if IN_NOTEBOOK and paths:
-    viz.load_state_dict(machinery.average_checkpoints(paths[-5:]))
+    viz.load_state_dict(machinery.average_checkpoints(paths[-max(m30k_avg, 1) :]))
     src_ids = m30k_data.splits["test"][1][0]
     src = torch.tensor([src_ids])  # (1, src_len)
     limit = max_output_tokens(src, m30k_cfg.max_decode_extra)  # (1,): §6.1's n + 50
@@ -2244,10 +2244,10 @@ if IN_NOTEBOOK:
 # %% [markdown]
 # ## Results
 #
-# The paper's two models beside the runs this notebook showed above, with their
-# parameters counted from the models and their minutes and machines as each run
-# recorded them. The scores are not comparable across rows: other data, other
-# directions, other sizes.
+# The paper's models beside the runs shown above: parameters counted from the models,
+# minutes and machine as each run recorded them (Table 3's rows train on one thread
+# each, two at a time, so their minutes are not a 2-core run's). The scores are not
+# comparable across rows: other data, other directions, other sizes.
 
 # %%
 if IN_NOTEBOOK:
