@@ -1075,7 +1075,8 @@ def run_row(
             "train_minutes counts the last stretch only"
         )
     code, stderr = child.run(args, budget["threads"])
-    if child.stopped is not None:
+    if child.stopped is not None or code == 130:  # stopped here, or the run itself
+        child.stopped = child.stopped or signal.SIGTERM
         log(
             f"interrupted by signal {child.stopped} during row {row['name']} "
             f"(exit {code}); run the same command again to continue it"
