@@ -2110,8 +2110,8 @@ if IN_NOTEBOOK:
 # 1.41× and 0.71× the base's rate; C-d128-lr and C-d512-lr scale `lr_factor` so that
 # their peak is the base's. The paper's figures are newstest2013 EN→DE with 4.5M
 # training pairs; ours are Multi30k DE→EN with 29k, so only the direction of each change
-# compares. `make table3` trains the rows, two at a time, and resumes; this notebook
-# only reads `results/table3.json`.
+# compares. `make table3` trains the rows (`--jobs 2`: two at once) and resumes; this
+# notebook only reads `results/table3.json`.
 
 # %%
 if IN_NOTEBOOK:
@@ -2246,7 +2246,7 @@ if IN_NOTEBOOK:
 #
 # The paper's models beside the runs shown above: parameters counted from the models,
 # minutes and machine as each run recorded them (Table 3's rows train on one thread
-# each, two at a time, so their minutes are not a 2-core run's). The scores are not
+# each beside other work, so their minutes are not a 2-core run's). The scores are not
 # comparable across rows: other data, other directions, other sizes.
 
 # %%

@@ -496,7 +496,9 @@ def collect(row: dict, run_dir: Path, budget: dict, python: str, child) -> dict:
             "attention": results.get("attention"),
             "threads": budget["threads"],
             "device": results.get("device"),
-            "device_name": device_name(str(results.get("device", "cpu"))),
+            # the run names its chip (older runs do not: read it here)
+            "device_name": results.get("machine")
+            or device_name(str(results.get("device", "cpu"))),
             "commit": row.get("commit"),
             "valid_bleu_command": scored["command"],
         },
@@ -565,14 +567,28 @@ def verdict(ours: float, noise: Optional[float], paper: float) -> str:
     return "agrees" if (ours > 0) == (paper > 0) else "disagrees"
 
 
+def seeds_by_variation(data: dict) -> dict[str, list[dict]]:
+    """The finished rows of a Table 3 (§6.2) file, grouped by the variation whose seeds
+    they are."""
+    by: dict[str, list[dict]] = {}
+    for r in data["rows"]:
+        if r["status"] == "done":
+            by.setdefault(r.get("variation", r["name"]), []).append(r)
+    return by
+
+
+def noise_of(data: dict) -> dict:
+    """The noise rule's yardstick for a Table 3 (§6.2) file: the pooled seed standard
+    deviation of validation BLEU and how many rows (with ≥ 2 seeds) it pools."""
+    groups = [[r["valid_bleu"] for r in rs] for rs in seeds_by_variation(data).values()]
+    return {"sd": pooled_sd(groups), "rows": sum(len(g) > 1 for g in groups)}
+
+
 def summarise(data: dict) -> list[dict]:
     """Per variation of Table 3 (§6.2): its seeds' mean and spread of validation
     perplexity and BLEU and of test BLEU, its difference from the base, and the noise
     rule's verdict against the paper's row."""
-    done = [r for r in data["rows"] if r["status"] == "done"]
-    by: dict[str, list[dict]] = {}
-    for r in done:
-        by.setdefault(r.get("variation", r["name"]), []).append(r)
+    by = seeds_by_variation(data)
     noise = pooled_sd([[r["valid_bleu"] for r in rs] for rs in by.values()])
     base = by.get("base")
     base_bleu = spread([r["valid_bleu"] for r in base])["mean"] if base else None
@@ -860,6 +876,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--worker-of", dest="workers_of", type=int, default=0, help=argparse.SUPPRESS
     )
     args = p.parse_args(argv)
+    args.argv = list(argv)  # what a --jobs worker is started with
     if args.epochs is not None and args.epochs < 1:
         p.error("--epochs must be at least 1")
     if args.jobs < 1:
@@ -998,6 +1015,7 @@ def merge(out: Path, record: dict, base: dict, budget: dict, smoke: bool, order)
             key=lambda r: order.index(r["name"]) if r["name"] in order else 10**6,
         )
         data["summary"] = summarise(data)
+        data["noise"] = noise_of(data)
         data["plan"] = plan_of(base, budget)
         write_json(out, data)
         draw(data, out.with_suffix(".png"))
@@ -1155,8 +1173,7 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
 def run_workers(args, out: Path, runs: Path) -> int:
     """``--jobs N``: N copies of this script, each taking the next row no other holds
     (one thread each); signals are handed on; the worst exit status is returned."""
-    argv = [a for a in sys.argv[1:]]
-    base_args = [sys.executable, str(Path(__file__).resolve()), *strip_jobs(argv)]
+    base_args = [sys.executable, str(Path(__file__).resolve()), *strip_jobs(args.argv)]
     base_args += ["--out", str(out), "--runs", str(runs), "--worker-of", str(args.jobs)]
     procs = []
     for _ in range(args.jobs):

@@ -124,16 +124,9 @@ class Table3:
 
     def noise(self) -> tuple[float | None, int]:
         """(pooled seed standard deviation of validation BLEU, rows it pools): the
-        rule's yardstick, from every variation with two or more seeds."""
-        pairs = [
-            (s["valid_bleu"]["n"], s["valid_bleu"]["sd"])
-            for s in self.summary
-            if s["valid_bleu"]["n"] > 1
-        ]
-        dof = sum(n - 1 for n, _ in pairs)
-        if not dof:
-            return None, 0
-        return (sum((n - 1) * sd**2 for n, sd in pairs) / dof) ** 0.5, len(pairs)
+        rule's yardstick, as the runner recorded it."""
+        noise = self.data.get("noise") or {}
+        return noise.get("sd"), noise.get("rows", 0)
 
     def findings(self) -> str:
         """One paragraph per row group: each finished variation's validation BLEU

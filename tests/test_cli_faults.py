@@ -1903,29 +1903,13 @@ def test_a_process_whose_partners_never_come_says_so_and_gives_up(tmp_path):
 
 def test_a_model_too_large_is_refused_under_a_memory_limit(tmp_path):
     """--N 100000 under a 2 GiB address-space limit: refused by the estimate, with what
-    it needs and what is left, long before the allocator would fail."""
+    it needs and what is left, long before the allocator would fail, the process
+    having used a few hundred MB (torch itself and the data) at its peak."""
     import resource
 
-    def limit():
+    def limit():  # inherited by the program, which the reporter below starts
         resource.setrlimit(resource.RLIMIT_AS, (2 * 2**30, 2 * 2**30))
 
-    r = subprocess.run(
-        [sys.executable, str(SCRIPT), *train(tmp_path / "run", "--N", "100000")],
-        capture_output=True,
-        preexec_fn=limit,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        timeout=300,
-    )
-    err = r.stderr.decode()
-    assert r.returncode == 2 and "Traceback" not in err, err
-    last = err.strip().splitlines()[-1]
-    assert "cannot fit" in last and "address-space limit" in last, err
-    assert "MemoryError" not in err and not (tmp_path / "run").exists()
-
-
-def test_a_model_too_large_is_refused_having_used_a_few_hundred_mb(tmp_path):
-    """The same refusal without a limit: the process's peak resident memory stays a
-    few hundred MB (torch itself and the data), nothing like the model's size."""
     report = (
         "import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
         "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
@@ -1935,10 +1919,14 @@ def test_a_model_too_large_is_refused_having_used_a_few_hundred_mb(tmp_path):
         [sys.executable, "-c", report, sys.executable, str(SCRIPT),
          *train(tmp_path / "run", "--N", "100000")],
         capture_output=True,
-        text=True,
+        preexec_fn=limit,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         timeout=300,
     )  # fmt: skip
-    assert r.returncode == 2 and "cannot fit" in r.stderr, r.stderr
+    err = r.stderr.decode()
+    assert r.returncode == 2 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert "cannot fit" in last and "address-space limit" in last, err
+    assert "MemoryError" not in err and not (tmp_path / "run").exists()
     peak_mib = int(r.stdout.split()[-1]) / 1024  # ru_maxrss: KiB on Linux
     assert peak_mib < 500, f"{peak_mib:.0f} MiB before the refusal"

@@ -176,6 +176,8 @@ def test_the_summary_applies_the_rule_to_every_variation():
     assert h1["seeds"] == [1, 2] and h1["diff_valid_bleu"] == pytest.approx(-4.5)
     assert h1["paper_diff_bleu"] == pytest.approx(-0.9)
     assert h1["verdict"] == "agrees"  # pooled sd ≈ 0.91: −4.5 is beyond 2·sd
+    noise = runner.noise_of(data)  # the yardstick the file records for Part 4
+    assert noise["rows"] == 2 and noise["sd"] == pytest.approx((2.5 / 3) ** 0.5)
 
 
 def test_a_smoke_table_trains_each_row_and_draws_the_figure(smoke):
