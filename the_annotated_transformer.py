@@ -2100,18 +2100,18 @@ if IN_NOTEBOOK:
 # — §6.2
 #
 # The same variations of our base, `multi30k-small` ($N=3$, $d_{model}=256$,
-# $d_{ff}=1024$, $h=8$, $d_k=32$, $P_{drop}=0.1$, $\epsilon_{ls}=0.1$). Every row
-# trains the preset's whole schedule (15 epochs, the same batches), so the base row is
-# the Multi30k run above; the last checkpoint is scored, with beam search, on the
-# validation set (our development set) and on the test set. Every variation runs with
-# two seeds and the base with three, and a variation is read against the base by one
-# rule, printed with the table. Two more rows hold Eq. 3's learning rate apart from the
-# width: Eq. 3 scales the rate by $d_{model}^{-0.5}$, so C-d128 and C-d512 also train at
-# 1.41× and 0.71× the base's rate; C-d128-lr and C-d512-lr scale `lr_factor` so that
-# their peak is the base's. The paper's figures are newstest2013 EN→DE with 4.5M
-# training pairs; ours are Multi30k DE→EN with 29k, so only the direction of each change
-# compares. `make table3` trains the rows (`--jobs 2`: two at once) and resumes; this
-# notebook only reads `results/table3.json`.
+# $d_{ff}=1024$, $h=8$, $d_k=32$, $P_{drop}=0.1$, $\epsilon_{ls}=0.1$). Every row trains
+# the preset's whole schedule (15 epochs, the same batches), so the base row is the
+# Multi30k run above; the last checkpoint is scored, with beam search, on the validation
+# set (our development set) and on the test set. Every variation runs two seeds (a
+# costly (C) size one, where that one is already beyond the noise), the base three; each
+# is read against the base by one rule, printed with the table. Two more rows hold Eq.
+# 3's learning rate apart from the width: Eq. 3 scales the rate by $d_{model}^{-0.5}$,
+# so C-d128 and C-d512 also train at 1.41× and 0.71× the base's rate; C-d128-lr and
+# C-d512-lr scale `lr_factor` so that their peak is the base's. The paper's figures are
+# newstest2013 EN→DE with 4.5M training pairs; ours are Multi30k DE→EN with 29k, so only
+# the direction of each change compares. `make table3` trains the rows (`--jobs 2`: two
+# at once) and resumes; this notebook only reads `results/table3.json`.
 
 # %%
 if IN_NOTEBOOK:

@@ -7,9 +7,11 @@ reports each row's perplexity, BLEU and parameter count on the development set
 d_model=256, d_ff=1024, h=8, d_k=32, P_drop=0.1, eps_ls=0.1): every row is that preset
 with a few fields changed and trained on the preset's whole schedule (15 epochs, 3,225
 updates, warm-up 1,000), so the base row is the headline run itself. Each variation
-runs with seeds 1 and 2, the base with 1–3; two more rows (C-d128-lr, C-d512-lr) hold
-Eq. 3's d_model^-0.5 apart from the width. Every row is trained through the command
-line with the same explicit precision, attention path and thread count::
+runs with seeds 1 and 2, the base with 1–3; a (C) variation (the costlier sizes, run
+last) skips seed 2 where seed 1 already lies beyond the noise rule's 2·s of the base.
+Two more rows (C-d128-lr, C-d512-lr) hold Eq. 3's d_model^-0.5 apart from the width.
+Every row is trained through the command line with the same explicit precision,
+attention path and thread count::
 
     OMP_NUM_THREADS=1 python the_annotated_transformer.py train --config \
         multi30k-small --run_dir runs/table3/<row> --precision fp32 ... --<field> <v>
@@ -23,6 +25,7 @@ Run from the repository root::
     python benchmarks/table3.py --jobs 2          # every row, two at a time (days)
     python benchmarks/table3.py --rows base,A     # some rows (names or groups)
     python benchmarks/table3.py --smoke           # copy preset, a few updates (<60 s)
+    python benchmarks/table3.py --refresh         # summary and figures again, no run
 
 Writes ``results/table3.json`` (atomically, under a lock, after every row) and
 ``results/table3.png``. A row already in the JSON is skipped; a row that was
@@ -134,7 +137,7 @@ SMOKE_BUDGET = {
 # What a row must have run with for the file to hold it (besides its own fields).
 BUDGET_CHECKED = ("epochs", "warmup", "lr_factor", "batch_tokens", "precision")
 SEEDS = {"base": (1, 2, 3), "A": (1, 2), "B": (1, 2), "D": (1, 2), "E": (1, 2)}
-SEEDS_C = (1, 2)  # (C) runs last; seed 2 where seed 1 cannot tell (the noise rule)
+SEEDS_C = (1, 2)  # (C) runs last; its seed 2 only where seed 1 is not `settled`
 
 
 def variations(base: dict, lr_factor: float) -> list[tuple]:
@@ -530,7 +533,9 @@ RULE = (
     "seeds of every row that has two or more; it then agrees with the paper when it "
     "has the sign of the paper's own difference (its dev BLEU minus the base's 25.8) "
     "and disagrees otherwise. Within twice that deviation it can't tell, unless the "
-    "paper's difference is 0, which it then agrees with."
+    "paper's difference is 0, which it then agrees with. A (C) variation (the costlier "
+    "sizes) runs its second seed only where its first lies within twice that deviation "
+    "of the base's mean."
 )
 
 
@@ -565,6 +570,36 @@ def verdict(ours: float, noise: Optional[float], paper: float) -> str:
     if paper == 0:
         return "disagrees"
     return "agrees" if (ours > 0) == (paper > 0) else "disagrees"
+
+
+def settled(entry: dict, noise: Optional[float]) -> bool:
+    """Whether a variation of Table 3 (§6.2) has the seeds the design asks of it: the
+    base three, an (A), (B), (D) or (E) variation two, a (C) variation two, or one
+    whose difference from the base's mean is already beyond the rule's 2·s."""
+    n = len(entry["seeds"])
+    if entry["variation"] == "base":
+        return n >= len(SEEDS["base"])
+    if entry["group"] != "C" or n >= len(SEEDS_C):
+        return n >= len(SEEDS.get(entry["group"], SEEDS_C))
+    diff = entry.get("diff_valid_bleu")
+    return noise is not None and diff is not None and abs(diff) > 2 * noise
+
+
+def needless(row: dict, data: dict) -> Optional[str]:
+    """Why a (C) row's second seed need not run, from the file's finished rows: its
+    first seed already lies beyond 2·s of the base (the rule's noise); else None."""
+    if row["group"] != "C" or row["seed"] == SEEDS_C[0]:
+        return None
+    entry = next(
+        (s for s in summarise(data) if s["variation"] == row["variation"]), None
+    )
+    if entry is None or len(entry["seeds"]) != 1 or not entry["settled"]:
+        return None
+    return (
+        f"{row['variation']}'s seed {entry['seeds'][0]} lies "
+        f"{entry['diff_valid_bleu']:+.2f} BLEU from the base's mean, beyond 2·s = "
+        f"{2 * noise_of(data)['sd']:.2f}: one seed settles it"
+    )
 
 
 def seeds_by_variation(data: dict) -> dict[str, list[dict]]:
@@ -613,6 +648,7 @@ def summarise(data: dict) -> list[dict]:
                 "paper_diff_bleu": theirs,
                 "verdict": verdict(ours, noise, theirs),
             }
+        entry["settled"] = settled(entry, noise)
         out.append(entry)
     return out
 
@@ -873,6 +909,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "one budget)",
     )
     p.add_argument(
+        "--refresh",
+        action="store_true",
+        help="rewrite the file's summary, noise rule and figures from its rows "
+        "with this version of the runner, and train nothing",
+    )
+    p.add_argument(
         "--worker-of", dest="workers_of", type=int, default=0, help=argparse.SUPPRESS
     )
     args = p.parse_args(argv)
@@ -1014,13 +1056,22 @@ def merge(out: Path, record: dict, base: dict, budget: dict, smoke: bool, order)
             [o for o in data["rows"] if o["name"] != record["name"]] + [record],
             key=lambda r: order.index(r["name"]) if r["name"] in order else 10**6,
         )
-        data["summary"] = summarise(data)
-        data["noise"] = noise_of(data)
-        data["plan"] = plan_of(base, budget)
+        data = refreshed(data, base, budget)
         write_json(out, data)
         draw(data, out.with_suffix(".png"))
         draw_curves(data, out.with_name(out.stem + "-curves.png"))
     return None
+
+
+def refreshed(data: dict, base: dict, budget: dict) -> dict:
+    """A Table 3 (§6.2) file's rows with everything derived from them rewritten by
+    this version of the runner: the summary, the noise, the plan and the rule."""
+    return data | {
+        "summary": summarise(data),
+        "noise": noise_of(data),
+        "plan": plan_of(base, budget),
+        "rule": RULE,
+    }
 
 
 def budget_problem(data: dict, record: dict) -> Optional[str]:
@@ -1125,8 +1176,14 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
     rows = select(rows, args.rows)
     with locked(out.with_name(out.name + ".lock")):
         data = read_table(out, base, budget, smoke)  # refuses another budget first
-        if not out.is_file():
+        if not out.is_file() or args.refresh:
+            data = refreshed(data, base, budget)
             write_json(out, data)
+        if args.refresh:
+            draw(data, out.with_suffix(".png"))
+            draw_curves(data, out.with_name(out.stem + "-curves.png"))
+            log(f"{out}: summary, noise and figures rewritten from its rows")
+            return 0
     if args.jobs > 1:
         return run_workers(args, out, runs)
     options = program_options(args.python, PROGRAM)
@@ -1145,6 +1202,10 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
                 continue
             data = read_table(out, base, budget, smoke)
             if any(o["name"] == row["name"] and finished(o) for o in data["rows"]):
+                continue
+            why = needless(row, data)
+            if why:
+                log(f"row {row['name']}: not run: {why}")
                 continue
             log(f"row {row['name']}: training")
             t0 = time.time()

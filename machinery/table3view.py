@@ -103,8 +103,11 @@ class Table3:
                 continue
             delta = s.get("diff_valid_bleu")
             delta = "" if delta is None else f"{delta:+.2f}"
+            seeds = len(s["seeds"])
+            if not s.get("settled", True):  # more seeds to come
+                seeds = f"{seeds} of {len(entry['seeds'])}"
             lines.append(
-                f"| {name} | {_changed(fields)} | {len(s['seeds'])} "
+                f"| {name} | {_changed(fields)} | {seeds} "
                 f"| {s['params'] / 1e6:.2f}M | {_spread(s['valid_ppl'])} "
                 f"| {_spread(s['valid_bleu'])} | {_spread(s['test_bleu'])} "
                 f"| {delta} | {s.get('verdict', '')} " + paper

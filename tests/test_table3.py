@@ -180,6 +180,38 @@ def test_the_summary_applies_the_rule_to_every_variation():
     assert noise["rows"] == 2 and noise["sd"] == pytest.approx((2.5 / 3) ** 0.5)
 
 
+def test_a_sized_row_runs_its_second_seed_only_where_its_first_cannot_tell():
+    runner = load_script(SCRIPT, "table3_runner")
+    plan = {r["name"]: r for r in runner.table3_rows(runner.BASE)}
+
+    def row(name, bleu):
+        r = plan[name]
+        paper = runner.paper_values(r["paper_row"])
+        return {"name": name, "variation": r["variation"], "group": r["group"],
+                "seed": r["seed"], "status": "done", "valid_bleu": bleu,
+                "valid_ppl": 5.0, "bleu": bleu, "params": 10, "paper": paper}  # fmt: skip
+
+    # the base's seeds 40, 41, 42 and A-h1's 36, 37: 2·s ≈ 1.83 BLEU
+    data = {"rows": [row("base", 40.0), row("base-seed2", 41.0),
+                     row("base-seed3", 42.0), row("A-h1", 36.0),
+                     row("A-h1-seed2", 37.0), row("A-h4", 30.0),
+                     row("C-d128", 35.0), row("C-N4", 41.5)]}  # fmt: skip
+    summary = {s["variation"]: s for s in runner.summarise(data)}
+    assert summary["base"]["settled"] and summary["A-h1"]["settled"]
+    assert not summary["A-h4"]["settled"]  # (A): two seeds, however far the first
+    assert summary["C-d128"]["settled"]  # −6.0, beyond 2·s: one seed settles it
+    assert not summary["C-N4"]["settled"]  # +0.5, inside 2·s: seed 2 must run
+    assert "beyond 2·s = 1.83" in runner.needless(plan["C-d128-seed2"], data)
+    assert runner.needless(plan["C-N4-seed2"], data) is None
+    assert runner.needless(plan["A-h4-seed2"], data) is None
+    assert runner.needless(plan["C-d512-seed2"], data) is None  # seed 1 not run yet
+    data["rows"] = data["rows"][:3] + data["rows"][5:]  # the base's seeds alone:
+    assert runner.needless(plan["C-d128-seed2"], data)  # its spread is the noise
+    data["rows"] = [data["rows"][0]] + data["rows"][3:]  # one seed: no noise known
+    assert runner.needless(plan["C-d128-seed2"], data) is None
+    assert not {s["variation"]: s for s in runner.summarise(data)}["base"]["settled"]
+
+
 def test_a_smoke_table_trains_each_row_and_draws_the_figure(smoke):
     rows = rows_of(smoke)
     assert list(rows) == ["base", "base-seed2", "A-h1", "B-dk4", "E-learned"]
@@ -275,6 +307,22 @@ def test_one_file_holds_one_training_budget(smoke, tmp_path):
     assert out.read_bytes() == before
 
 
+def test_a_refresh_rewrites_what_derives_from_the_rows_and_trains_nothing(
+    smoke, tmp_path
+):
+    out = tmp_path / "table3.json"
+    data = json.loads(smoke.read_text())
+    kept = data["rows"]
+    out.write_text(json.dumps(data | {"summary": [], "noise": {}, "rule": "old"}))
+    result = run(out, "--refresh")
+    assert result.returncode == 0, result.stderr[-2000:]
+    again = json.loads(out.read_text())
+    assert again["rows"] == kept and again["summary"] == data["summary"]
+    assert again["noise"] == data["noise"] and again["rule"] != "old"
+    assert not (tmp_path / "table3-runs").exists()  # no row trained
+    assert out.with_suffix(".png").is_file()
+
+
 def test_part_4_shows_the_file_as_a_table_and_claims_nothing_unmeasured(smoke):
     from machinery import read_table3
 
@@ -301,3 +349,5 @@ def test_part_4_shows_the_file_as_a_table_and_claims_nothing_unmeasured(smoke):
         str(smoke.with_name("table3-curves.png")),
         str(smoke.with_name("table3.png")),
     ]
+    seeds = {name: line.split("|")[3].strip() for name, line in body.items()}
+    assert seeds["base"] == "2 of 3" and seeds["A-h1"] == "1 of 2"  # more to run

@@ -450,6 +450,13 @@ def test_the_table_3_finding_counts_finished_row_groups_only(tmp_path):
     assert last.startswith("[Table 3](#t) at our scale (15 epochs")
     assert "rows (A): 1 of 2 variations agree with the paper, 0 disagree and 1" in last
     assert "(B), (C), (D), (E) are being measured" in last
+    data["summary"] += [  # (C): one seed where the runner found it settled
+        summary_row("C-d128", "C", [1], "disagrees") | {"settled": True},
+        summary_row("C-N4", "C", [1, 2], "can't tell") | {"settled": True},
+    ]
+    assert build.table3_state(data)["finished"] == ["A", "C"]
+    data["summary"][-2]["settled"] = False  # within the noise: seed 2 still to run
+    assert build.table3_state(data)["finished"] == ["A"]
     data["summary"][0]["seeds"] = [1]  # the base's seeds are the noise: needs two
     table.write_text(json.dumps(data))
     assert "is being measured" in build.findings(tmp_path, links)[-1]
