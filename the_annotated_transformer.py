@@ -2274,8 +2274,8 @@ if IN_NOTEBOOK:
 # At our scale the paper's model trains as described: post-norm, the schedule of Eq. 3
 # (the "Noam" schedule), label smoothing and §6.1's beam search translate Multi30k on a
 # CPU to the BLEU in the Results table. Which of Table 3's findings hold at this scale
-# is what its paragraphs above say, each by the stated rule over two or more seeds; a
-# group that is not yet measured at the full budget makes no claim.
+# is what its paragraphs above say, each by the stated rule once a variation has the
+# seeds it needs; a group that is not yet measured at the full budget makes no claim.
 #
 # ## Citation
 #

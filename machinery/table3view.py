@@ -103,14 +103,14 @@ class Table3:
                 continue
             delta = s.get("diff_valid_bleu")
             delta = "" if delta is None else f"{delta:+.2f}"
-            seeds = len(s["seeds"])
-            if not s.get("settled", True):  # more seeds to come
-                seeds = f"{seeds} of {len(entry['seeds'])}"
+            seeds, verdict = len(s["seeds"]), s.get("verdict", "")
+            if not s.get("settled", True):  # more seeds to come: no verdict yet
+                seeds, verdict = f"{seeds} of {len(entry['seeds'])}", ""
             lines.append(
                 f"| {name} | {_changed(fields)} | {seeds} "
                 f"| {s['params'] / 1e6:.2f}M | {_spread(s['valid_ppl'])} "
                 f"| {_spread(s['valid_bleu'])} | {_spread(s['test_bleu'])} "
-                f"| {delta} | {s.get('verdict', '')} " + paper
+                f"| {delta} | {verdict} " + paper
             )
         note = f"\n\nRule: {self.data['rule']}" if self.data.get("rule") else ""
         if not lines:
@@ -133,8 +133,9 @@ class Table3:
 
     def findings(self) -> str:
         """One paragraph per row group: each finished variation's validation BLEU
-        against the base's, and the rule's verdict against the paper's difference; a
-        group with no finished row states no finding."""
+        against the base's, and the rule's verdict against the paper's difference once
+        the variation has its seeds ("seeds to come" before); a group with no finished
+        row states no finding."""
         base = next((s for s in self.summary if s["variation"] == "base"), None)
         sd, pooled = self.noise()
         out = [
@@ -152,7 +153,8 @@ class Table3:
                 f"{_changed(self._fields(s['variation']))}: {_spread(s['valid_bleu'])} "
                 f"({len(s['seeds'])} seed{'s' * (len(s['seeds']) != 1)}), "
                 f"{s['diff_valid_bleu']:+.2f} against the paper's "
-                f"{s['paper_diff_bleu']:+.1f}: **{s['verdict']}**"
+                f"{s['paper_diff_bleu']:+.1f}: "
+                + (f"**{s['verdict']}**" if s.get("settled", True) else "seeds to come")
                 for s in rows
             ]
             out.append(
