@@ -26,6 +26,7 @@ Run from the repository root::
     python benchmarks/table3.py --rows base,A     # some rows (names or groups)
     python benchmarks/table3.py --smoke           # copy preset, a few updates (<60 s)
     python benchmarks/table3.py --refresh         # summary and figures again, no run
+    python benchmarks/table3.py --status          # how far each row has got
 
 Writes ``results/table3.json`` (atomically, under a lock, after every row) and
 ``results/table3.png``. A row already in the JSON is skipped; a row that was
@@ -915,6 +916,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "with this version of the runner, and train nothing",
     )
     p.add_argument(
+        "--status",
+        action="store_true",
+        help="print how far every row has got (done, its update, to run) and train "
+        "nothing",
+    )
+    p.add_argument(
         "--worker-of", dest="workers_of", type=int, default=0, help=argparse.SUPPRESS
     )
     args = p.parse_args(argv)
@@ -1176,6 +1183,9 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
     rows = select(rows, args.rows)
     with locked(out.with_name(out.name + ".lock")):
         data = read_table(out, base, budget, smoke)  # refuses another budget first
+        if args.status:
+            print("\n".join(progress(data, rows, runs)))
+            return 0
         if not out.is_file() or args.refresh:
             data = refreshed(data, base, budget)
             write_json(out, data)
@@ -1229,6 +1239,51 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
             log(f"row {row['name']}: {record['status']}: {record['error']}")
     log(f"results in {out}")
     return 1 if failed else 0
+
+
+def last_update(run_dir: Path) -> int:
+    """The newest update a row's run directory has logged or checkpointed (0 if none):
+    how far an unfinished row has got."""
+    steps = [0]
+    if (ckpt := newest_checkpoint(run_dir)) is not None:
+        steps.append(int(ckpt.stem.split("-")[1]))
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines()[-20:]:
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                steps.append(int(json.loads(line)["step"]))
+    return max(steps)
+
+
+def progress(data: dict, rows: list[dict], runs: Path) -> list[str]:
+    """One line per row of Table 3 (§6.2) in run order — done (with its scores), how
+    far it has got, not needed (one seed settles it) or to run — then the counts."""
+    done = {r["name"]: r for r in data["rows"] if finished(r)}
+    updates = (data.get("budget") or {}).get("updates")
+    counts = {"done": 0, "started": 0, "not needed": 0, "to run": 0}
+    lines = []
+    for row in rows:
+        name = row["name"]
+        if name in done:
+            state = "done"
+            r = done[name]
+            what = (
+                f"valid BLEU {r['valid_bleu']:.2f}, valid ppl {r['valid_ppl']:.2f}, "
+                f"{r['train_minutes']:.0f} min"
+            )
+        elif step := last_update(runs / name):
+            state = "started"
+            what = f"update {step:,}" + (f" of {updates:,}" if updates else "")
+        elif why := needless(row, data):
+            state, what = "not needed", why
+        else:
+            state, what = "to run", ""
+        counts[state] += 1
+        lines.append(f"{name:<16} {state:<10} {what}".rstrip())
+    lines.append(
+        f"{len(rows)} runs: " + ", ".join(f"{n} {state}" for state, n in counts.items())
+    )
+    return lines
 
 
 def run_workers(args, out: Path, runs: Path) -> int:

@@ -323,6 +323,28 @@ def test_a_refresh_rewrites_what_derives_from_the_rows_and_trains_nothing(
     assert out.with_suffix(".png").is_file()
 
 
+def test_the_status_says_how_far_each_row_has_got_and_writes_nothing(smoke, tmp_path):
+    out = tmp_path / "table3.json"
+    shutil.copy(smoke, out)
+    before = out.read_bytes()
+    started = tmp_path / "table3-runs" / "A-h1-seed2"
+    started.mkdir(parents=True)
+    (started / "metrics.jsonl").write_text('{"step": 2}\n{"step": 4}\n')
+    result = run(out, "--status", "--rows", "base,A,B,C,D,E")  # every planned row
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()}
+    assert lines["base"][:3] == ["done", "valid", "BLEU"]
+    assert lines["A-h1-seed2"] == ["started", "update", "4", "of", "5"]
+    assert lines["B-dk4-seed2"] == ["to", "run"]
+    runner = load_script(SCRIPT, "table3_runner")
+    planned = len(runner.table3_rows(runner.SMOKE_BASE))
+    assert result.stdout.splitlines()[-1] == (
+        f"{planned} runs: 5 done, 1 started, 0 not needed, {planned - 6} to run"
+    )
+    assert out.read_bytes() == before  # a look, not a run
+    assert not (tmp_path / "table3-runs" / "B-dk4").exists()
+
+
 def test_part_4_shows_the_file_as_a_table_and_claims_nothing_unmeasured(smoke):
     from machinery import read_table3
 
