@@ -2104,10 +2104,10 @@ if IN_NOTEBOOK:
 # the preset's whole schedule (15 epochs, the same batches), so the base row is the
 # Multi30k run above; the last checkpoint is scored, with beam search, on the validation
 # set (our development set) and on the test set. Every variation runs two seeds (a
-# costly (C) size one, where that one is already beyond the noise), the base three; each
-# is read against the base by one rule, printed with the table. Two more rows hold Eq.
-# 3's learning rate apart from the width: Eq. 3 scales the rate by $d_{model}^{-0.5}$,
-# so C-d128 and C-d512 also train at 1.41× and 0.71× the base's rate; C-d128-lr and
+# costly (C) size one where that is beyond the noise), the base three; each is read
+# against the base by one rule, printed with the table. Two more rows hold Eq. 3's
+# learning rate apart from the width: it scales the rate by $d_{model}^{-0.5}$, so
+# C-d128 and C-d512 also train at 1.41× and 0.71× the base's rate; C-d128-lr and
 # C-d512-lr scale `lr_factor` so that their peak is the base's. The paper's figures are
 # newstest2013 EN→DE with 4.5M training pairs; ours are Multi30k DE→EN with 29k, so only
 # the direction of each change compares. `make table3` trains the rows (`--jobs 2`: two
