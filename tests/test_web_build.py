@@ -457,6 +457,8 @@ def test_the_table_3_finding_counts_finished_row_groups_only(tmp_path):
     assert build.table3_state(data)["finished"] == ["A", "C"]
     data["summary"][-2]["settled"] = False  # within the noise: seed 2 still to run
     assert build.table3_state(data)["finished"] == ["A"]
+    data["plan"] = [{"variation": v, "group": v[0]} for v in ("A-h1", "A-h4", "A-h16")]
+    assert build.table3_state(data)["finished"] == []  # A-h16 has not run at all
     data["summary"][0]["seeds"] = [1]  # the base's seeds are the noise: needs two
     table.write_text(json.dumps(data))
     assert "is being measured" in build.findings(tmp_path, links)[-1]

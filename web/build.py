@@ -286,17 +286,21 @@ def where_trained(run: dict) -> str:
 def table3_state(data: dict) -> dict:
     """Table 3's row groups (A–E) finished over the full budget, from the file's
     per-variation ``summary``: a group is finished when the base has two or more seeds
-    done and each of its variations the seeds the design asks (the runner's
-    ``settled``; two where a file predates it); with the verdicts of its variations."""
+    done and each of its variations (every one the file's ``plan`` names) the seeds the
+    design asks (the runner's ``settled``; two where a file predates it); with the
+    verdicts of its variations."""
     summary = [s for s in data.get("summary") or [] if isinstance(s, dict)]
+    plan = [p for p in data.get("plan") or [] if isinstance(p, dict)]
     base = next((s for s in summary if s.get("variation") == "base"), None)
     seeded = base is not None and len(base.get("seeds") or []) >= 2
     finished, verdicts = [], []
     for group in "ABCDE":
         rows = [s for s in summary if s.get("group") == group]
+        planned = {p.get("variation") for p in plan if p.get("group") == group}
         if (
             seeded
             and rows
+            and planned <= {s.get("variation") for s in rows}
             and all(s.get("settled", len(s.get("seeds") or []) >= 2) for s in rows)
         ):
             finished.append(group)
