@@ -577,13 +577,10 @@ def settled(entry: dict, noise: Optional[float]) -> bool:
     """Whether a variation of Table 3 (§6.2) has the seeds the design asks of it: the
     base three, an (A), (B), (D) or (E) variation two, a (C) variation two, or one
     whose difference from the base's mean is already beyond the rule's 2·s."""
-    n = len(entry["seeds"])
-    if entry["variation"] == "base":
-        return n >= len(SEEDS["base"])
-    if entry["group"] != "C" or n >= len(SEEDS_C):
-        return n >= len(SEEDS.get(entry["group"], SEEDS_C))
+    if len(entry["seeds"]) >= len(SEEDS.get(entry["group"], SEEDS_C)):
+        return True
     diff = entry.get("diff_valid_bleu")
-    return noise is not None and diff is not None and abs(diff) > 2 * noise
+    return entry["group"] == "C" and None not in (noise, diff) and abs(diff) > 2 * noise
 
 
 def needless(row: dict, data: dict) -> Optional[str]:
@@ -594,7 +591,7 @@ def needless(row: dict, data: dict) -> Optional[str]:
     entry = next(
         (s for s in summarise(data) if s["variation"] == row["variation"]), None
     )
-    if entry is None or len(entry["seeds"]) != 1 or not entry["settled"]:
+    if entry is None or not entry["settled"]:  # seed 1 not run, or inside 2·s
         return None
     return (
         f"{row['variation']}'s seed {entry['seeds'][0]} lies "
@@ -1063,11 +1060,15 @@ def merge(out: Path, record: dict, base: dict, budget: dict, smoke: bool, order)
             [o for o in data["rows"] if o["name"] != record["name"]] + [record],
             key=lambda r: order.index(r["name"]) if r["name"] in order else 10**6,
         )
-        data = refreshed(data, base, budget)
-        write_json(out, data)
-        draw(data, out.with_suffix(".png"))
-        draw_curves(data, out.with_name(out.stem + "-curves.png"))
+        write_table(out, refreshed(data, base, budget))
     return None
+
+
+def write_table(out: Path, data: dict) -> None:
+    """Write a Table 3 (§6.2) file and redraw its two figures beside it."""
+    write_json(out, data)
+    draw(data, out.with_suffix(".png"))
+    draw_curves(data, out.with_name(out.stem + "-curves.png"))
 
 
 def refreshed(data: dict, base: dict, budget: dict) -> dict:
@@ -1186,14 +1187,12 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
         if args.status:
             print("\n".join(progress(data, rows, runs)))
             return 0
-        if not out.is_file() or args.refresh:
-            data = refreshed(data, base, budget)
-            write_json(out, data)
         if args.refresh:
-            draw(data, out.with_suffix(".png"))
-            draw_curves(data, out.with_name(out.stem + "-curves.png"))
+            write_table(out, refreshed(data, base, budget))
             log(f"{out}: summary, noise and figures rewritten from its rows")
             return 0
+        if not out.is_file():
+            write_json(out, data)
     if args.jobs > 1:
         return run_workers(args, out, runs)
     options = program_options(args.python, PROGRAM)
@@ -1267,9 +1266,10 @@ def progress(data: dict, rows: list[dict], runs: Path) -> list[str]:
         if name in done:
             state = "done"
             r = done[name]
+            stretch = " (its last stretch)" if r.get("resumed") else ""
             what = (
                 f"valid BLEU {r['valid_bleu']:.2f}, valid ppl {r['valid_ppl']:.2f}, "
-                f"{r['train_minutes']:.0f} min"
+                f"{r['train_minutes']:.0f} min{stretch}"
             )
         elif step := last_update(runs / name):
             state = "started"

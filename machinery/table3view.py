@@ -104,7 +104,7 @@ class Table3:
             delta = s.get("diff_valid_bleu")
             delta = "" if delta is None else f"{delta:+.2f}"
             seeds, verdict = len(s["seeds"]), s.get("verdict", "")
-            if not s.get("settled", True):  # more seeds to come: no verdict yet
+            if not s.get("settled", False):  # more seeds to come: no verdict yet
                 seeds, verdict = f"{seeds} of {len(entry['seeds'])}", ""
             lines.append(
                 f"| {name} | {_changed(fields)} | {seeds} "
@@ -154,7 +154,7 @@ class Table3:
                 f"({len(s['seeds'])} seed{'s' * (len(s['seeds']) != 1)}), "
                 f"{s['diff_valid_bleu']:+.2f} against the paper's "
                 f"{s['paper_diff_bleu']:+.1f}: "
-                + (f"**{s['verdict']}**" if s.get("settled", True) else "seeds to come")
+                + (f"**{s['verdict']}**" if s.get("settled") else "seeds to come")
                 for s in rows
             ]
             out.append(

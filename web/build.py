@@ -285,14 +285,13 @@ def where_trained(run: dict) -> str:
 
 def table3_state(data: dict) -> dict:
     """Table 3's row groups (A–E) finished over the full budget, from the file's
-    per-variation ``summary``: a group is finished when the base has two or more seeds
-    done and each of its variations (every one the file's ``plan`` names) the seeds the
-    design asks (the runner's ``settled``; two where a file predates it); with the
-    verdicts of its variations."""
+    per-variation ``summary``: a group is finished when the base and each of its
+    variations (every one the file's ``plan`` names) have the seeds the design asks
+    (the runner's ``settled``); with the verdicts of its variations."""
     summary = [s for s in data.get("summary") or [] if isinstance(s, dict)]
     plan = [p for p in data.get("plan") or [] if isinstance(p, dict)]
     base = next((s for s in summary if s.get("variation") == "base"), None)
-    seeded = base is not None and len(base.get("seeds") or []) >= 2
+    seeded = base is not None and base.get("settled", False)
     finished, verdicts = [], []
     for group in "ABCDE":
         rows = [s for s in summary if s.get("group") == group]
@@ -301,7 +300,7 @@ def table3_state(data: dict) -> dict:
             seeded
             and rows
             and planned <= {s.get("variation") for s in rows}
-            and all(s.get("settled", len(s.get("seeds") or []) >= 2) for s in rows)
+            and all(s.get("settled", False) for s in rows)
         ):
             finished.append(group)
             verdicts += [str(s.get("verdict", "can't tell")) for s in rows]
