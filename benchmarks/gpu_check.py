@@ -716,7 +716,7 @@ def main(argv=None) -> int:
                 out["compile_problem"] = problem or None  # then it trained eagerly
                 out["first_update_s"] = rec.ends[0] - t0 if rec.ends else None
                 torch._dynamo.reset()
-            else:
+            elif machinery.checkpoint_paths(Path(cfg.run_dir)):  # decoding needs one
                 state.setdefault("runs", {})[precision] = cfg.run_dir
             return out
 
@@ -741,7 +741,8 @@ def main(argv=None) -> int:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        with cast or torch.autocast(device.type, enabled=False):
+        kernels = machinery.devices.attention_kernels(device)  # as a run's passes
+        with kernels, cast or torch.autocast(device.type, enabled=False):
             out = machinery.translate(
                 model,
                 sources,
@@ -795,9 +796,10 @@ def main(argv=None) -> int:
         run_step(f"iwslt14_small_{precision}", iwslt(precision), bpe)
 
     def trained() -> str:
-        """Why decoding cannot run (no IWSLT run finished), or ""."""
+        """Why decoding cannot run (no IWSLT run left a checkpoint), or ""."""
         ran = [p for p in ("bf16", "fp16", "fp32") if p in state.get("runs", {})]
-        return bpe() or ("" if ran else "needs an IWSLT run, and none finished")
+        none = "needs an IWSLT run's checkpoint, and no run left one"
+        return bpe() or ("" if ran else none)
 
     run_step("beam_decoding", decode, trained)
     compiled = "bf16" if not cuda or tuple(capability) >= (8, 0) else "fp16"

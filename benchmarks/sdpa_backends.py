@@ -13,8 +13,8 @@ batch a new shape. This measures, in bf16:
    same shapes again: with PyTorch's own choice of kernel, and with cuDNN's left out;
 2. ``iwslt14-small``'s production training (the data's training sample repeated to an
    IWSLT14-sized set, as ``gpu_check.py`` builds it): ms per update in float32, in
-   bf16 with PyTorch's own choice, in bf16 with cuDNN's kernel left out, and in bf16
-   with the readable attention (no fused kernel at all);
+   bf16 with cuDNN's kernel left out (what a run does), in bf16 with the readable
+   attention (no fused kernel at all), and in bf16 with PyTorch's own choice;
 3. beam-search decoding in bf16 with and without cuDNN's kernel.
 
 Each part has a time budget and writes what it finished into the JSON (``--out``). On
@@ -29,7 +29,7 @@ import json
 import random
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,13 +45,20 @@ import gpu_check  # noqa: E402
 @contextmanager
 def cudnn_sdp(enabled: bool):
     """cuDNN's attention kernel allowed (PyTorch's default) or left out, restored
-    after."""
+    after. Allowed, a run's own leaving out (``machinery.devices.attention_kernels``)
+    is suspended too, so that PyTorch chooses as it would by itself."""
+    import machinery.devices
+
     before = torch.backends.cuda.cudnn_sdp_enabled()
+    ours = machinery.devices.attention_kernels
     torch.backends.cuda.enable_cudnn_sdp(enabled)
+    if enabled:
+        machinery.devices.attention_kernels = lambda device: nullcontext()
     try:
         yield
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+        machinery.devices.attention_kernels = ours
 
 
 def kernel_names(fn) -> list:

@@ -15,13 +15,14 @@ import statistics
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from types import MappingProxyType
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def resolve_attention(
@@ -325,6 +326,45 @@ def allow_tf32(device: torch.device) -> str:
     major, minor = torch.cuda.get_device_capability(device)
     where = "tensor cores" if (major, minor) >= (8, 0) else "no effect before Ampere"
     return f"float32 matrix products: TF32 allowed ({where})"
+
+
+# **cuDNN's attention kernel is left out.** On a GPU, PyTorch's
+# `scaled_dot_product_attention` in bf16 or fp16 prefers cuDNN's kernel, which builds a
+# plan for every new shape of its inputs; length-made batches nearly always have a new
+# shape. On an NVIDIA H200 a plan took about half a second, and an `iwslt14-small` bf16
+# update 421 ms with cuDNN's kernel against 61 ms with the memory-efficient one PyTorch
+# picks next (`benchmarks/sdpa_backends.py`; `results/gpu/`). So while a run computes,
+# cuDNN's kernel is not among SDPA's choices (the setting is restored after): in its
+# updates and in `auto`'s measurements alike. float32 never had it.
+
+SDPA_WITHOUT_CUDNN = (
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+)
+
+
+def attention_kernels(device: torch.device):
+    """A context in which SDPA does not choose cuDNN's kernel on CUDA (our addition; the
+    note above); nothing changes elsewhere."""
+    if device.type != "cuda":
+        return nullcontext()
+    return sdpa_kernel(list(SDPA_WITHOUT_CUDNN))
+
+
+def computing(device: torch.device, precision: str) -> Callable:
+    """A factory of the context a forward pass runs in (our addition): ``precision``'s
+    autocast ("bf16", "fp16"; none for "fp32") and :func:`attention_kernels`."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+
+    @contextmanager
+    def context():
+        """Autocast (where asked) and SDPA's kernels, for the ``with`` block."""
+        cast = torch.autocast(device.type, dtype=dtype) if dtype else nullcontext()
+        with attention_kernels(device), cast:
+            yield
+
+    return context
 
 
 # **A compiled step.** Eagerly, every op of an update is dispatched by the host one at a

@@ -44,6 +44,7 @@ from .devices import (
     any_process,
     compilations,
     compile_model,
+    computing,
     measured_ratio,
     precision_candidates,
     progress_bar,
@@ -89,7 +90,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
     device: torch.device
-    autocast: Callable  # a context manager factory: bf16 or fp16 autocast, or nothing
+    autocast: Callable  # a context factory: the precision's autocast, SDPA's kernels
     scaler: torch.amp.GradScaler  # scales the fp16 loss; disabled otherwise
     world: int  # processes training together (DistributedDataParallel)
 
@@ -426,7 +427,6 @@ def measure_compute(
     batch = probe_batch(data.splits["train"], min(tokens, cfg.batch_tokens))
     batch = batch.to(device)
     gpus = [device] if device.type == "cuda" else []
-    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
     python_state = random.getstate()
     with torch.random.fork_rng(devices=gpus, device_type=device.type):
         models = {
@@ -437,10 +437,7 @@ def measure_compute(
         }
 
         def one_pass(precision: str, path: str) -> Callable:
-            model, dtype = models[path], dtypes.get(precision)
-            cast = nullcontext
-            if dtype:
-                cast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731
+            model, cast = models[path], computing(device, precision)  # as a run's
 
             def run_pass():
                 with cast():
@@ -564,10 +561,7 @@ def setup(
         seed_process(cfg.seed, rank)
     if cfg.compile:  # after DDP, as PyTorch documents
         train_model = compile_model(train_model, device, log)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
-    autocast = (
-        (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else nullcontext
-    )
+    autocast = computing(device, precision)  # and SDPA without cuDNN's kernel
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     log(
         f"device: {device}"

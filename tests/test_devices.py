@@ -851,3 +851,54 @@ def test_a_batch_bound_for_a_gpu_pins_contiguous_tensors_and_copies_without_wait
     batch.to("cuda")
     assert pinned == [True] * 5, pinned
     assert copies == [("cuda", True)] * 5
+
+
+def sdpa_flags() -> dict:
+    """Which of SDPA's CUDA kernels may be chosen now."""
+    b = torch.backends.cuda
+    return {
+        "cudnn": b.cudnn_sdp_enabled(),
+        "flash": b.flash_sdp_enabled(),
+        "efficient": b.mem_efficient_sdp_enabled(),
+        "math": b.math_sdp_enabled(),
+    }
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_cudnn_attention_is_left_out_on_cuda_only_while_a_pass_computes(precision):
+    before = sdpa_flags()
+    assert before["cudnn"], "PyTorch's default allows cuDNN's kernel"
+    with machinery.devices.computing(torch.device("cuda"), "fp32")():
+        assert sdpa_flags() == {**before, "cudnn": False}
+    assert sdpa_flags() == before, "restored after the pass"
+    with machinery.devices.computing(torch.device("cpu"), precision)():
+        assert sdpa_flags() == before, "nothing changes off CUDA"
+        assert torch.is_autocast_enabled("cpu") == (precision == "bf16")
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_every_update_and_every_measured_pass_runs_in_the_kernel_context(
+    tmp_path, monkeypatch
+):
+    entered = []
+    real = machinery.devices.attention_kernels
+
+    def spy(device):
+        entered.append(device.type)
+        return real(device)
+
+    monkeypatch.setattr(machinery.devices, "attention_kernels", spy)
+    cfg = tiny_cfg(tmp_path / "k", precision="bf16", max_steps=3)
+    assert run(cfg, tiny_data(cfg))["steps"] == 3
+    assert entered == ["cpu"] * 3, "one forward pass per update, each in the context"
+    entered.clear()
+    data = tiny_data(cfg)
+    times = machinery.training.measure_compute(
+        cfg,
+        data,
+        torch.device("cpu"),
+        ["fp32", "bf16"],
+        ["readable"],
+        timer=lambda calls, device: {k: (f(), 1.0)[1] for k, f in calls.items()},
+    )
+    assert len(times) == 2 and entered == ["cpu"] * 2
