@@ -875,7 +875,7 @@ POSITIONAL = MappingProxyType(
 # `FastMultiHeadedAttention` computes the function of §3.2.2 with the same parameters
 # (checkpoints move freely between the two), but does the three projections of
 # self-attention as one matrix product and calls PyTorch's
-# `scaled_dot_product_attention`, which picks a fused kernel (FlashAttention on a GPU)
+# `scaled_dot_product_attention`, which picks a fused kernel where the device has one
 # and never materialises the attention weights. A test shows both give the same
 # numbers. Which is faster depends on the device, so `attention="auto"` times both on
 # the run's own device before it starts (`make bench` has figures).

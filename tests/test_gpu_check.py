@@ -158,3 +158,23 @@ def test_busy_time_counts_overlapping_kernels_once():
     # two streams: (0, 10) and (5, 12) overlap by 5; (20, 25) stands alone
     assert profiling.merged_us([(5, 12), (0, 10), (20, 25), (21, 22)]) == 17
     assert profiling.merged_us([]) == 0
+
+
+@pytest.mark.skipif(not (MIRROR / "iwslt14").is_dir(), reason="needs the data mirror")
+def test_the_attention_kernel_probe_runs_tiny_on_a_cpu_and_finishes_every_part(
+    tmp_path,
+):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(ROOT / "benchmarks" / "sdpa_backends.py")]
+    command += ["--data", str(MIRROR), "--out", str(tmp_path / "out")]
+    proc = subprocess.run(
+        command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "sdpa-backends.json").read_text())
+    steps = report["steps"]
+    assert report["smoke"] and all(v["ok"] for v in steps.values()), steps
+    trained = [k for k in steps if k.startswith("train_")]
+    assert len(trained) == 4
+    assert all(steps[k]["timed_updates"] == 2 for k in trained)
+    assert steps["beam_default"]["sentences"] == 8
