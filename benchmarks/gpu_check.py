@@ -736,13 +736,12 @@ def main(argv=None) -> int:
         cfg = dataclasses.replace(
             cfg, max_decode_extra=min(cfg.max_decode_extra, extra)
         )
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
-        cast = torch.autocast(device.type, dtype=dtype) if dtype and cuda else None
+        # the run's precision (on a GPU) and attention kernels, as its updates had
+        computing = machinery.devices.computing(device, cfg.precision if cuda else "")
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        kernels = machinery.devices.attention_kernels(device)  # as a run's passes
-        with kernels, cast or torch.autocast(device.type, enabled=False):
+        with computing():
             out = machinery.translate(
                 model,
                 sources,

@@ -8,9 +8,10 @@ On a GPU, PyTorch's ``scaled_dot_product_attention`` chooses among several kerne
 plan for every new shape of its inputs; length-batched training gives almost every
 batch a new shape. This measures, in bf16:
 
-1. ``scaled_dot_product_attention`` forward and backward alone, with the masks and
-   sizes of ``iwslt14-small`` (h=4, d_k=128), over batches of new shapes and then the
-   same shapes again: with PyTorch's own choice of kernel, and with cuDNN's left out;
+1. ``scaled_dot_product_attention`` forward and backward alone, with the padding
+   masks and sizes of ``iwslt14-small`` (h=4, d_k=128), over batches of new shapes and
+   then the same shapes again: with PyTorch's own choice of kernel, and with cuDNN's
+   left out;
 2. ``iwslt14-small``'s production training (the data's training sample repeated to an
    IWSLT14-sized set, as ``gpu_check.py`` builds it): ms per update in float32, in
    bf16 with cuDNN's kernel left out (what a run does), in bf16 with the readable
@@ -27,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import random
+import shutil
 import sys
 import time
 from contextlib import contextmanager, nullcontext
@@ -81,6 +83,7 @@ def sdpa_alone(device, shapes: list, h: int, d_k: int) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     def one(b: int, n: int):
+        """One forward and backward pass on a new (batch, length)."""
         q, k, v = (
             torch.randn(b, h, n, d_k, device=device, dtype=dtype, requires_grad=True)
             for _ in range(3)
@@ -91,6 +94,7 @@ def sdpa_alone(device, shapes: list, h: int, d_k: int) -> dict:
         out.sum().backward()
 
     def sync():
+        """Wait for the GPU's queued work (nothing on a CPU)."""
         if device.type == "cuda":
             torch.cuda.synchronize()
 
@@ -145,6 +149,7 @@ def main(argv=None) -> int:
     print(f"[sdpa] {card}; torch {torch.__version__}", flush=True)
 
     def run_step(name, fn, budget):
+        """One part within its budget (gpu_check's), then the JSON rewritten."""
         gpu_check.step(report, name, fn, 60 if smoke else budget, lambda: "")
         gpu_check.write_json(out, report)
 
@@ -163,6 +168,7 @@ def main(argv=None) -> int:
     state: dict = {}
 
     def standin():
+        """The IWSLT14-sized stand-in, loaded as training loads it."""
         pairs = 600 if smoke else 160_000
         source = gpu_check.iwslt_folder(args.data)
         info = gpu_check.build_standin(source, work / "mirror", pairs)
@@ -170,6 +176,7 @@ def main(argv=None) -> int:
         return info
 
     def config(name, precision, **over):
+        """``iwslt14-small``'s config for the run ``name`` under the work folder."""
         tiny = gpu_check.TINY if smoke else {}
         return machinery.get_config(
             "iwslt14-small",
@@ -189,9 +196,10 @@ def main(argv=None) -> int:
     warm, timed = (1, 2) if smoke else (10, 30)
 
     def train(name, precision, attention, cudnn):
-        def run():
-            import shutil
+        """Part 2's run ``name``: a few updates, the last ones timed."""
 
+        def run():
+            """Train and return the measurements."""
             cfg = config(name, precision, attention=attention, max_steps=warm + timed)
             shutil.rmtree(cfg.run_dir, ignore_errors=True)
             rec = gpu_check.Recorder(machinery.training, device, warm, timed, 0)
@@ -223,7 +231,10 @@ def main(argv=None) -> int:
         run_step(f"train_{name}", train(name, precision, attention, cudnn), 45)
 
     def decode(cudnn):
+        """Part 3: beam search in bf16, cuDNN's kernel allowed or not."""
+
         def run():
+            """Decode and return the time."""
             run_dir = Path(state["dirs"]["bf16_without_cudnn"])
             model, cfg, _, tgt_vocab, _ = machinery.load_for_inference(
                 run_dir=run_dir, device=device

@@ -22,7 +22,6 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 def resolve_attention(
@@ -331,25 +330,27 @@ def allow_tf32(device: torch.device) -> str:
 # **cuDNN's attention kernel is left out.** On a GPU, PyTorch's
 # `scaled_dot_product_attention` in bf16 or fp16 prefers cuDNN's kernel, which builds a
 # plan for every new shape of its inputs; length-made batches nearly always have a new
-# shape. On an NVIDIA H200 a plan took about half a second, and an `iwslt14-small` bf16
-# update 421 ms with cuDNN's kernel against 61 ms with the memory-efficient one PyTorch
-# picks next (`benchmarks/sdpa_backends.py`; `results/gpu/`). So while a run computes,
-# cuDNN's kernel is not among SDPA's choices (the setting is restored after): in its
-# updates and in `auto`'s measurements alike. float32 never had it.
-
-SDPA_WITHOUT_CUDNN = (
-    SDPBackend.FLASH_ATTENTION,
-    SDPBackend.EFFICIENT_ATTENTION,
-    SDPBackend.MATH,
-)
+# shape. On an NVIDIA H200 each new shape cost about half a second, and an
+# `iwslt14-small` bf16 update 421 ms with cuDNN's kernel against 61 ms with the
+# memory-efficient one PyTorch picks next (`benchmarks/sdpa_backends.py`;
+# `results/gpu/`). So while a run computes, cuDNN's kernel is switched off (and restored
+# after; the other kernels as they were): in its updates and in `auto`'s measurements
+# alike. float32 never had it.
 
 
+@contextmanager
 def attention_kernels(device: torch.device):
     """A context in which SDPA does not choose cuDNN's kernel on CUDA (our addition; the
     note above); nothing changes elsewhere."""
     if device.type != "cuda":
-        return nullcontext()
-    return sdpa_kernel(list(SDPA_WITHOUT_CUDNN))
+        yield
+        return
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
 
 
 def computing(device: torch.device, precision: str) -> Callable:

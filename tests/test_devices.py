@@ -864,41 +864,55 @@ def sdpa_flags() -> dict:
     }
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_cudnn_attention_is_left_out_on_cuda_only_while_a_pass_computes(precision):
+def test_cudnn_attention_is_left_out_on_cuda_only_while_a_pass_computes(monkeypatch):
     before = sdpa_flags()
     assert before["cudnn"], "PyTorch's default allows cuDNN's kernel"
     with machinery.devices.computing(torch.device("cuda"), "fp32")():
         assert sdpa_flags() == {**before, "cudnn": False}
     assert sdpa_flags() == before, "restored after the pass"
-    with machinery.devices.computing(torch.device("cpu"), precision)():
-        assert sdpa_flags() == before, "nothing changes off CUDA"
-        assert torch.is_autocast_enabled("cpu") == (precision == "bf16")
-    assert not torch.is_autocast_enabled("cpu")
+    for precision in ("fp32", "bf16"):
+        with machinery.devices.computing(torch.device("cpu"), precision)():
+            assert sdpa_flags() == before, "nothing changes off CUDA"
+            assert torch.is_autocast_enabled("cpu") == (precision == "bf16")
+        assert not torch.is_autocast_enabled("cpu")
+    # a kernel the user switched off stays off; only cuDNN's is touched
+    monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: False)
+    flash = []
+    monkeypatch.setattr(torch.backends.cuda, "enable_flash_sdp", flash.append)
+    with machinery.devices.attention_kernels(torch.device("cuda")):
+        assert flash == [] and not torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_every_update_and_every_measured_pass_runs_in_the_kernel_context(
     tmp_path, monkeypatch
 ):
-    entered = []
+    # the context a CUDA run would enter, entered on the CPU: each forward pass sees
+    # cuDNN's kernel switched off
     real = machinery.devices.attention_kernels
+    monkeypatch.setattr(
+        machinery.devices,
+        "attention_kernels",
+        lambda device: real(torch.device("cuda")),
+    )
+    seen = []
+    loss_sum = tat.loss_sum
 
-    def spy(device):
-        entered.append(device.type)
-        return real(device)
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return loss_sum(*args, **kwargs)
 
-    monkeypatch.setattr(machinery.devices, "attention_kernels", spy)
+    monkeypatch.setattr(tat, "loss_sum", spy)
     cfg = tiny_cfg(tmp_path / "k", precision="bf16", max_steps=3)
     assert run(cfg, tiny_data(cfg))["steps"] == 3
-    assert entered == ["cpu"] * 3, "one forward pass per update, each in the context"
-    entered.clear()
-    data = tiny_data(cfg)
+    assert seen[:3] == [False] * 3, "every update's forward pass in the context"
+    assert torch.backends.cuda.cudnn_sdp_enabled(), "restored after"
+    seen.clear()
     times = machinery.training.measure_compute(
         cfg,
-        data,
+        tiny_data(cfg),
         torch.device("cpu"),
         ["fp32", "bf16"],
         ["readable"],
         timer=lambda calls, device: {k: (f(), 1.0)[1] for k, f in calls.items()},
     )
-    assert len(times) == 2 and entered == ["cpu"] * 2
+    assert len(times) == 2 and seen == [False] * 2
