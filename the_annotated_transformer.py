@@ -531,8 +531,9 @@ def attention(query, key, value, mask=None, dropout: nn.Module | None = None):
 # %%
 @example
 def _():
+    g = torch.Generator().manual_seed(0)  # its own stream: the same numbers every run
     for d_k in (4, 64, 512):
-        q, k = torch.randn(10_000, d_k), torch.randn(10_000, d_k)
+        q, k = torch.randn(2, 10_000, d_k, generator=g)  # components of mean 0, var 1
         dots = (q * k).sum(-1)
         print(
             f"d_k={d_k:4d}  var(q·k)={dots.var():8.1f}  "
