@@ -1325,9 +1325,9 @@ def make_batch(pairs: Sequence[tuple[list, list]], idx: Sequence[int]) -> Batch:
 #
 # Our runs are far smaller: the `multi30k-small` preset trains a 3-layer,
 # $d_{\text{model}}=256$ model for 15 epochs (about 3,200 updates of ~2,500 tokens),
-# on a CPU; Part 4 shows that run and the minutes it took. The code is
-# the same on a GPU (`--device cuda`), where bf16 and several processes make the paper's
-# batch sizes practical. A run's settings are one frozen `Config`
+# on a CPU; Part 4 shows that run and the minutes it took. The code is the same on a
+# GPU (`--device cuda`), where `auto` measures whether bf16 pays and several processes
+# make the paper's batch sizes practical. A run's settings are one frozen `Config`
 # (`machinery/config.py`), which extends `ModelConfig` with the data, schedule and
 # checkpoint fields; named presets hold the runs of Part 4, and the command line changes
 # any field with `--field value`.
