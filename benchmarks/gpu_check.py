@@ -737,7 +737,9 @@ def main(argv=None) -> int:
             cfg, max_decode_extra=min(cfg.max_decode_extra, extra)
         )
         # the run's precision (on a GPU) and attention kernels, as its updates had
-        computing = machinery.devices.computing(device, cfg.precision if cuda else "")
+        computing = machinery.devices.computing(
+            device, cfg.precision if cuda else "fp32"
+        )
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()

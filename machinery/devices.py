@@ -327,15 +327,14 @@ def allow_tf32(device: torch.device) -> str:
     return f"float32 matrix products: TF32 allowed ({where})"
 
 
-# **cuDNN's attention kernel is left out.** On a GPU, PyTorch's
-# `scaled_dot_product_attention` in bf16 or fp16 prefers cuDNN's kernel, which builds a
+# **cuDNN's attention kernel is left out.** On an NVIDIA H200 (torch 2.11), PyTorch's
+# `scaled_dot_product_attention` in bf16 or fp16 chose cuDNN's kernel, which builds a
 # plan for every new shape of its inputs; length-made batches nearly always have a new
-# shape. On an NVIDIA H200 each new shape cost about half a second, and an
-# `iwslt14-small` bf16 update 421 ms with cuDNN's kernel against 61 ms with the
-# memory-efficient one PyTorch picks next (`benchmarks/sdpa_backends.py`;
-# `results/gpu/`). So while a run computes, cuDNN's kernel is switched off (and restored
-# after; the other kernels as they were): in its updates and in `auto`'s measurements
-# alike. float32 never had it.
+# shape. Each new shape cost about half a second, and an `iwslt14-small` bf16 update
+# 421 ms with cuDNN's kernel against 61 ms with the memory-efficient one PyTorch picks
+# next (`benchmarks/sdpa_backends.py`; `results/gpu/`). So while a run computes,
+# cuDNN's kernel is switched off (and restored after; the other kernels as they were):
+# in its updates and in `auto`'s measurements alike. float32 never had it.
 
 
 @contextmanager

@@ -90,7 +90,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     scheduler: LambdaLR
     device: torch.device
-    autocast: Callable  # a context factory: the precision's autocast, SDPA's kernels
+    computing: Callable  # the forward pass's context: autocast, SDPA's kernels
     scaler: torch.amp.GradScaler  # scales the fp16 loss; disabled otherwise
     world: int  # processes training together (DistributedDataParallel)
 
@@ -130,7 +130,7 @@ def update(trainer: Trainer, micro: Sequence[Batch]) -> tuple[float, int, float]
         last = j == len(micro) - 1
         several = trainer.world > 1 and not last
         no_sync = trainer.train_model.no_sync() if several else nullcontext()
-        with no_sync, trainer.autocast():
+        with no_sync, trainer.computing():
             loss = nb.batch_loss(
                 trainer.model, b, trainer.cfg.eps_ls, trainer.train_model
             )
@@ -561,7 +561,6 @@ def setup(
         seed_process(cfg.seed, rank)
     if cfg.compile:  # after DDP, as PyTorch documents
         train_model = compile_model(train_model, device, log)
-    autocast = computing(device, precision)  # and SDPA without cuDNN's kernel
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
     log(
         f"device: {device}"
@@ -580,7 +579,7 @@ def setup(
         optimizer=optimizer,
         scheduler=scheduler,
         device=device,
-        autocast=autocast,
+        computing=computing(device, precision),
         scaler=scaler,
         world=world,
         data=data,

@@ -326,7 +326,7 @@ def one_update_trainer(cfg, model) -> machinery.Trainer:
         optimizer=optimizer,
         scheduler=scheduler,
         device=torch.device("cpu"),
-        autocast=contextlib.nullcontext,
+        computing=contextlib.nullcontext,
         scaler=torch.amp.GradScaler("cpu", enabled=False),
         world=1,
     )
