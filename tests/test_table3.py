@@ -377,3 +377,60 @@ def test_part_4_shows_the_file_as_a_table_and_claims_nothing_unmeasured(smoke):
     assert body["A-h1"].split("|")[9].strip() == ""
     group_a = findings.split("**(A)**")[1].split("**(B)**")[0]
     assert "seeds to come" in group_a and "**" not in group_a
+
+
+SOURCE_USE = ROOT / "benchmarks" / "source_use.py"
+
+
+def source_use(out: Path, *run_dirs: Path) -> subprocess.CompletedProcess:
+    """``source_use.py --out OUT RUN_DIRS`` with one thread."""
+    return subprocess.run(
+        [sys.executable, str(SOURCE_USE), "--out", str(out), *map(str, run_dirs)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
+
+
+def test_another_source_is_always_another_pairs():
+    check = load_script(SOURCE_USE, "source_use_check")
+    for n in (2, 3, 10, 1014):
+        pairs = [(f"src{i}", f"tgt{i}") for i in range(n)]
+        mixed = check.other_sources(pairs)
+        assert [t for _, t in mixed] == [t for _, t in pairs]  # the targets stay
+        assert all(s != f"src{i}" for i, (s, _) in enumerate(mixed))
+        assert sorted(s for s, _ in mixed) == sorted(s for s, _ in pairs)  # each once
+
+
+def test_the_source_check_reproduces_the_runs_own_validation_loss(smoke, tmp_path):
+    run_dir = smoke.parent / "table3-runs" / "base"
+    out = tmp_path / "source.json"
+    assert source_use(out, run_dir).returncode == 0
+    (rec,) = json.loads(out.read_text())["records"]
+    logged = [
+        json.loads(line)
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    last = [r for r in logged if "valid_loss" in r][-1]
+    assert rec["step"] == last["step"]
+    assert abs(rec["valid_loss"] - last["valid_loss"]) <= 1e-4
+    assert rec["gap"] == rec["valid_loss_other_source"] - rec["valid_loss"]
+    assert source_use(out, run_dir).returncode == 0  # again: replaced, not added
+    assert len(json.loads(out.read_text())["records"]) == 1
+
+
+def test_the_source_check_refuses_data_the_run_did_not_train_on(smoke, tmp_path):
+    run_dir = tmp_path / "base"
+    shutil.copytree(smoke.parent / "table3-runs" / "base", run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    for r in lines:
+        if "valid_loss" in r:
+            r["valid_loss"] += 0.5  # as if the run had seen other validation data
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    result = source_use(tmp_path / "source.json", run_dir)
+    assert result.returncode != 0
+    assert "not the data or vocabulary it trained on" in result.stderr
+    assert not (tmp_path / "source.json").exists()
