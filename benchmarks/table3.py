@@ -55,6 +55,7 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRAM = ROOT / "the_annotated_transformer.py"
+SOURCE_CHECK = ROOT / "benchmarks" / "source_use.py"
 UNSUPPORTED = "not supported by this version"
 
 # The base of each table: the preset's values of the fields Table 3 varies (§6.2).
@@ -467,6 +468,30 @@ def valid_bleu(python: str, run_dir: Path, budget: dict, child: "Child") -> dict
     return found
 
 
+def source_check(python: str, run_dir: Path, budget: dict, child: "Child") -> dict:
+    """Whether a row's last checkpoint reads its source: its validation loss with each
+    pair's own source and with another pair's (``benchmarks/source_use.py``), kept in
+    the run directory so that collecting the row again does not measure again."""
+    kept = run_dir / "source_use.json"
+    checkpoint = newest_checkpoint(run_dir)
+    step = int(checkpoint.stem.split("-")[1])
+    if not kept.is_file() or not any(
+        r["step"] == step for r in json.loads(kept.read_text())["records"]
+    ):
+        args = [python, str(relative(SOURCE_CHECK)), str(relative(run_dir))]
+        args += ["--out", str(relative(kept)), "--threads", str(budget["threads"])]
+        code, out, err = child.capture(args, budget["threads"])
+        if code != 0:
+            raise RuntimeError(f"the source check failed: {last_line(err or out)}")
+    found = next(
+        r for r in json.loads(kept.read_text())["records"] if r["step"] == step
+    )
+    return {
+        "source_gap": found["gap"],
+        "valid_loss_other_source": found["valid_loss_other_source"],
+    }
+
+
 def collect(row: dict, run_dir: Path, budget: dict, python: str, child) -> dict:
     """One finished row of Table 3 (§6.2) from the files its run wrote: validation
     perplexity (and its curve) and BLEU, test BLEU (beam 4 and greedy), parameters,
@@ -478,11 +503,13 @@ def collect(row: dict, run_dir: Path, budget: dict, python: str, child) -> dict:
     asked = {k: budget[k] for k in BUDGET_CHECKED if k in budget}
     differ = differences({**asked, **row["base"], **row["fields"]}, config)
     scored = valid_bleu(python, run_dir, budget, child)
+    reads = source_check(python, run_dir, budget, child)
     return {
         "status": "done",
         "params": count_parameters(checkpoint) if checkpoint else None,
         "valid_ppl": curve[-1]["valid_ppl"] if curve else None,
         "valid_bleu": scored["valid_bleu"],
+        **reads,
         "bleu": results.get("bleu"),
         "bleu_greedy": results.get("bleu_greedy"),
         "bleu_kind": results.get("bleu_kind"),
@@ -536,8 +563,22 @@ RULE = (
     "and disagrees otherwise. Within twice that deviation it can't tell, unless the "
     "paper's difference is 0, which it then agrees with. A (C) variation (the costlier "
     "sizes) runs its second seed only where its first lies within twice that deviation "
-    "of the base's mean."
+    "of the base's mean. A run whose validation loss rises by less than 1 nat per "
+    "target token when each pair is given another pair's source has not learnt to "
+    "read its source: it failed to train, is shown apart, and enters neither its "
+    "row's mean nor the pooled deviation; a row none of whose seeds trained reads "
+    '"fails to train".'
 )
+# Below this gap (nats per target token) a run's decoder is a language model of the
+# target side, not a translation model (benchmarks/source_use.py measures it).
+SOURCE_GAP_MIN = 1.0
+
+
+def trained(row: dict) -> bool:
+    """Whether a finished run of Table 3 (§6.2) learnt to read its source (a record
+    without the measurement counts as trained)."""
+    gap = row.get("source_gap")
+    return gap is None or gap >= SOURCE_GAP_MIN
 
 
 def spread(values: list[float]) -> dict:
@@ -580,7 +621,9 @@ def settled(entry: dict, noise: Optional[float]) -> bool:
     if len(entry["seeds"]) >= len(SEEDS.get(entry["group"], SEEDS_C)):
         return True
     diff = entry.get("diff_valid_bleu")
-    return entry["group"] == "C" and None not in (noise, diff) and abs(diff) > 2 * noise
+    if entry["group"] != "C" or len(entry["failed_seeds"]) == len(entry["seeds"]):
+        return False  # a seed that failed to train says nothing of the setting's size
+    return None not in (noise, diff) and abs(diff) > 2 * noise
 
 
 def needless(row: dict, data: dict) -> Optional[str]:
@@ -613,29 +656,40 @@ def seeds_by_variation(data: dict) -> dict[str, list[dict]]:
 def noise_of(data: dict) -> dict:
     """The noise rule's yardstick for a Table 3 (§6.2) file: the pooled seed standard
     deviation of validation BLEU and how many rows (with ≥ 2 seeds) it pools."""
-    groups = [[r["valid_bleu"] for r in rs] for rs in seeds_by_variation(data).values()]
+    groups = trained_bleu(seeds_by_variation(data))
     return {"sd": pooled_sd(groups), "rows": sum(len(g) > 1 for g in groups)}
+
+
+def trained_bleu(by: dict[str, list[dict]]) -> list[list[float]]:
+    """Per variation, the validation BLEU of its seeds that trained: what the noise
+    rule pools."""
+    return [[r["valid_bleu"] for r in rs if trained(r)] for rs in by.values()]
 
 
 def summarise(data: dict) -> list[dict]:
     """Per variation of Table 3 (§6.2): its seeds' mean and spread of validation
-    perplexity and BLEU and of test BLEU, its difference from the base, and the noise
-    rule's verdict against the paper's row."""
+    perplexity and BLEU and of test BLEU (over the seeds that trained), the seeds that
+    failed to train, its difference from the base, and the noise rule's verdict
+    against the paper's row."""
     by = seeds_by_variation(data)
-    noise = pooled_sd([[r["valid_bleu"] for r in rs] for rs in by.values()])
-    base = by.get("base")
+    noise = pooled_sd(trained_bleu(by))
+    base = [r for r in by.get("base", []) if trained(r)] or by.get("base")
     base_bleu = spread([r["valid_bleu"] for r in base])["mean"] if base else None
     out = []
     for name, rs in by.items():
-        first = rs[0]
+        first, ok = rs[0], [r for r in rs if trained(r)]
+        counted = ok or rs  # the seeds that trained; all, where none did
+        gaps = [r["source_gap"] for r in rs if r.get("source_gap") is not None]
         entry = {
             "variation": name,
             "group": first["group"],
             "seeds": sorted(r.get("seed", 1) for r in rs),
+            "failed_seeds": sorted(r.get("seed", 1) for r in rs if not trained(r)),
             "params": first["params"],
-            "valid_ppl": spread([r["valid_ppl"] for r in rs]),
-            "valid_bleu": spread([r["valid_bleu"] for r in rs]),
-            "test_bleu": spread([r["bleu"] for r in rs]),
+            "valid_ppl": spread([r["valid_ppl"] for r in counted]),
+            "valid_bleu": spread([r["valid_bleu"] for r in counted]),
+            "test_bleu": spread([r["bleu"] for r in counted]),
+            "source_gap": spread(gaps) if gaps else None,
             "paper": first["paper"],
         }
         if name != "base" and base_bleu is not None:
@@ -644,7 +698,7 @@ def summarise(data: dict) -> list[dict]:
             entry |= {
                 "diff_valid_bleu": ours,
                 "paper_diff_bleu": theirs,
-                "verdict": verdict(ours, noise, theirs),
+                "verdict": verdict(ours, noise, theirs) if ok else "fails to train",
             }
         entry["settled"] = settled(entry, noise)
         out.append(entry)
@@ -674,7 +728,7 @@ def draw(data: dict, out: Path) -> Path:
     seeds = {}
     for r in data["rows"]:
         if finished(r):
-            seeds.setdefault(r.get("variation", r["name"]), []).append(r["valid_bleu"])
+            seeds.setdefault(r.get("variation", r["name"]), []).append(r)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(rows) + 2.5), 4.2))
     if base:
         b = base["valid_bleu"]
@@ -689,8 +743,9 @@ def draw(data: dict, out: Path) -> Path:
     for i, s in enumerate(rows):
         colour = GROUP_COLOURS[s["group"]]
         ax.plot([i - 0.25, i + 0.25], [s["valid_bleu"]["mean"]] * 2, color=colour)
-        values = seeds.get(s["variation"], [])
-        ax.plot([i] * len(values), values, "o", color=colour, ms=4, zorder=3)
+        for r in seeds.get(s["variation"], []):  # a seed that failed to train: ×
+            mark = "o" if trained(r) else "x"
+            ax.plot([i], [r["valid_bleu"]], mark, color=colour, ms=4, zorder=3)
     for g in "ABCDE":
         at = [i for i, s in enumerate(rows) if s["group"] == g]
         if at:
@@ -707,7 +762,10 @@ def draw(data: dict, out: Path) -> Path:
         range(len(rows)), [s["variation"] for s in rows], rotation=60, ha="right"
     )
     ax.set_xlim(-0.7, max(len(rows), 1) - 0.3)
-    ax.set_xlabel("Table 3 row (one setting changed from the base); dots: seeds")
+    ax.set_xlabel(
+        "Table 3 row (one setting changed from the base); dots: seeds "
+        "(×: failed to train)"
+    )
     ax.set_ylabel(f"validation BLEU ({data['dataset_valid']})")
     budget = data["budget"]
     ax.set_title(
@@ -1188,6 +1246,7 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
             print("\n".join(progress(data, rows, runs)))
             return 0
         if args.refresh:
+            measure_sources(data, runs, budget, args.python)
             write_table(out, refreshed(data, base, budget))
             log(f"{out}: summary, noise and figures rewritten from its rows")
             return 0
@@ -1238,6 +1297,17 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
             log(f"row {row['name']}: {record['status']}: {record['error']}")
     log(f"results in {out}")
     return 1 if failed else 0
+
+
+def measure_sources(data: dict, runs: Path, budget: dict, python: str) -> None:
+    """Add the source check to each finished row recorded before it, where the row's
+    run directory still holds its last checkpoint (``--refresh``)."""
+    child = Child()
+    for r in data["rows"]:
+        run_dir = runs / r["name"]
+        if finished(r) and "source_gap" not in r and newest_checkpoint(run_dir):
+            r |= source_check(python, run_dir, budget, child)
+            log(f"row {r['name']}: source gap {r['source_gap']:.2f} nats")
 
 
 def last_update(run_dir: Path) -> int:

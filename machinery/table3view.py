@@ -106,6 +106,8 @@ class Table3:
             seeds, verdict = len(s["seeds"]), s.get("verdict", "")
             if not s.get("settled", False):  # more seeds to come: no verdict yet
                 seeds, verdict = f"{seeds} of {len(entry['seeds'])}", ""
+            if failed := s.get("failed_seeds"):
+                seeds = f"{seeds} ({len(failed)} failed to train)"
             lines.append(
                 f"| {name} | {_changed(fields)} | {seeds} "
                 f"| {s['params'] / 1e6:.2f}M | {_spread(s['valid_ppl'])} "
@@ -131,6 +133,28 @@ class Table3:
         noise = self.data.get("noise") or {}
         return noise.get("sd"), noise.get("rows", 0)
 
+    def _seeds(self, s: dict) -> str:
+        """How many seeds a variation's numbers rest on, and each seed that failed to
+        train with its source gap beside the base's (the rule's test)."""
+        n = len(s["seeds"]) - len(s.get("failed_seeds", []))
+        text = f"{n} seed{'s' * (n != 1)}"
+        if n == 0:  # the numbers are the failed seeds' own
+            n = len(s["seeds"])
+            text = f"{n} seed{'s' * (n != 1)}, none trained"
+        base = next((b for b in self.summary if b["variation"] == "base"), {})
+        for r in self.data["rows"]:
+            if r.get("variation", r["name"]) == s["variation"] and r.get(
+                "seed", 1
+            ) in s.get("failed_seeds", []):
+                text += (
+                    f"; seed {r.get('seed', 1)} failed to train: its validation loss "
+                    f"rose {r['source_gap']:.2f} nats per token with other pairs' "
+                    "sources"
+                )
+                if base.get("source_gap"):
+                    text += f", the base's {_spread(base['source_gap'])}"
+        return text
+
     def findings(self) -> str:
         """One paragraph per row group: each finished variation's validation BLEU
         against the base's, and the rule's verdict against the paper's difference once
@@ -151,7 +175,7 @@ class Table3:
                 continue
             parts = [
                 f"{_changed(self._fields(s['variation']))}: {_spread(s['valid_bleu'])} "
-                f"({len(s['seeds'])} seed{'s' * (len(s['seeds']) != 1)}), "
+                f"({self._seeds(s)}), "
                 f"{s['diff_valid_bleu']:+.2f} against the paper's "
                 f"{s['paper_diff_bleu']:+.1f}: "
                 + (f"**{s['verdict']}**" if s.get("settled") else "seeds to come")

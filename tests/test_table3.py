@@ -246,6 +246,9 @@ def test_every_row_records_what_it_ran_with(smoke):
         assert len(seen["commit"].split("+")[0]) == 40
         assert "settings_differ" not in r  # d_k 0 and d_model/h are one value
         assert r["command"].startswith("OMP_NUM_THREADS=1 ")
+        # the source check ran on its last checkpoint, and was kept beside it
+        kept = json.loads((ROOT / r["run_dir"] / "source_use.json").read_text())
+        assert kept["records"][-1]["gap"] == r["source_gap"]
 
 
 def test_a_row_with_another_budget_is_not_merged(smoke, tmp_path):
@@ -372,7 +375,9 @@ def test_part_4_shows_the_file_as_a_table_and_claims_nothing_unmeasured(smoke):
         str(smoke.with_name("table3.png")),
     ]
     seeds = {name: line.split("|")[3].strip() for name, line in body.items()}
-    assert seeds["base"] == "2 of 3" and seeds["A-h1"] == "1 of 2"  # more to run
+    # more to run; five updates are too few to learn to read the source
+    assert seeds["base"] == "2 of 3 (2 failed to train)"
+    assert seeds["A-h1"] == "1 of 2 (1 failed to train)"
     # a verdict stands on the seeds the design asks for: none yet for A-h1
     assert body["A-h1"].split("|")[9].strip() == ""
     group_a = findings.split("**(A)**")[1].split("**(B)**")[0]
@@ -434,3 +439,49 @@ def test_the_source_check_refuses_data_the_run_did_not_train_on(smoke, tmp_path)
     assert result.returncode != 0
     assert "not the data or vocabulary it trained on" in result.stderr
     assert not (tmp_path / "source.json").exists()
+
+
+def test_a_run_that_does_not_read_its_source_failed_to_train():
+    runner = load_script(SCRIPT, "table3_runner")
+    plan = {r["name"]: r for r in runner.table3_rows(runner.BASE)}
+
+    def row(name, bleu, gap):
+        r = plan[name]
+        paper = runner.paper_values(r["paper_row"])
+        return {"name": name, "variation": r["variation"], "group": r["group"],
+                "seed": r["seed"], "status": "done", "valid_bleu": bleu,
+                "valid_ppl": 5.0, "bleu": bleu, "params": 10, "paper": paper,
+                "source_gap": gap}  # fmt: skip
+
+    # the gap: how much the validation loss rises with other pairs' sources
+    data = {"rows": [row("base", 40.0, 4.4), row("base-seed2", 41.0, 4.4),
+                     row("base-seed3", 42.0, 4.3),
+                     row("A-h1", 5.0, 0.5), row("A-h1-seed2", 37.0, 4.0),
+                     row("D-drop0.2", 5.5, 0.48), row("D-drop0.2-seed2", 6.0, 0.3),
+                     row("C-N2", 4.0, 0.2)]}  # fmt: skip
+    assert not runner.trained(data["rows"][3]) and runner.trained(data["rows"][4])
+    summary = {s["variation"]: s for s in runner.summarise(data)}
+    h1 = summary["A-h1"]
+    assert h1["seeds"] == [1, 2] and h1["failed_seeds"] == [1] and h1["settled"]
+    assert h1["valid_bleu"]["mean"] == 37.0 and h1["valid_bleu"]["n"] == 1
+    assert h1["verdict"] == "agrees"  # −4.0 from the base's mean, beyond 2·s ≈ 2
+    # the failed seed is not seed noise: s pools the base's seeds alone (sd 1.0)
+    assert runner.noise_of(data) == {"sd": pytest.approx(1.0), "rows": 1}
+    drop = summary["D-drop0.2"]
+    assert drop["failed_seeds"] == [1, 2] and drop["verdict"] == "fails to train"
+    assert drop["valid_bleu"]["n"] == 2  # the table still shows what they scored
+    # a (C) size whose one seed failed says nothing of the size: seed 2 runs
+    assert not summary["C-N2"]["settled"]
+    assert runner.needless(plan["C-N2-seed2"], data) is None
+
+    from machinery.table3view import Table3
+
+    data |= {"summary": list(summary.values()), "plan": runner.plan_of(
+        runner.BASE, runner.BUDGET), "noise": runner.noise_of(data)}  # fmt: skip
+    table = Table3(data, Path("."))
+    body = {line.split("|")[1].strip(): line for line in table.markdown().splitlines()}
+    assert "| 2 (1 failed to train) |" in body["A-h1"]
+    assert "fails to train" in body["D-drop0.2"]
+    group_d = table.findings().split("**(D)**")[1]
+    assert "2 seeds, none trained" in group_d and "**fails to train**" in group_d
+    assert "seed 1 failed to train: its validation loss rose 0.48 nats" in group_d
