@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 GROUPS = "ABCDE"
+# A seed whose last validation perplexity lies more than 5% above its lowest has
+# over-fitted (the base's seeds end within 1.3% of theirs).
+OVERFIT = 1.05
 FIGURES = (
     (
         "table3-curves.png",
@@ -155,6 +158,25 @@ class Table3:
                     text += f", the base's {_spread(base['source_gap'])}"
         return text
 
+    def _overfits(self, variation: str) -> str:
+        """Each seed of ``variation`` whose validation perplexity ended more than
+        ``OVERFIT`` above its lowest (its curve rose again: over-fitting), with the
+        epoch of the lowest; "" where none did."""
+        notes = []
+        for r in self.data["rows"]:
+            curve = r.get("curve") or []
+            if r.get("variation", r["name"]) != variation or not curve:
+                continue
+            low = min(curve, key=lambda c: c["valid_ppl"])
+            if curve[-1]["valid_ppl"] > OVERFIT * low["valid_ppl"]:
+                notes.append(
+                    f"seed {r.get('seed', 1)}'s validation perplexity was lowest after "
+                    f"epoch {low['epoch']} ({low['valid_ppl']:.2f}) and rose to "
+                    f"{curve[-1]['valid_ppl']:.2f} by epoch {curve[-1]['epoch']}: it "
+                    "over-fits"
+                )
+        return "".join(f"; {n}" for n in notes)
+
     def findings(self) -> str:
         """One paragraph per row group: each finished variation's validation BLEU
         against the base's, and the rule's verdict against the paper's difference once
@@ -179,6 +201,7 @@ class Table3:
                 f"{s['diff_valid_bleu']:+.2f} against the paper's "
                 f"{s['paper_diff_bleu']:+.1f}: "
                 + (f"**{s['verdict']}**" if s.get("settled") else "seeds to come")
+                + self._overfits(s["variation"])
                 for s in rows
             ]
             out.append(

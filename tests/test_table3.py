@@ -485,3 +485,24 @@ def test_a_run_that_does_not_read_its_source_failed_to_train():
     group_d = table.findings().split("**(D)**")[1]
     assert "2 seeds, none trained" in group_d and "**fails to train**" in group_d
     assert "seed 1 failed to train: its validation loss rose 0.48 nats" in group_d
+
+
+def test_part_4_says_which_seed_over_fits_from_its_curve():
+    from machinery.table3view import Table3
+
+    def row(name, variation, seed, ppls):
+        curve = [{"epoch": e + 1, "valid_ppl": p} for e, p in enumerate(ppls)]
+        return {"name": name, "variation": variation, "seed": seed, "curve": curve}
+
+    table = Table3(
+        {"rows": [row("D-drop0.0", "D-drop0.0", 1, [9.0, 6.2, 6.5, 7.7]),
+                  row("D-drop0.0-seed2", "D-drop0.0", 2, [9.0, 6.0, 6.1, 6.2]),
+                  row("base", "base", 1, [9.0, 5.5, 5.4, 5.45])]},
+        Path("."),
+    )  # fmt: skip
+    note = table._overfits("D-drop0.0")
+    assert note == (
+        "; seed 1's validation perplexity was lowest after epoch 2 (6.20) and rose "
+        "to 7.70 by epoch 4: it over-fits"
+    )  # seed 2 ends 3% above its lowest: within the 5%
+    assert table._overfits("base") == ""  # 1% above its lowest
