@@ -14,10 +14,12 @@ For each checkpoint (the newest of each run directory, or every kept one with
 ``--every``) this computes the validation split's mean cross-entropy per target token
 (no label smoothing, as the training log's ``valid_loss``) twice: with the true
 sources, and with each source replaced by the source of the pair half the split away
-(a real sentence of the same corpus, never its own). The first number must equal the
-run's own logged validation loss at that step, which checks that the data and
-vocabulary are the ones the run used. Each result is merged into ``--out`` (default
-``results/table3-source.json``), keyed by run and step.
+(a real sentence of the same corpus, never its own). Where the run logged a validation
+loss at that step (every epoch's end), the first number must equal it, which checks
+that the data and vocabulary are the ones the run used; a checkpoint written between
+two epochs is not checked, and its record says so (``logged_valid_loss`` null). Each
+result is merged into ``--out`` (default ``results/table3-source.json``), keyed by run
+and step.
 """
 
 from __future__ import annotations
@@ -142,7 +144,12 @@ def main(argv=None) -> int:
             print(
                 f"{rec['run']} step {rec['step']:,}: valid loss {rec['valid_loss']:.3f}"
                 f" with its sources, {rec['valid_loss_other_source']:.3f} with others'"
-                f" (gap {rec['gap']:.2f} nats)",
+                f" (gap {rec['gap']:.2f} nats)"
+                + (
+                    ""
+                    if rec["logged_valid_loss"] is not None
+                    else "; no logged loss at this step to check it against"
+                ),
                 flush=True,
             )
     data["records"] = sorted(records.values(), key=lambda r: (r["run"], r["step"]))

@@ -17,8 +17,10 @@ attention path and thread count::
         multi30k-small --run_dir runs/table3/<row> --precision fp32 ... --<field> <v>
 
 then scored on the validation set (``evaluate --split valid``, beam 4, last
-checkpoint: no averaging, as §6.2). It talks to the program only through that command
-line and the files a run writes; it never imports it.
+checkpoint: no averaging, as §6.2), and checked for whether its model reads its source
+(``benchmarks/source_use.py``: the validation loss with each pair's own source and with
+another's; below a 1-nat gap the run failed to train). It talks to the program only
+through those two command lines and the files a run writes; it never imports it.
 
 Run from the repository root::
 
@@ -29,7 +31,8 @@ Run from the repository root::
     python benchmarks/table3.py --status          # how far each row has got
 
 Writes ``results/table3.json`` (atomically, under a lock, after every row) and
-``results/table3.png``. A row already in the JSON is skipped; a row that was
+``results/table3.png``; each row's run directory keeps its ``valid_bleu.json`` and
+``source_use.json``. A row already in the JSON is skipped; a row that was
 interrupted continues from the checkpoints in its run directory; a row another worker
 holds (its lock file) is left to it. The file records one budget (updates, warm-up,
 lr_factor, batch size, precision, attention, threads) and refuses a row trained with
@@ -474,18 +477,24 @@ def source_check(python: str, run_dir: Path, budget: dict, child: "Child") -> di
     the run directory so that collecting the row again does not measure again."""
     kept = run_dir / "source_use.json"
     checkpoint = newest_checkpoint(run_dir)
-    step = int(checkpoint.stem.split("-")[1])
-    if not kept.is_file() or not any(
-        r["step"] == step for r in json.loads(kept.read_text())["records"]
-    ):
+
+    def record() -> Optional[dict]:
+        if not kept.is_file():
+            return None
+        records = json.loads(kept.read_text())["records"]
+        return next(
+            (r for r in records if Path(r["checkpoint"]).name == checkpoint.name), None
+        )
+
+    if record() is None:
         args = [python, str(relative(SOURCE_CHECK)), str(relative(run_dir))]
         args += ["--out", str(relative(kept)), "--threads", str(budget["threads"])]
         code, out, err = child.capture(args, budget["threads"])
         if code != 0:
             raise RuntimeError(f"the source check failed: {last_line(err or out)}")
-    found = next(
-        r for r in json.loads(kept.read_text())["records"] if r["step"] == step
-    )
+    found = record()
+    if found is None:
+        raise RuntimeError(f"the source check did not measure {checkpoint}")
     return {
         "source_gap": found["gap"],
         "valid_loss_other_source": found["valid_loss_other_source"],
@@ -566,8 +575,9 @@ RULE = (
     "of the base's mean. A run whose validation loss rises by less than 1 nat per "
     "target token when each pair is given another pair's source has not learnt to "
     "read its source: it failed to train, is shown apart, and enters neither its "
-    "row's mean nor the pooled deviation; a row none of whose seeds trained reads "
-    '"fails to train".'
+    "row's mean nor the pooled deviation; a row none of whose seeds trained shows "
+    'their scores and reads "fails to train", and while no seed of the base has '
+    'trained every row reads "base fails to train".'
 )
 # Below this gap (nats per target token) a run's decoder is a language model of the
 # target side, not a translation model (benchmarks/source_use.py measures it).
@@ -616,8 +626,9 @@ def verdict(ours: float, noise: Optional[float], paper: float) -> str:
 
 def settled(entry: dict, noise: Optional[float]) -> bool:
     """Whether a variation of Table 3 (§6.2) has the seeds the design asks of it: the
-    base three, an (A), (B), (D) or (E) variation two, a (C) variation two, or one
-    whose difference from the base's mean is already beyond the rule's 2·s."""
+    base three, an (A), (B), (D) or (E) variation two (trained or failed), a (C)
+    variation two, or one that trained and whose difference from the base's mean is
+    already beyond the rule's 2·s (one that failed says nothing of the size)."""
     if len(entry["seeds"]) >= len(SEEDS.get(entry["group"], SEEDS_C)):
         return True
     diff = entry.get("diff_valid_bleu")
@@ -673,7 +684,8 @@ def summarise(data: dict) -> list[dict]:
     against the paper's row."""
     by = seeds_by_variation(data)
     noise = pooled_sd(trained_bleu(by))
-    base = [r for r in by.get("base", []) if trained(r)] or by.get("base")
+    base_ok = [r for r in by.get("base", []) if trained(r)]
+    base = base_ok or by.get("base")  # its failed seeds: the differences are shown
     base_bleu = spread([r["valid_bleu"] for r in base])["mean"] if base else None
     out = []
     for name, rs in by.items():
@@ -698,7 +710,11 @@ def summarise(data: dict) -> list[dict]:
             entry |= {
                 "diff_valid_bleu": ours,
                 "paper_diff_bleu": theirs,
-                "verdict": verdict(ours, noise, theirs) if ok else "fails to train",
+                "verdict": verdict(ours, noise, theirs)
+                if ok and base_ok
+                else "fails to train"
+                if not ok
+                else "base fails to train",
             }
         entry["settled"] = settled(entry, noise)
         out.append(entry)
@@ -1245,13 +1261,17 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
         if args.status:
             print("\n".join(progress(data, rows, runs)))
             return 0
-        if args.refresh:
-            measure_sources(data, runs, budget, args.python)
-            write_table(out, refreshed(data, base, budget))
-            log(f"{out}: summary, noise and figures rewritten from its rows")
-            return 0
-        if not out.is_file():
+        if not args.refresh and not out.is_file():
             write_json(out, data)
+    if args.refresh:  # the source checks take minutes: measured outside the lock
+        measured = measure_sources(data, runs, budget, args.python)
+        with locked(out.with_name(out.name + ".lock")):
+            data = read_table(out, base, budget, smoke)  # rows may have joined
+            for r in data["rows"]:
+                r |= measured.get(r["name"], {})
+            write_table(out, refreshed(data, base, budget))
+        log(f"{out}: summary, noise and figures rewritten from its rows")
+        return 0
     if args.jobs > 1:
         return run_workers(args, out, runs)
     options = program_options(args.python, PROGRAM)
@@ -1299,15 +1319,21 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
     return 1 if failed else 0
 
 
-def measure_sources(data: dict, runs: Path, budget: dict, python: str) -> None:
-    """Add the source check to each finished row recorded before it, where the row's
-    run directory still holds its last checkpoint (``--refresh``)."""
-    child = Child()
+def measure_sources(data: dict, runs: Path, budget: dict, python: str) -> dict:
+    """The source check of each finished row recorded before it, by row name, where
+    the row's run directory still holds its last checkpoint (``--refresh``); a row
+    that cannot be checked is named (it counts as trained)."""
+    child, measured = Child(), {}
     for r in data["rows"]:
         run_dir = runs / r["name"]
-        if finished(r) and "source_gap" not in r and newest_checkpoint(run_dir):
-            r |= source_check(python, run_dir, budget, child)
-            log(f"row {r['name']}: source gap {r['source_gap']:.2f} nats")
+        if not finished(r) or "source_gap" in r:
+            continue
+        if newest_checkpoint(run_dir) is None:
+            log(f"row {r['name']}: no checkpoint in {run_dir}: no source check")
+            continue
+        measured[r["name"]] = source_check(python, run_dir, budget, child)
+        log(f"row {r['name']}: source gap {measured[r['name']]['source_gap']:.2f} nats")
+    return measured
 
 
 def last_update(run_dir: Path) -> int:

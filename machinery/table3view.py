@@ -154,7 +154,7 @@ class Table3:
                     f"rose {r['source_gap']:.2f} nats per token with other pairs' "
                     "sources"
                 )
-                if base.get("source_gap"):
+                if base.get("source_gap") and s is not base:
                     text += f", the base's {_spread(base['source_gap'])}"
         return text
 
@@ -206,7 +206,7 @@ class Table3:
             ]
             out.append(
                 f"**({g})** Validation BLEU against the base's "
-                f"{_spread(base['valid_bleu'])} ({len(base['seeds'])} seeds): "
+                f"{_spread(base['valid_bleu'])} ({self._seeds(base)}): "
                 + "; ".join(parts)
                 + "."
             )

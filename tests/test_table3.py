@@ -324,6 +324,16 @@ def test_a_refresh_rewrites_what_derives_from_the_rows_and_trains_nothing(
     assert again["noise"] == data["noise"] and again["rule"] != "old"
     assert not (tmp_path / "table3-runs").exists()  # no row trained
     assert out.with_suffix(".png").is_file()
+    # rows finished before the source check get it where their checkpoints are
+    out.write_text(json.dumps(data | {"rows": [
+        {k: v for k, v in r.items() if k not in ("source_gap", "valid_loss_other_source")}
+        for r in kept]}))  # fmt: skip
+    result = run(out, "--refresh")  # no run directories here: named, not measured
+    assert "base: no checkpoint in" in result.stdout
+    assert all("source_gap" not in r for r in json.loads(out.read_text())["rows"])
+    result = run(out, "--refresh", "--runs", str(smoke.parent / "table3-runs"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(out.read_text())["rows"] == kept
 
 
 def test_the_status_says_how_far_each_row_has_got_and_writes_nothing(smoke, tmp_path):
@@ -421,7 +431,8 @@ def test_the_source_check_reproduces_the_runs_own_validation_loss(smoke, tmp_pat
     last = [r for r in logged if "valid_loss" in r][-1]
     assert rec["step"] == last["step"]
     assert abs(rec["valid_loss"] - last["valid_loss"]) <= 1e-4
-    assert rec["gap"] == rec["valid_loss_other_source"] - rec["valid_loss"]
+    assert rec["logged_valid_loss"] == last["valid_loss"]  # what it was checked on
+    assert rec["threads"] == 1 and rec["machine"]
     assert source_use(out, run_dir).returncode == 0  # again: replaced, not added
     assert len(json.loads(out.read_text())["records"]) == 1
 
@@ -460,6 +471,7 @@ def test_a_run_that_does_not_read_its_source_failed_to_train():
                      row("D-drop0.2", 5.5, 0.48), row("D-drop0.2-seed2", 6.0, 0.3),
                      row("C-N2", 4.0, 0.2)]}  # fmt: skip
     assert not runner.trained(data["rows"][3]) and runner.trained(data["rows"][4])
+    assert runner.trained({"valid_bleu": 40.0})  # not measured: counted as trained
     summary = {s["variation"]: s for s in runner.summarise(data)}
     h1 = summary["A-h1"]
     assert h1["seeds"] == [1, 2] and h1["failed_seeds"] == [1] and h1["settled"]
@@ -485,6 +497,12 @@ def test_a_run_that_does_not_read_its_source_failed_to_train():
     group_d = table.findings().split("**(D)**")[1]
     assert "2 seeds, none trained" in group_d and "**fails to train**" in group_d
     assert "seed 1 failed to train: its validation loss rose 0.48 nats" in group_d
+    # no seed of the base trained: no verdict is read against it
+    for r in data["rows"][:3]:
+        r["source_gap"] = 0.1
+    summary = {s["variation"]: s for s in runner.summarise(data)}
+    assert summary["A-h1"]["verdict"] == "base fails to train"
+    assert summary["D-drop0.2"]["verdict"] == "fails to train"
 
 
 def test_part_4_says_which_seed_over_fits_from_its_curve():
