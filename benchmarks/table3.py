@@ -746,6 +746,7 @@ def draw(data: dict, out: Path) -> Path:
         if finished(r):
             seeds.setdefault(r.get("variation", r["name"]), []).append(r)
     fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(rows) + 2.5), 4.2))
+    failed: list[tuple[int, float, str]] = []
     if base:
         b = base["valid_bleu"]
         ax.axhspan(
@@ -759,9 +760,11 @@ def draw(data: dict, out: Path) -> Path:
     for i, s in enumerate(rows):
         colour = GROUP_COLOURS[s["group"]]
         ax.plot([i - 0.25, i + 0.25], [s["valid_bleu"]["mean"]] * 2, color=colour)
-        for r in seeds.get(s["variation"], []):  # a seed that failed to train: ×
-            mark = "o" if trained(r) else "x"
-            ax.plot([i], [r["valid_bleu"]], mark, color=colour, ms=4, zorder=3)
+        for r in seeds.get(s["variation"], []):
+            if trained(r):
+                ax.plot([i], [r["valid_bleu"]], "o", color=colour, ms=4, zorder=3)
+            else:  # failed to train: ×, at the foot of the axis with its score
+                failed.append((i, r["valid_bleu"], colour))
     for g in "ABCDE":
         at = [i for i, s in enumerate(rows) if s["group"] == g]
         if at:
@@ -774,6 +777,17 @@ def draw(data: dict, out: Path) -> Path:
                 transform=ax.get_xaxis_transform(),
                 color=GROUP_COLOURS[g],
             )
+    # the axis spans the seeds that trained (a failed seed would flatten the rest)
+    shown = [r["valid_bleu"] for rs in seeds.values() for r in rs if trained(r)]
+    if shown:
+        ax.set_ylim(min(shown) - 1.5, max(shown) + 1.0)
+    low = ax.get_ylim()[0]
+    for i, bleu, colour in failed:
+        y = bleu if bleu > low else low + 0.4
+        ax.plot([i], [y], "x", color=colour, ms=6, zorder=3)
+        if bleu <= low:
+            ax.annotate(f"{bleu:.1f}", (i, y), xytext=(5, -3), fontsize=8,
+                        textcoords="offset points", color=colour)  # fmt: skip
     ax.set_xticks(
         range(len(rows)), [s["variation"] for s in rows], rotation=60, ha="right"
     )
@@ -782,14 +796,14 @@ def draw(data: dict, out: Path) -> Path:
         "Table 3 row (one setting changed from the base); dots: seeds "
         "(×: failed to train)"
     )
-    ax.set_ylabel(f"validation BLEU ({data['dataset_valid']})")
+    ax.set_ylabel(f"validation BLEU\n{data['dataset_valid']}", fontsize=8)
     budget = data["budget"]
     ax.set_title(
         f"Table 3 (§6.2) at {budget['preset']} scale: {budget['epochs']} epoch(s), "
         "last checkpoint",
         pad=18,
     )
-    ax.legend(fontsize=10, loc="lower left")
+    ax.legend(fontsize=9, loc="best")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
