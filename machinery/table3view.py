@@ -25,7 +25,8 @@ FIGURES = (
     (
         "table3.png",
         "Validation BLEU of each Table 3 variation, one dot per seed and a bar at the "
-        "mean, beside the band of the base's seeds.",
+        "mean of the seeds that trained (a cross: one that failed to train), beside "
+        "the band of the base's seeds.",
     ),
 )
 
