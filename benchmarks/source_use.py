@@ -30,7 +30,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -42,7 +41,7 @@ import torch  # noqa: E402
 from machinery.data import load_dataset  # noqa: E402
 from machinery.evaluation import evaluate_loss  # noqa: E402
 from machinery.inference import load_for_inference  # noqa: E402
-from machinery.runfiles import checkpoint_paths  # noqa: E402
+from machinery.runfiles import checkpoint_paths, write_atomic  # noqa: E402
 from machinery.runs import machine_name  # noqa: E402
 
 WHAT = (
@@ -104,16 +103,6 @@ def measure(checkpoint: Path, data_mirror: str, datasets: dict) -> dict:
     }
 
 
-def write_json(path: Path, data: dict) -> None:
-    """Write ``data`` atomically (a temporary file, then a rename)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run_dirs", nargs="+", type=Path, help="training run directories")
@@ -153,7 +142,7 @@ def main(argv=None) -> int:
                 flush=True,
             )
     data["records"] = sorted(records.values(), key=lambda r: (r["run"], r["step"]))
-    write_json(args.out, data)
+    write_atomic(args.out, [json.dumps(data, indent=2)])
     return 0
 
 

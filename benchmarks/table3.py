@@ -495,10 +495,7 @@ def source_check(python: str, run_dir: Path, budget: dict, child: "Child") -> di
     found = record()
     if found is None:
         raise RuntimeError(f"the source check did not measure {checkpoint}")
-    return {
-        "source_gap": found["gap"],
-        "valid_loss_other_source": found["valid_loss_other_source"],
-    }
+    return {"source_gap": found["gap"]}
 
 
 def collect(row: dict, run_dir: Path, budget: dict, python: str, child) -> dict:
@@ -683,7 +680,7 @@ def summarise(data: dict) -> list[dict]:
     failed to train, its difference from the base, and the noise rule's verdict
     against the paper's row."""
     by = seeds_by_variation(data)
-    noise = pooled_sd(trained_bleu(by))
+    noise = noise_of(data)["sd"]
     base_ok = [r for r in by.get("base", []) if trained(r)]
     base = base_ok or by.get("base")  # its failed seeds: the differences are shown
     base_bleu = spread([r["valid_bleu"] for r in base])["mean"] if base else None
@@ -707,14 +704,16 @@ def summarise(data: dict) -> list[dict]:
         if name != "base" and base_bleu is not None:
             ours = entry["valid_bleu"]["mean"] - base_bleu
             theirs = round(first["paper"]["bleu_dev"] - PAPER["base"][1], 2)
+            if not ok:
+                said = "fails to train"
+            elif not base_ok:
+                said = "base fails to train"
+            else:
+                said = verdict(ours, noise, theirs)
             entry |= {
                 "diff_valid_bleu": ours,
                 "paper_diff_bleu": theirs,
-                "verdict": verdict(ours, noise, theirs)
-                if ok and base_ok
-                else "fails to train"
-                if not ok
-                else "base fails to train",
+                "verdict": said,
             }
         entry["settled"] = settled(entry, noise)
         out.append(entry)
