@@ -450,7 +450,9 @@ def test_the_table_3_finding_counts_finished_row_groups_only(tmp_path):
     table.write_text(json.dumps(data))
     assert build.table3_state(data)["finished"] == ["A"]
     last = build.findings(tmp_path, links)[-1]
-    assert last.startswith("[Table 3](#t) at our scale (15 epochs")
+    assert last.startswith(
+        "[Table 3](#t) at our scale (15 epochs, 2 seeds a variation)"
+    )
     assert "rows (A): 1 of 2 variations agree with the paper, 0 disagree and 1" in last
     assert "(B), (C), (D), (E) are being measured" in last
     data["summary"] += [  # (C): one seed where the runner found it settled
@@ -458,6 +460,11 @@ def test_the_table_3_finding_counts_finished_row_groups_only(tmp_path):
         summary_row("C-N4", "C", [1, 2], "can't tell") | {"settled": True},
     ]
     assert build.table3_state(data)["finished"] == ["A", "C"]
+    data["summary"][1]["verdict"] = "fails to train"
+    table.write_text(json.dumps(data))
+    last = build.findings(tmp_path, links)[-1]
+    assert "(15 epochs, 1–2 seeds a variation)" in last  # C-d128 ran one seed
+    assert "0 of 4 variations agree with the paper, 1 disagree, 1 fail" in last
     data["summary"][-2]["settled"] = False  # within the noise: seed 2 still to run
     assert build.table3_state(data)["finished"] == ["A"]
     data["summary"][0] |= {"seeds": [1, 2], "settled": False}  # the base needs three
@@ -554,3 +561,19 @@ def test_html_and_markdown_outputs_are_sanitised_and_tables_recognised():
     assert build.is_tabular(table)
     assert build.is_tabular({"data": {"text/html": "<TABLE></TABLE>"}})
     assert not build.is_tabular({"data": {"text/markdown": "a --- b"}})
+
+
+def test_the_readmes_results_table_is_the_recorded_runs():
+    """Each row of the README's Results table gives its run's summary in ``results/``:
+    BLEU beam and greedy to two places, training minutes to one, its precision."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Results\n")[1].split("\n## ")[0]
+    for preset, name in (
+        ("multi30k-small", build.HEADLINE),
+        ("iwslt14-sample", build.SAMPLE),
+    ):
+        run = json.loads((ROOT / "results" / name).read_text())
+        row = next(r for r in section.splitlines() if f"| `{preset}` |" in r)
+        assert f"{run['bleu']:.2f} / {run['bleu_greedy']:.2f}" in row, row
+        assert row.rstrip().endswith(f"| {run['train_minutes']:.1f} |"), row
+        assert f", {run['precision']} |" in row, row

@@ -292,7 +292,7 @@ def table3_state(data: dict) -> dict:
     plan = [p for p in data.get("plan") or [] if isinstance(p, dict)]
     base = next((s for s in summary if s.get("variation") == "base"), None)
     seeded = base is not None and base.get("settled", False)
-    finished, verdicts = [], []
+    finished, verdicts, seeds = [], [], []
     for group in "ABCDE":
         rows = [s for s in summary if s.get("group") == group]
         planned = {p.get("variation") for p in plan if p.get("group") == group}
@@ -304,10 +304,12 @@ def table3_state(data: dict) -> dict:
         ):
             finished.append(group)
             verdicts += [str(s.get("verdict", "can't tell")) for s in rows]
+            seeds += [len(s.get("seeds") or []) for s in rows]
     return {
         "epochs": (data.get("budget") or {}).get("epochs"),
         "finished": finished,
         "verdicts": verdicts,
+        "seeds": seeds,
     }
 
 
@@ -340,25 +342,30 @@ def findings(results: Path, links: dict) -> list[str]:
     budget = f"{state['epochs']} epochs" if state["epochs"] else "the full schedule"
     if not state["finished"]:
         out.append(
-            f"{table} at our scale, every variation over {budget} with two or "
-            "more seeds, is being measured."
+            f"{table} at our scale, every variation over {budget} with two seeds "
+            "(a costly (C) size one where it lies beyond the noise), is being "
+            "measured."
         )
     else:
         v = state["verdicts"]
         groups = ", ".join(f"({g})" for g in state["finished"])
         rest = [g for g in "ABCDE" if g not in state["finished"]]
-        unsure = v.count("can't tell")
+        unsure, failed = v.count("can't tell"), v.count("fails to train")
         counts = (
             f"{v.count('agrees')} of {len(v)} variations agree with the paper, "
-            f"{v.count('disagrees')} disagree and {unsure} are within the seeds' noise"
+            f"{v.count('disagrees')} disagree"
+            + (f", {failed} fail to train" if failed else "")
+            + f" and {unsure} are within the seeds' noise"
         )
+        lo, hi = min(state["seeds"]), max(state["seeds"])
+        each = f"{lo} seed{'s' * (lo > 1)}" if lo == hi else f"{lo}–{hi} seeds"
         tail = (
             f"; rows {', '.join(f'({g})' for g in rest)} are being measured"
             if rest
             else ""
         )
         out.append(
-            f"{table} at our scale ({budget}, two or more seeds each), rows "
+            f"{table} at our scale ({budget}, {each} a variation), rows "
             f"{groups}: {counts}{tail}."
         )
     return out
