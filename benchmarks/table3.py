@@ -6,9 +6,10 @@ reports each row's perplexity, BLEU and parameter count on the development set
 (Table 3). This script does the same around the ``multi30k-small`` preset (N=3,
 d_model=256, d_ff=1024, h=8, d_k=32, P_drop=0.1, eps_ls=0.1): every row is that preset
 with a few fields changed and trained on the preset's whole schedule (15 epochs, 3,225
-updates, warm-up 1,000), so the base row is the headline run itself. Each variation
-runs with seeds 1 and 2, the base with 1–3; a (C) variation (the costlier sizes, run
-last) skips seed 2 where seed 1 already lies beyond the noise rule's 2·s of the base.
+updates, warm-up 1,000), so the base row is the headline run's model and schedule.
+Each variation runs with seeds 1 and 2, the base with 1–3; a (C) variation (the
+costlier sizes, run last) skips seed 2 where seed 1 already lies beyond the noise
+rule's 2·s of the base.
 Two more rows (C-d128-lr, C-d512-lr) hold Eq. 3's d_model^-0.5 apart from the width.
 Every row is trained through the command line with the same explicit precision,
 attention path and thread count::

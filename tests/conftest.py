@@ -1,6 +1,7 @@
 """Shared test setup: the repository root on sys.path, the data mirror fixture, and small helpers."""
 
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -91,3 +92,27 @@ def last_state(run_dir) -> dict:
     paths = machinery.checkpoint_paths(run_dir)
     assert paths, f"no checkpoint in {run_dir}"
     return machinery.load_checkpoint(paths[-1])
+
+
+# Inline quotations of the paper: text in double quotes followed, within a few
+# characters, by its section in parentheses, e.g. "a rate of 0.1" (§5.4).
+INLINE_QUOTE = re.compile(r'["“]([^"”]{6,}?)["”][^"“]{0,3}\((?:the paper, )?(§[\d.]+)')
+
+
+def inline_quotes(text: str) -> list[tuple[str, str]]:
+    """The (quotation, section) pairs of ``text``, its line breaks read as spaces; a
+    quotation's elision marks ``[…]`` split it into pieces, each one the paper's."""
+    return INLINE_QUOTE.findall(" ".join(text.split()))
+
+
+def not_the_papers(quotes: list[tuple[str, str]], paper: str) -> list[str]:
+    """The quotations of ``quotes`` some piece of which is not in ``paper`` word for
+    word (whitespace aside)."""
+    squashed = re.sub(r"\s+", "", paper)
+    return [
+        f"{q} ({s})"
+        for q, s in quotes
+        if any(
+            re.sub(r"\s+", "", p) not in squashed for p in q.split("[…]") if p.strip()
+        )
+    ]

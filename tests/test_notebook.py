@@ -11,6 +11,7 @@ from pathlib import Path
 import jupytext
 import nbformat
 import pytest
+from conftest import inline_quotes, not_the_papers
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = ROOT / "the_annotated_transformer.py"
@@ -241,6 +242,17 @@ def test_every_quote_is_the_papers_exact_wording():
     assert not wrong, "not in the paper word for word:\n" + "\n---\n".join(wrong)
 
 
+@pytest.mark.skipif(
+    not PAPER.is_file(), reason="paper excerpts not beside the repository"
+)
+def test_every_inline_quote_is_the_papers_exact_wording():
+    md = "\n".join(c for t, c in cells(PY) if t == "markdown")
+    quotes = inline_quotes(md)
+    assert len(quotes) >= 5
+    wrong = not_the_papers(quotes, PAPER.read_text(encoding="utf-8"))
+    assert not wrong, "not in the paper word for word:\n" + "\n".join(wrong)
+
+
 def test_part_1_quotes_every_section_of_3_and_every_code_cell_follows_a_citation():
     all_cells = cells(PY)
     start = next(i for i, (t, c) in enumerate(all_cells) if c.startswith("# Part 1"))
@@ -263,6 +275,8 @@ def test_part_1_quotes_every_section_of_3_and_every_code_cell_follows_a_citation
         "§3.5",
     ):
         assert section in cited, f"no quote cited as {section}"
+    headings = [c for t, c in part1 if t == "markdown" and c.startswith("## §")]
+    assert any(h.startswith("## §4 ") for h in headings), "§4 has no section of its own"
     text_since_code = ""
     for kind, source in part1:
         if kind == "markdown":

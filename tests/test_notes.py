@@ -6,9 +6,11 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import inline_quotes, not_the_papers
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTES = ROOT / "REPRODUCTION_NOTES.md"
+PAPER = ROOT.parent / "shared" / "paper" / "README.md"
 TESTS = ROOT / "tests"
 COLUMNS = ["topic", "paper", "status", "our choice", "alternatives", "pinned by"]
 STATUSES = {"SPECIFIED", "PARTIAL", "UNSPECIFIED", "DEPARTURE"}
@@ -148,3 +150,13 @@ def test_the_table_parser_handles_escaped_bars_and_rejects_bad_statuses():
     assert [r["topic"] for r in parsed] == ["lp", "x"]
     assert parsed[0]["paper"] == "((5+|Y|)/6)^α"
     assert [r["status"] in STATUSES for r in parsed] == [True, False]
+
+
+@pytest.mark.skipif(
+    not PAPER.is_file(), reason="paper excerpts not beside the repository"
+)
+def test_text_in_double_quotes_with_a_section_is_the_papers_exact_wording():
+    quotes = inline_quotes(NOTES.read_text(encoding="utf-8"))
+    assert len(quotes) >= 20
+    wrong = not_the_papers(quotes, PAPER.read_text(encoding="utf-8"))
+    assert not wrong, "not in the paper word for word:\n" + "\n".join(wrong)
