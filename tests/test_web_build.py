@@ -577,3 +577,15 @@ def test_the_readmes_results_table_is_the_recorded_runs():
         assert f"{run['bleu']:.2f} / {run['bleu_greedy']:.2f}" in row, row
         assert row.rstrip().endswith(f"| {run['train_minutes']:.1f} |"), row
         assert f", {run['precision']} |" in row, row
+
+
+def test_every_file_a_result_names_is_in_the_repository():
+    """A run summary in ``results/`` that names its curve names a file that exists."""
+    named = {
+        f.name: json.loads(f.read_text()).get("curve")
+        for f in (ROOT / "results").glob("*.json")
+    }
+    named = {k: v for k, v in named.items() if isinstance(v, str)}
+    assert named, "no summary names its curve"
+    missing = {k: v for k, v in named.items() if not (ROOT / v).is_file()}
+    assert not missing, missing
