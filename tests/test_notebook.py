@@ -288,9 +288,19 @@ def test_part_1_quotes_every_section_of_3_and_every_code_cell_follows_a_citation
             text_since_code = ""
 
 
-def test_importing_the_module_prints_nothing_and_writes_nothing(tmp_path):
+# Importing with every network connection refused: a download would fail loudly.
+NO_NETWORK = """
+import socket
+def refuse(*args, **kwargs):
+    raise OSError("the import tried to open a network connection")
+socket.socket.connect = socket.socket.connect_ex = socket.create_connection = refuse
+import the_annotated_transformer
+"""
+
+
+def test_importing_the_module_prints_downloads_and_writes_nothing(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-c", "import the_annotated_transformer"],
+        [sys.executable, "-c", NO_NETWORK],
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
