@@ -1220,7 +1220,7 @@ class Subwords:
 #
 # `Batch` holds one batch of padded source and target ids with their masks (True = may
 # attend). The decoder's input is the target without its last token and its prediction
-# target is the target without its first: this is the "offset by one position" of §3.1.
+# target is the target without its first: this is the "offset by one position" (§3.1).
 # `ntokens` counts the real (non-pad) target tokens, by which the loss is normalised.
 
 
@@ -2100,11 +2100,11 @@ if IN_NOTEBOOK:
 # The same variations of our base, `multi30k-small` ($N=3$, $d_{model}=256$,
 # $d_{ff}=1024$, $h=8$, $d_k=32$, $P_{drop}=0.1$, $\epsilon_{ls}=0.1$). Every row trains
 # the preset's whole schedule (15 epochs, the same batches), so the base row is the
-# Multi30k run above trained again, in float32 on one thread; its last checkpoint is
-# scored (no averaging), with beam search, on the validation set (our development set)
-# and on the test set. Every variation runs two seeds (a
-# costly (C) size one where that is beyond the noise), the base three; each is read
-# against the base by one rule, printed with the table. Two more rows hold Eq. 3's
+# Multi30k run above trained again, in float32 with the fused attention path on one
+# thread; its last checkpoint is scored (no averaging), with beam search, on the
+# validation set (our development set) and on the test set. Every variation runs two
+# seeds (a costly (C) size one where that is beyond the noise), the base three; each is
+# read against the base by one rule, printed with the table. Two more rows hold Eq. 3's
 # learning rate apart from the width: it scales the rate by $d_{model}^{-0.5}$, so
 # C-d128 and C-d512 also train at 1.41× and 0.71× the base's rate; C-d128-lr and
 # C-d512-lr scale `lr_factor` so that their peak is the base's. The paper's figures are

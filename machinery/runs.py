@@ -91,6 +91,11 @@ def machine_of(summary: dict) -> str:
     return summary.get("machine") or summary.get("cpu") or ""
 
 
+def _on(summary: dict) -> str:
+    """ " on <machine>" for a log line, where the summary names its machine."""
+    return f" on {machine_of(summary)}" if machine_of(summary) else ""
+
+
 def _quiet(*args, **kwargs) -> None:
     """A log that keeps the training run's own lines out of the notebook's outputs."""
 
@@ -120,10 +125,9 @@ def run_or_load(
         summary = json.loads(results.read_text())
         if recipe_differences(summary.get("config", {}), cfg):
             continue
-        on = f" on {machine_of(summary)}" if machine_of(summary) else ""
         log(
             f"loaded the finished run in {where}: {summary['steps']:,} updates, "
-            f"trained in {summary['train_minutes']:.0f} min{on}"
+            f"trained in {summary['train_minutes']:.0f} min{_on(summary)}"
         )
         summary |= {"run_dir": str(where), "curve": str(where / "curve.png")}
         return summary
@@ -132,7 +136,8 @@ def run_or_load(
         summary = json.loads(Path(recorded).read_text())
         log(
             f"loaded the recorded summary {recorded} ({summary['steps']:,} updates, "
-            f"trained in {summary['train_minutes']:.0f} min); no run directory here"
+            f"trained in {summary['train_minutes']:.0f} min{_on(summary)}); no run "
+            "directory here"
         )
         recorded = Path(recorded)
         summary["curve"] = str(recorded.with_name(f"{recorded.stem}-curve.png"))

@@ -94,25 +94,58 @@ def last_state(run_dir) -> dict:
     return machinery.load_checkpoint(paths[-1])
 
 
+# The paper's wording by section, beside the repository (not part of it).
+PAPER = ROOT.parent / "shared" / "paper" / "README.md"
+GAP = "[…]"  # the elision mark inside a quotation
+
 # Inline quotations of the paper: text in double quotes followed, within a few
 # characters, by its section in parentheses, e.g. "a rate of 0.1" (§5.4).
 INLINE_QUOTE = re.compile(r'["“]([^"”]{6,}?)["”][^"“]{0,3}\((?:the paper, )?(§[\d.]+)')
 
 
+def squash(text: str) -> str:
+    """``text`` without whitespace: quotations compare across line breaks."""
+    return re.sub(r"\s+", "", text)
+
+
 def inline_quotes(text: str) -> list[tuple[str, str]]:
-    """The (quotation, section) pairs of ``text``, its line breaks read as spaces; a
-    quotation's elision marks ``[…]`` split it into pieces, each one the paper's."""
+    """The (quotation, section) pairs of ``text``, its line breaks read as spaces."""
     return INLINE_QUOTE.findall(" ".join(text.split()))
 
 
+def paper_sections(paper: str) -> dict[str, str]:
+    """The paper's excerpts by section: "§3.2" → its text and its subsections'. A
+    heading without a § number ends a section at level 1 or 2 (Abstract, Facts) and
+    stays inside it deeper down (the "Encoder" part of §3.1)."""
+    texts: dict[str, list[str]] = {}
+    current = None
+    for line in paper.splitlines():
+        heading = re.match(r"(#+) ", line)
+        if heading:
+            number = re.search(r"§([\d.]+)", line)
+            if number:
+                current = "§" + number.group(1).rstrip(".")
+                texts.setdefault(current, [])
+            elif len(heading.group(1)) <= 2:
+                current = None
+        elif current:
+            texts.setdefault(current, []).append(line)
+    return {
+        s: "\n".join(
+            "\n".join(lines)
+            for t, lines in texts.items()
+            if t == s or t.startswith(s + ".")
+        )
+        for s in texts
+    }
+
+
 def not_the_papers(quotes: list[tuple[str, str]], paper: str) -> list[str]:
-    """The quotations of ``quotes`` some piece of which is not in ``paper`` word for
-    word (whitespace aside)."""
-    squashed = re.sub(r"\s+", "", paper)
+    """The quotations of ``quotes`` some piece of which (split at ``[…]``) is not,
+    word for word and whitespace aside, in the section of ``paper`` it cites."""
+    sections = {s: squash(t) for s, t in paper_sections(paper).items()}
     return [
         f"{q} ({s})"
         for q, s in quotes
-        if any(
-            re.sub(r"\s+", "", p) not in squashed for p in q.split("[…]") if p.strip()
-        )
+        if any(squash(p) not in sections.get(s, "") for p in q.split(GAP) if p.strip())
     ]

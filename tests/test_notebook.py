@@ -1,6 +1,7 @@
 """The notebook and the module: in sync, read top to bottom, quoting the paper exactly, quiet on import, executable."""
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -11,12 +12,11 @@ from pathlib import Path
 import jupytext
 import nbformat
 import pytest
-from conftest import inline_quotes, not_the_papers
+from conftest import GAP, PAPER, inline_quotes, not_the_papers, squash
 
 ROOT = Path(__file__).resolve().parents[1]
 PY = ROOT / "the_annotated_transformer.py"
 NB = ROOT / "annotated_transformer.ipynb"
-PAPER = ROOT.parent / "shared" / "paper" / "README.md"
 
 
 def cells(path):
@@ -102,10 +102,6 @@ def test_jupytext_pairs_the_two_files():
     assert meta["formats"] == "ipynb,the_/py:percent"
 
 
-def _squash(text: str) -> str:
-    return re.sub(r"\s+", "", text)
-
-
 def quote_pieces(markdown: str):
     """Runs of quoted text: paragraphs and bullets of '>' blocks, split at the elision mark […]."""
     pieces, current = [], []
@@ -122,9 +118,6 @@ def quote_pieces(markdown: str):
             pieces.append(" ".join(current))
             current = []
     return [p.strip() for piece in pieces for p in piece.split("[…]") if p.strip()]
-
-
-GAP = "[…]"
 
 
 def quote_blocks(markdown: str) -> list[list[str]]:
@@ -162,7 +155,7 @@ def paper_edges(paper: str) -> tuple[str, set, set]:
     where they end), positions in that text."""
     squashed, starts, ends = "", set(), set()
     for line in paper.splitlines():
-        body = _squash(line)
+        body = squash(line)
         if not body:
             continue
         starts.add(len(squashed))
@@ -183,20 +176,20 @@ def silent_gaps(block: list[str], paper: str) -> list[str]:
     for i, piece in enumerate(block):
         if piece == GAP:
             continue
-        found = text.find(_squash(piece), at)
+        found = text.find(squash(piece), at)
         if found < 0:
-            found = text.find(_squash(piece))
+            found = text.find(squash(piece))
         if found < 0:
             problems.append(f"not the paper's words: {piece[:70]}")
             continue
-        end = found + len(_squash(piece))
+        end = found + len(squash(piece))
         gap_before = i > 0 and block[i - 1] == GAP
         gap_after = i + 1 < len(block) and block[i + 1] == GAP
         follows = i > 0 and not gap_before and found == at
         if not (gap_before or follows or found in starts):
             problems.append(f"starts inside a paragraph, no {GAP}: {piece[:70]}")
         nxt = pieces.index(piece) + 1 if piece in pieces else len(pieces)
-        leads_on = nxt < len(pieces) and text.find(_squash(pieces[nxt]), end) == end
+        leads_on = nxt < len(pieces) and text.find(squash(pieces[nxt]), end) == end
         if not (gap_after or leads_on or end in ends):
             problems.append(f"stops inside a paragraph, no {GAP}: …{piece[-70:]}")
         at = end
@@ -234,11 +227,11 @@ def test_every_block_quote_marks_each_omission():
     not PAPER.is_file(), reason="paper excerpts not beside the repository"
 )
 def test_every_quote_is_the_papers_exact_wording():
-    paper = _squash(PAPER.read_text(encoding="utf-8"))
+    paper = squash(PAPER.read_text(encoding="utf-8"))
     md = [c for t, c in cells(PY) if t == "markdown"]
     pieces = [p for cell in md for p in quote_pieces(cell)]
     assert len(pieces) > 30
-    wrong = [p for p in pieces if _squash(p) not in paper]
+    wrong = [p for p in pieces if squash(p) not in paper]
     assert not wrong, "not in the paper word for word:\n" + "\n---\n".join(wrong)
 
 
@@ -290,11 +283,14 @@ def test_part_1_quotes_every_section_of_3_and_every_code_cell_follows_a_citation
 
 # Importing with every network connection refused: a download would fail loudly.
 NO_NETWORK = """
-import socket
+import socket, sys
+tried = []
 def refuse(*args, **kwargs):
+    tried.append(args[1:] or kwargs)
     raise OSError("the import tried to open a network connection")
 socket.socket.connect = socket.socket.connect_ex = socket.create_connection = refuse
 import the_annotated_transformer
+sys.exit(f"connections tried: {tried}" if tried else 0)
 """
 
 
@@ -310,6 +306,18 @@ def test_importing_the_module_prints_downloads_and_writes_nothing(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout == "" and result.stderr == ""
     assert list(tmp_path.iterdir()) == []
+
+
+def test_part_4_shows_the_multi30k_run_the_readme_reports():
+    run = json.loads((ROOT / "results" / "multi30k-small.json").read_text())
+    nb = nbformat.read(NB, as_version=4)
+    cell = next(
+        c
+        for c in nb.cells
+        if c.cell_type == "code" and "run_or_load(m30k_cfg" in c.source
+    )
+    text = "".join(o.get("text", "") for o in cell.get("outputs", []))
+    assert f"beam {run['bleu']:.2f}, greedy {run['bleu_greedy']:.2f}" in text, text
 
 
 def test_committed_notebook_carries_outputs_of_a_full_run():

@@ -6,11 +6,10 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import inline_quotes, not_the_papers
+from conftest import PAPER, inline_quotes, not_the_papers
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTES = ROOT / "REPRODUCTION_NOTES.md"
-PAPER = ROOT.parent / "shared" / "paper" / "README.md"
 TESTS = ROOT / "tests"
 COLUMNS = ["topic", "paper", "status", "our choice", "alternatives", "pinned by"]
 STATUSES = {"SPECIFIED", "PARTIAL", "UNSPECIFIED", "DEPARTURE"}
@@ -160,3 +159,21 @@ def test_text_in_double_quotes_with_a_section_is_the_papers_exact_wording():
     assert len(quotes) >= 20
     wrong = not_the_papers(quotes, PAPER.read_text(encoding="utf-8"))
     assert not wrong, "not in the paper word for word:\n" + "\n".join(wrong)
+
+
+def test_an_inline_quote_is_checked_piece_by_piece_in_the_section_it_cites():
+    paper = (
+        "# Excerpts\n## Abstract\nA summary.\n## §5 Training\n### §5.4 Regularization"
+        "\n#### Label Smoothing\nWe used a rate of\n0.1 here. Beam search was used.\n"
+    )
+    text = (
+        'We chose "a rate of\n0.1" (§5.4), “a rate of […] here” (§5), '
+        '"Beam search was used" (§6.1), "A summary." (§5) and "made up" (§5.4).'
+    )
+    quotes = inline_quotes(text)
+    assert [s for _, s in quotes] == ["§5.4", "§5", "§6.1", "§5", "§5.4"]
+    assert not_the_papers(quotes, paper) == [
+        "Beam search was used (§6.1)",  # in the paper, not in the section cited
+        "A summary. (§5)",
+        "made up (§5.4)",
+    ]

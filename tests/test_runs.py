@@ -42,10 +42,12 @@ def test_a_recorded_summary_stands_in_only_where_no_run_is_here(tmp_path):
     recorded = tmp_path / "results" / "copy.json"
     recorded.parent.mkdir()
     summary = {"steps": 5, "train_minutes": 1.0, "bleu": 12.5, "config": {}}
+    summary["cpu"] = "AMD EPYC (cpu family 25), 2 cores"
     recorded.write_text(json.dumps(summary))
     cfg = tiny_cfg(tmp_path / "run", max_steps=2, max_eval_sentences=2)
     said, got = lines_of(cfg, recorded=str(recorded))
     assert said[0].startswith(f"loaded the recorded summary {recorded}")
+    assert "trained in 1 min on AMD EPYC (cpu family 25), 2 cores)" in said[0]
     assert got["bleu"] == 12.5 and got["curve"].endswith("copy-curve.png")
 
 

@@ -304,13 +304,21 @@ def table3_state(data: dict) -> dict:
         ):
             finished.append(group)
             verdicts += [str(s.get("verdict", "can't tell")) for s in rows]
-            seeds += [len(s.get("seeds") or []) for s in rows]
+            seeds += [  # the seeds each verdict rests on: those that trained
+                len(s.get("seeds") or []) - len(s.get("failed_seeds") or [])
+                for s in rows
+            ]
     return {
         "epochs": (data.get("budget") or {}).get("epochs"),
         "finished": finished,
         "verdicts": verdicts,
         "seeds": seeds,
     }
+
+
+def counted(n: int, one: str, many: str) -> str:
+    """``n`` with the word that agrees with it: "1 disagrees", "2 disagree"."""
+    return f"{n} {one if n == 1 else many}"
 
 
 def findings(results: Path, links: dict) -> list[str]:
@@ -343,29 +351,43 @@ def findings(results: Path, links: dict) -> list[str]:
     if not state["finished"]:
         out.append(
             f"{table} at our scale, every variation over {budget} with two seeds "
-            "(a costly (C) size one where it lies beyond the noise), is being "
-            "measured."
+            "each (the base three; a (C) size one where its first is beyond the "
+            "noise), is being measured."
         )
     else:
         v = state["verdicts"]
         groups = ", ".join(f"({g})" for g in state["finished"])
         rest = [g for g in "ABCDE" if g not in state["finished"]]
-        unsure, failed = v.count("can't tell"), v.count("fails to train")
+        told = [counted(v.count("disagrees"), "disagrees", "disagree")]
+        if "fails to train" in v:
+            told.append(
+                counted(v.count("fails to train"), "fails", "fail") + " to train"
+            )
+        told += [
+            f"{v.count(other)} read “{other}”"
+            for other in sorted(
+                set(v) - {"agrees", "disagrees", "fails to train", "can't tell"}
+            )
+        ]
+        told.append(counted(v.count("can't tell"), "is", "are") + " within the noise")
         counts = (
             f"{v.count('agrees')} of {len(v)} variations agree with the paper, "
-            f"{v.count('disagrees')} disagree"
-            + (f", {failed} fail to train" if failed else "")
-            + f" and {unsure} are within the seeds' noise"
+            + ", ".join(told[:-1])
+            + f" and {told[-1]}"
         )
         lo, hi = min(state["seeds"]), max(state["seeds"])
-        each = f"{lo} seed{'s' * (lo > 1)}" if lo == hi else f"{lo}–{hi} seeds"
+        trained = (
+            f"{lo}–{hi} trained seeds"
+            if lo != hi
+            else counted(lo, "trained seed", "trained seeds")
+        )
         tail = (
             f"; rows {', '.join(f'({g})' for g in rest)} are being measured"
             if rest
             else ""
         )
         out.append(
-            f"{table} at our scale ({budget}, {each} a variation), rows "
+            f"{table} at our scale ({budget}, {trained} a variation), rows "
             f"{groups}: {counts}{tail}."
         )
     return out
