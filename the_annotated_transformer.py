@@ -2162,16 +2162,18 @@ if IN_NOTEBOOK:
 # labels, so an overview shows every layer and head small, then for each kind the head
 # whose rows are most concentrated (lowest mean entropy, our choice) is drawn large. In
 # the encoder-decoder map each row is an output token and each column a source token.
-# The maps need the run's checkpoints, not only its summary.
+# The maps need a run's checkpoints (else the last of Table 3's base run stands in).
 
 # %%
 if IN_NOTEBOOK:
     viz = make_model(len(m30k_data.src_vocab), len(m30k_data.tgt_vocab), m30k_cfg)
-    paths = machinery.checkpoint_paths(Path(m30k_run["run_dir"]))
-    if not paths:
-        print(f"no checkpoints in {m30k_run['run_dir']}: `make train` makes them")
+    for run, n in ((m30k_run["run_dir"], max(m30k_avg, 1)), ("runs/table3/base", 1)):
+        if paths := machinery.checkpoint_paths(Path(run))[-n:]:
+            break
+    said = f"maps from {', '.join(p.name for p in paths)} in {run}"
+    print(said if paths else "no checkpoints here: `make train` makes them")
 if IN_NOTEBOOK and paths:
-    viz.load_state_dict(machinery.average_checkpoints(paths[-max(m30k_avg, 1) :]))
+    viz.load_state_dict(machinery.average_checkpoints(paths))
     src_ids = m30k_data.splits["test"][1][0]
     src = torch.tensor([src_ids])  # (1, src_len)
     limit = max_output_tokens(src, m30k_cfg.max_decode_extra)  # (1,): §6.1's n + 50
