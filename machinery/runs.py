@@ -2,10 +2,9 @@
 addition).
 
 `run_or_load` is what every training cell of Part 4 calls. It says in one line what it
-did and where: it loaded a finished run whose recipe is the one asked for (from the
-run directory, or from another directory named as holding the same recipe), loaded a
-run's recorded summary from ``results/`` where no run directory is here, resumed a run
-from its checkpoints, or trained here. It never deletes anything.
+did and where: it loaded a finished run in the run directory whose recipe is the one
+asked for, loaded a run's recorded summary from ``results/`` where no run directory is
+here, resumed a run from its checkpoints, or trained here. It never deletes anything.
 """
 
 from __future__ import annotations
@@ -92,7 +91,7 @@ def machine_of(summary: dict) -> str:
 
 
 def _on(summary: dict) -> str:
-    """ " on <machine>" for a log line, where the summary names its machine."""
+    """The " on <machine>" ending a log line, where the summary names its machine."""
     return f" on {machine_of(summary)}" if machine_of(summary) else ""
 
 
@@ -102,7 +101,6 @@ def _quiet(*args, **kwargs) -> None:
 
 def run_or_load(
     cfg: Config,
-    finished: Sequence[str] = (),
     recorded: Optional[str] = None,
     log: Callable = print,
     train_log: Callable = _quiet,
@@ -110,21 +108,17 @@ def run_or_load(
     """The summary of a run of ``cfg`` (as ``machinery.train`` returns it), made or
     found in plain sight:
 
-    1. a finished run of the same recipe in ``cfg.run_dir`` or one of ``finished``
-       (run directories known to hold it) is loaded;
+    1. a finished run of the same recipe in ``cfg.run_dir`` is loaded;
     2. else, where ``cfg.run_dir`` holds no checkpoint and ``recorded`` (a
        ``results/*.json`` summary) exists, that summary is loaded;
     3. else the run is resumed from its checkpoints, or trained from the start.
 
     One line through ``log`` says which, and where. Nothing is deleted.
     """
-    for where in (Path(cfg.run_dir), *map(Path, finished)):
-        results = where / "results.json"
-        if not results.is_file():
-            continue
-        summary = json.loads(results.read_text())
-        if recipe_differences(summary.get("config", {}), cfg):
-            continue
+    where = Path(cfg.run_dir)
+    results = where / "results.json"
+    summary = json.loads(results.read_text()) if results.is_file() else None
+    if summary is not None and not recipe_differences(summary.get("config", {}), cfg):
         log(
             f"loaded the finished run in {where}: {summary['steps']:,} updates, "
             f"trained in {summary['train_minutes']:.0f} min{_on(summary)}"

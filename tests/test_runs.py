@@ -4,7 +4,10 @@ each said in one line, and nothing a reader made is deleted."""
 
 import json
 
+import pytest
+
 import machinery
+from machinery.runfiles import RunDirectoryError
 from conftest import tiny_cfg
 
 
@@ -28,14 +31,18 @@ def test_a_run_is_trained_then_loaded_and_never_deleted(tmp_path):
 
 
 def test_a_finished_run_of_another_recipe_is_not_taken_for_this_one(tmp_path):
-    other = tiny_cfg(tmp_path / "other", max_steps=2, max_eval_sentences=2, seed=7)
+    other = tiny_cfg(tmp_path / "run", max_steps=2, max_eval_sentences=2, seed=7)
     lines_of(other)
+    for checkpoint in machinery.checkpoint_paths(tmp_path / "run"):
+        checkpoint.unlink()  # only the other recipe's summary is left
     cfg = tiny_cfg(tmp_path / "run", max_steps=2, max_eval_sentences=2)
     assert machinery.recipe_differences(
-        json.loads((tmp_path / "other" / "results.json").read_text())["config"], cfg
+        json.loads((tmp_path / "run" / "results.json").read_text())["config"], cfg
     ) == ["seed: 7 → 1"]
-    said, _ = lines_of(cfg, finished=[str(tmp_path / "other")])
-    assert said[0].startswith("training here")
+    said = []  # not loaded: training here would replace it, which is refused
+    with pytest.raises(RunDirectoryError, match="of an earlier run"):
+        machinery.run_or_load(cfg, log=said.append)
+    assert said == [f"training here, into {cfg.run_dir}"]
 
 
 def test_a_recorded_summary_stands_in_only_where_no_run_is_here(tmp_path):
