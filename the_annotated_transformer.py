@@ -2007,9 +2007,9 @@ def bleu(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> 
 # precisions, around the same `batch_loss`.
 #
 # Every training cell calls `machinery.run_or_load`, which says in one line what it did:
-# loaded a finished run of the same recipe, resumed one, or trained here. It never
-# deletes a run. `NOTEBOOK_PROFILE=full` (the default) produced the stored outputs;
-# `smoke` runs a few updates of each.
+# loaded a finished run of the same recipe (or its summary in `results/`), resumed one,
+# or trained here; it never deletes a run. `NOTEBOOK_PROFILE=full` (the default)
+# produced the stored outputs; `smoke` runs a few updates of each.
 
 # %%
 if IN_NOTEBOOK:
