@@ -1042,9 +1042,10 @@ def budget_record(budget: dict) -> dict:
     """What one Table 3 (§6.2) file's rows share, as the file records it."""
     return dict(budget) | {
         "note": (
-            "every row: the preset's whole schedule, the same batches, the last "
-            "checkpoint scored (§6.2: no checkpoint averaging); the precision, "
-            "attention path and thread count given explicitly, never measured"
+            "every row: the preset's whole schedule (rows of one seed see the same "
+            "batches), the last checkpoint scored (§6.2: no checkpoint averaging); "
+            "the precision, attention path and thread count given explicitly, never "
+            "measured"
         )
     }
 

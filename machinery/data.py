@@ -411,8 +411,7 @@ def locate_test_split(
     data folder, then download.
 
     ``split`` is ``"test"`` (the one training scores), ``"valid"`` (the one it validates
-    on) or one of the
-    record's ``extra_tests``.
+    on) or one of the record's ``extra_tests``.
     """
     corpus = CORPORA[name]
     if split in ("test", "valid"):

@@ -56,8 +56,7 @@ def download(
     """Fetch ``url`` to ``dest`` atomically, checking ``sha256`` when given.
 
     Any URL scheme ``urllib`` knows works, ``file://`` included. A corrupt or
-    interrupted
-    download never leaves a file at ``dest``.
+    interrupted download never leaves a file at ``dest``.
     """
     digest = hashlib.sha256()
     with atomic_file(dest) as out, urllib.request.urlopen(url, timeout=60) as resp:

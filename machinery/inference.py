@@ -76,9 +76,8 @@ def load_for_inference(
     device="cpu",
 ) -> tuple[EncoderDecoder, Config, Vocab, Vocab, Optional[Subwords]]:
     """(model in eval mode, config, source vocab, target vocab, BPE model or None) from
-    a checkpoint
-    file, or the average of the last ``average_last`` checkpoints of ``run_dir`` (§6.1
-    averages the last 5)."""
+    a checkpoint file, or the average of the last ``average_last`` checkpoints of
+    ``run_dir`` (§6.1 averages the last 5)."""
     nb = notebook()
     if checkpoint is not None:
         paths = [Path(checkpoint)]

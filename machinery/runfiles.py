@@ -44,8 +44,7 @@ def atomic_file(path: Path, mode: str = "wb"):
     completes.
 
     Downloads, prepared data, caches, checkpoints and logs all go through this one
-    helper, so
-    an interrupted write never leaves a file that looks finished.
+    helper, so an interrupted write never leaves a file that looks finished.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -306,12 +305,10 @@ def save_checkpoint(
     atomically (our addition).
 
     With the model, optimizer, schedule and gradient-scaler states, the config, and
-    ``data``'s
-    vocabularies and BPE model (if any). ``pos.batch_in_epoch`` counts global batches,
-    and the
-    checkpoint records for which processes and batch settings; ``rng`` holds each
-    process's
-    random-number state, in rank order (default: this process's alone).
+    ``data``'s vocabularies and BPE model (if any). ``pos.batch_in_epoch`` counts global
+    batches, and the checkpoint records for which processes and batch settings; ``rng``
+    holds each process's random-number state, in rank order (default: this process's
+    alone).
     """
     cfg = trainer.cfg
     rng = rng or [rng_state(trainer.device)]
@@ -655,11 +652,11 @@ def epoch_updates(
     """This process's updates for the global ``batches`` from ``start`` on (our
     addition).
 
-    Returns (updates, consumed after each update, where the epoch ends): update k of
-    every
-    process together takes global batches ``[start + k·accum·world, …)``; the tail that
-    does
-    not divide among the processes is left out, as a distributed epoch leaves it out.
+    Returns (updates, consumed after each update, where the epoch ends): process
+    ``rank`` takes global batches ``start + rank``, ``start + rank + world``, …, and
+    update k of every process together takes ``[start + k·accum·world, …)``; the tail
+    that does not divide among the processes is left out, as a distributed epoch
+    leaves it out.
     """
     rest = batches[start:]
     usable = len(rest) - len(rest) % world
@@ -677,8 +674,7 @@ def resume_position(state: dict, cfg: Config, path) -> tuple[Position, dict]:
 
     Refuses, in one line, a position inside an epoch whose batches were cut for another
     ``batch_tokens`` (the batches not yet seen are not defined then); at an epoch
-    boundary any
-    setting may change.
+    boundary any setting may change.
     """
     pos = Position(state["step"], state["epoch"], state["batch_in_epoch"])
     layout = state.get("layout")
@@ -711,11 +707,9 @@ def lock_run_dir(run_dir: Path):
     directory.
 
     Returns the open lock file (the lock lasts while it is open; the operating system
-    drops it
-    when the process ends, however it ends), or None where there is no ``flock`` or when
-    this
-    same process already holds it. Raises :class:`RunDirectoryError` naming the process
-    that holds it.
+    drops it when the process ends, however it ends), or None where there is no
+    ``flock`` or when this same process already holds it. Raises
+    :class:`RunDirectoryError` naming the process that holds it.
     """
     try:
         import fcntl
@@ -843,9 +837,8 @@ class RunFiles:
 
     def repair_metrics(self, step: int) -> None:
         """Make the metrics log agree with a run resumed at ``step`` — our addition:
-        lines that are not whole
-        records (torn by a crash or a full disk) are dropped with a warning, and records
-        after ``step``."""
+        lines that are not whole records (torn by a crash or a full disk) are dropped
+        with a warning, and records after ``step``."""
         if not (self.write and self.metrics.is_file()):
             return
         raw = self.metrics.read_bytes()

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import sys
+import types
 import time
 from pathlib import Path
 
@@ -571,3 +572,33 @@ def test_main_reports_an_unusable_checkpoint(tmp_path, capsys):
         == 2
     )
     assert "truncated" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["translate", "evaluate"])
+def test_both_commands_average_5_and_decode_with_beam_4_and_alpha_0_6_by_default(
+    command, tmp_path, monkeypatch
+):
+    # the README's and §6.1's defaults, as the commands pass them on when not told
+    import machinery.inference as inference
+
+    told = {}
+
+    def load(checkpoint, run_dir, average_last, device):
+        told["average_last"] = average_last
+        return None, types.SimpleNamespace(dataset="copy"), None, None, None
+
+    def decode(lines, *args):
+        told["beam"], told["alpha"] = args[-2:]
+        return list(lines), []
+
+    monkeypatch.setattr(inference, "load_for_inference", load)
+    monkeypatch.setattr(inference, "translate_lines", decode)
+    monkeypatch.setattr(inference, "evaluation_pairs", lambda a, c: (["1 2"], ["1 2"]))
+    extra = ["1 2"] if command == "translate" else []
+    argv = ["--run_dir", str(tmp_path), *extra]
+    assert inference.run_inference_command(command, argv) == 0
+    assert told == {"average_last": 5, "beam": 4, "alpha": 0.6}
+    told.clear()
+    argv += ["--average_last", "2", "--beam", "1", "--alpha", "0"]
+    assert inference.run_inference_command(command, argv) == 0
+    assert told == {"average_last": 2, "beam": 1, "alpha": 0.0}

@@ -483,6 +483,19 @@ def test_mirror_multi30k_is_found(mirror, tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing downloaded
 
 
+@pytest.mark.parametrize(
+    "dataset, words, count",
+    [("multi30k", "29,000 training pairs", 29_000), ("iwslt14", "8,746-pair", 8_746)],
+)
+def test_the_training_sets_are_the_size_the_notebook_says(
+    dataset, words, count, mirror, tmp_path
+):
+    assert words in Path(tat.__file__).read_text()
+    source = machinery.locate_dataset(dataset, mirror_cfg(mirror, tmp_path, dataset))
+    pairs, skipped = machinery.read_parallel(*source.files["train"])
+    assert (len(pairs), skipped) == (count, 0)
+
+
 def test_mirror_iwslt14_vocab_is_built_from_train_only(mirror, tmp_path):
     cfg = mirror_cfg(mirror, tmp_path)
     data = machinery.load_dataset(cfg, log=quiet)

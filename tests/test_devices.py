@@ -5,6 +5,7 @@ host synchronisation per update, and models moved to the device decoding is aske
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import math
 import sys
@@ -270,6 +271,9 @@ def test_time_calls_interleaves_warms_up_and_keeps_to_its_budget():
         2 <= rounds <= 8 and order == ["a", "b"] * rounds
     )  # one warm-up round, then timed ones
     assert 0.015 < times["a"] < 0.05 and 0.05 < times["b"] < 0.1, times
+    # the README's "within 1.6 s" is the budget a run's measurement is given
+    budget = inspect.signature(machinery.time_calls).parameters["budget_s"].default
+    assert budget == 1.6
 
 
 class FakeTimer:
@@ -916,3 +920,26 @@ def test_every_update_and_every_measured_pass_runs_in_the_kernel_context(
         timer=lambda calls, device: {k: (f(), 1.0)[1] for k, f in calls.items()},
     )
     assert len(times) == 2 and seen == [False] * 2
+
+
+@pytest.mark.parametrize(
+    "capability, where", [((8, 0), "tensor cores"), ((7, 0), "no")]
+)
+def test_float32_matrix_products_on_cuda_may_use_tf32(capability, where, machine):
+    # the README: "On CUDA, float32 matrix products use TF32"; off CUDA nothing changes
+    from machinery.devices import allow_tf32
+
+    flags = torch.backends.cuda.matmul, torch.backends.cudnn
+    before = [f.allow_tf32 for f in flags]  # process-wide switches: put back after
+    try:
+        for f in flags:
+            f.allow_tf32 = False
+        assert allow_tf32(torch.device("cpu")) == ""
+        assert not any(f.allow_tf32 for f in flags)
+        machine(capability=capability)
+        line = allow_tf32(torch.device("cuda"))
+        assert "TF32 allowed" in line and where in line
+        assert all(f.allow_tf32 for f in flags)
+    finally:
+        for f, value in zip(flags, before):
+            f.allow_tf32 = value

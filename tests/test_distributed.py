@@ -475,6 +475,9 @@ def test_epoch_updates_deal_out_exactly_the_batches_not_consumed(world, accum):
             len(u) == len(updates) and c == consumed and e == end
             for u, c, e in per_rank
         ), "every process takes as many updates and agrees where they end"
+        for rank, (u, _, _) in enumerate(per_rank):  # process r: batches r, r+W, …
+            mine = [b for micro in u for b in micro]
+            assert mine == batches[start + rank : end : world], rank
         taken = sorted(b for u, _, _ in per_rank for micro in u for b in micro)
         assert (
             taken == batches[start:end]

@@ -146,9 +146,21 @@ def test_a_fully_masked_row_gives_zeros_not_nan():
     out, p = tat.attention(q, k, v, mask)
     assert not torch.isnan(out).any() and not torch.isnan(p).any()
     assert torch.all(p[0, 1] == 0) and torch.all(out[0, 1] == 0)
-    for cls in (tat.MultiHeadedAttention, tat.FastMultiHeadedAttention):
-        mha = cls(2, 4, 0.0)
-        assert not torch.isnan(mha(q, k, k, mask)).any()
+    # both paths: the masked row's heads are zeros, so its output is W^O's bias alone
+    # (PyTorch's fused kernel makes the same choice), in self-attention too
+    torch.manual_seed(0)
+    readable = tat.MultiHeadedAttention(2, 4, 0.0).eval()
+    fast = tat.FastMultiHeadedAttention(2, 4, 0.0).eval()
+    fast.load_state_dict(readable.state_dict())
+    x, square = torch.randn(1, 3, 4), torch.ones(1, 3, 3, dtype=torch.bool)
+    square[0, 2] = False  # the third query may attend to no key
+    for mha in (readable, fast):
+        cross, own = mha(q, k, k, mask), mha(x, x, x, square)
+        assert not torch.isnan(cross).any() and not torch.isnan(own).any()
+        assert torch.equal(cross[0, 1], mha.w_o.bias)
+        assert torch.equal(own[0, 2], mha.w_o.bias)
+        assert not torch.equal(own[0, 1], mha.w_o.bias)
+    torch.testing.assert_close(fast(x, x, x, square), readable(x, x, x, square))
 
 
 def test_multi_head_attention_is_h_independent_heads_concatenated_then_projected():

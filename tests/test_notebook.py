@@ -499,3 +499,48 @@ def test_the_results_tables_parameter_counts_are_the_models():
         cfg = machinery.get_config(preset)
         model = tat.make_model(cfg.bpe_size, cfg.bpe_size, cfg)
         assert int(shown.replace(",", "")) == sum(p.numel() for p in model.parameters())
+
+
+def top_level_names(source: str) -> set[str]:
+    """The classes, functions and constants a module's source defines at top level."""
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        targets += [node.target] if isinstance(node, ast.AnnAssign) else []
+        for target in targets:  # `BOS, EOS, PAD, UNK = range(4)` defines four
+            names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
+    return names
+
+
+def test_the_package_never_repeats_a_definition_of_the_notebook():
+    # "builds on the definitions below and never repeats them": no module of machinery/
+    # defines at top level a name the notebook defines (a second `attention`, say)
+    ours = top_level_names(PY.read_text())
+    assert {"attention", "make_model", "beam_search", "PAD"} <= ours
+    repeated = {
+        str(path.relative_to(ROOT)): sorted(top_level_names(path.read_text()) & ours)
+        for path in sorted((ROOT / "machinery").rglob("*.py"))
+    }
+    assert not {k: v for k, v in repeated.items() if v}, repeated
+    assert top_level_names("def attention(): ...\nPAD: int = 2\n") & ours == {
+        "attention",
+        "PAD",
+    }
+
+
+def test_an_example_runs_only_as_the_notebook_and_leaves_no_name(monkeypatch):
+    # "`example` runs a cell's demonstration only when this file runs as the notebook,
+    # never on import, and leaves none of its names behind"
+    import the_annotated_transformer as tat
+
+    for in_notebook, runs in ((False, []), (True, ["ran"])):
+        monkeypatch.setattr(tat, "IN_NOTEBOOK", in_notebook)
+        ran = []
+
+        @tat.example
+        def demo():
+            ran.append("ran")
+
+        assert demo is None and ran == runs

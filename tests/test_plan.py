@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 import machinery
 from machinery.cli import environment_problem
@@ -108,3 +109,37 @@ def test_a_finished_run_is_kept_from_other_settings_only(tmp_path):
     assert finished_run_problem(tmp_path, elsewhere) is None  # same result
     other = dataclasses.replace(cfg, max_eval_sentences=2)
     assert "max_eval_sentences=0" in finished_run_problem(tmp_path, other)
+
+
+def test_a_vocabulary_below_10_symbols_is_refused_and_10_is_enough():
+    # the README: "a vocabulary of at least 10 symbols", the four specials included
+    from machinery.planning import VOCAB_FLOOR, PlanError, check_plan
+
+    cfg = machinery.get_config("copy", device="cpu")
+    assert VOCAB_FLOOR == 10
+    for symbols in (9, 10):  # make_copy_data's vocabulary: vocab_size + 3 symbols
+        data = machinery.make_copy_data(cfg, vocab_size=symbols - 3, sizes=(20, 4, 4))
+        assert len(data.src_vocab) == len(data.tgt_vocab) == symbols
+        if symbols < 10:
+            with pytest.raises(PlanError, match=f"only {symbols} symbols"):
+                check_plan(cfg, data, torch.device("cpu"), 1)
+        else:
+            check_plan(cfg, data, torch.device("cpu"), 1)
+
+
+def test_a_run_checkpoints_every_10_minutes_unless_told():
+    # the README: a crash costs at most the work since the last checkpoint, "every
+    # epoch and every 10 minutes"
+    assert machinery.Config().checkpoint_minutes == 10
+    assert all(c.checkpoint_minutes == 10 for c in machinery.PRESETS.values())
+
+
+def test_every_preset_is_post_norm_and_none_compiles():
+    # the notebook: "Every preset uses post-norm"; the README: no preset turns on
+    # `compile`; the paper's models use none of our departures
+    for name, cfg in machinery.PRESETS.items():
+        assert not cfg.norm_first and not cfg.compile, name
+    for name in ("base", "big"):
+        cfg = machinery.get_config(name)
+        departures = (cfg.ffn_dropout, cfg.attn_dropout, cfg.N_dec, cfg.norm_first)
+        assert departures == (0.0, 0.0, 0, False), name

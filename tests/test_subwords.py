@@ -3,6 +3,7 @@ cached, and carried by checkpoints so that a checkpoint alone can translate."""
 
 import dataclasses
 import gzip
+import os
 from pathlib import Path
 
 import pytest
@@ -140,7 +141,7 @@ def test_the_bpe_model_is_built_from_the_training_split_only(tmp_path):
     assert tat.Subwords.train([s for p in train_pairs for s in p], 60) == data.subwords
 
 
-def test_the_bpe_model_is_cached_and_keyed_on_its_settings(tmp_path):
+def test_the_bpe_model_is_cached_and_keyed_on_its_settings_and_data(tmp_path):
     mirror = small_mirror(tmp_path / "m")
     cfg = bpe_cfg(mirror, tmp_path)
     first = machinery.load_dataset(cfg, log=quiet)
@@ -152,6 +153,14 @@ def test_the_bpe_model_is_cached_and_keyed_on_its_settings(tmp_path):
     assert models[0].stat().st_mtime_ns == stamp  # read, not rewritten
     machinery.load_dataset(dataclasses.replace(cfg, bpe_size=50), log=quiet)
     assert len(list(cache.glob("bpe-*.model"))) == 2
+    # and on the training files' contents: one caption changed, its time stamp kept
+    de = mirror / "multi30k" / machinery.CORPORA["multi30k"].files["train"][0]
+    times = de.stat().st_atime_ns, de.stat().st_mtime_ns
+    captions = gzip.decompress(de.read_bytes()).decode().splitlines()
+    write_gz(de, ["Ein Hund sieht einen Vogel."] + captions[1:])
+    os.utime(de, ns=times)
+    machinery.load_dataset(cfg, log=quiet)
+    assert len(list(cache.glob("bpe-*.model"))) == 3
 
 
 @pytest.fixture
