@@ -877,17 +877,16 @@ POSITIONAL = MappingProxyType(
 # (checkpoints move freely between the two), but does the three projections of
 # self-attention as one matrix product and calls PyTorch's
 # `scaled_dot_product_attention`, which picks a fused kernel where the device has one
-# (such a kernel need not hold the whole weight matrix). A test shows both give the same
-# numbers. Which is faster depends on the device, so `attention="auto"` times both on
-# the run's own device before it starts (`make bench` has figures).
+# (such a kernel need not hold the len_q × len_k matrix of weights). A test shows both
+# give the same numbers. Which is faster depends on the device, so `attention="auto"`
+# times both on the run's own device before it starts (`make bench` has figures).
 
 
 # %%
 class FastMultiHeadedAttention(MultiHeadedAttention):
     r"""Multi-head attention — §3.2.2, fused projections and PyTorch's SDPA kernel.
 
-    Same parameters and same function as :class:`MultiHeadedAttention` (a test
-    compares them); it keeps no attention weights.
+    The parameters and function of :class:`MultiHeadedAttention` (a test compares them).
     """
 
     def forward(self, query, key, value, mask=None):
@@ -1373,10 +1372,10 @@ def make_optimizer(model: nn.Module, cfg) -> tuple[torch.optim.Optimizer, Lambda
     uses ``rate(k)``. ``cfg`` is a run's ``Config`` (its d_model, lr_factor, warmup,
     betas, adam_eps, weight_decay).
 
-    Adam's fused kernel (one pass over all parameters per step; the per-tensor loop's
-    steps to rounding, a test checks it) where the parameters' device has one. With
-    ``cfg.weight_decay`` > 0 (our addition, for the IWSLT recipe) it is AdamW: the decay
-    is decoupled from the gradient, as fairseq's Adam applies it.
+    Adam's fused kernel (one pass over all parameters per step; the same steps as the
+    per-tensor loop up to rounding, a test checks it) where the parameters' device has
+    one. With ``cfg.weight_decay`` > 0 (our addition, for the IWSLT recipe) it is AdamW:
+    the decay is decoupled from the gradient, as fairseq's Adam applies it.
     """
     params = list(model.parameters())
     fused = all(p.device.type in ("cpu", "cuda") for p in params)  # one kernel for all
@@ -2007,9 +2006,10 @@ def bleu(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> 
 # precisions, around the same `batch_loss`.
 #
 # Every training cell calls `machinery.run_or_load`, which says in one line what it did:
-# loaded a finished run of the same recipe (or its summary in `results/`), resumed one,
-# or trained here; it never deletes a run. `NOTEBOOK_PROFILE=full` (the default)
-# produced the stored outputs; `smoke` runs a few updates of each.
+# loaded a finished run of the same recipe (or the reported run's summary in
+# `results/`), resumed one, or trained here; it never deletes a run.
+# `NOTEBOOK_PROFILE=full` (the default) produced the stored outputs; `smoke` runs a few
+# updates of each.
 
 # %%
 if IN_NOTEBOOK:
@@ -2058,12 +2058,12 @@ if IN_NOTEBOOK:
 # ## A real example: Multi30k German→English
 #
 # The `multi30k-small` preset: $N=3$, $d_{\text{model}}=256$, $d_{ff}=1024$, $h=8$,
-# $P_{drop}=0.1$, $\epsilon_{ls}=0.1$, about 2,500 tokens a batch, Eq. 3 with 1,000
-# warm-up steps at 0.7 times its rate (`lr_factor`), gradients clipped at norm 1, 8,000
-# joint BPE pieces with three-way weight sharing, 15 epochs. Its run directory is the
-# command line's (`make train CONFIG=multi30k-small` writes `runs/multi30k-small`);
-# without one, the summary in `results/` of the run the README reports is loaded. Its
-# scores: test BLEU, greedy and by beam search (§6.1), of the checkpoints it averages.
+# $P_{drop}=0.1$, $\epsilon_{ls}=0.1$, about 2,500 tokens a batch, Eq. 3 scaled by 0.7
+# (`lr_factor`) with 1,000 warm-up steps, gradients clipped at norm 1, 8,000 joint BPE
+# pieces with three-way weight sharing, 15 epochs. Its run directory is the command
+# line's (`make train CONFIG=multi30k-small` writes `runs/multi30k-small`); without one,
+# the summary in `results/` of the run the README reports is loaded. Its scores: test
+# BLEU, greedy and by beam search (§6.1), of the checkpoints it averages.
 
 # %%
 if IN_NOTEBOOK:
@@ -2099,10 +2099,10 @@ if IN_NOTEBOOK:
 #
 # The same variations of our base, `multi30k-small` ($N=3$, $d_{model}=256$,
 # $d_{ff}=1024$, $h=8$, $d_k=32$, $P_{drop}=0.1$, $\epsilon_{ls}=0.1$). Every row trains
-# the preset's whole schedule (15 epochs; rows of one seed see the same batches), so the
-# base row is the Multi30k run above trained again, in float32 with the fused attention
-# path on one thread; its last checkpoint is scored (no averaging), with beam search, on
-# the validation set (our development set) and on the test set. Every variation runs two
+# the preset's whole schedule (15 epochs; same seed, same batches), so the base row is
+# the Multi30k run above trained again, in float32 with the fused attention path on one
+# thread; its last checkpoint is scored (no averaging), with beam search, on the
+# validation set (our development set) and on the test set. Every variation runs two
 # seeds (a costly (C) size one where that is beyond the noise), the base three; each is
 # read against the base by one rule, printed with the table. Two more rows hold Eq. 3's
 # learning rate apart from the width: it scales the rate by $d_{model}^{-0.5}$, so

@@ -1132,6 +1132,7 @@ def read_table(out: Path, base: dict, budget: dict, smoke: bool) -> dict:
             file=sys.stderr,
         )
         raise SystemExit(2)
+    data["budget"]["note"] = budget_record(budget)["note"]  # its wording, kept current
     return data
 
 

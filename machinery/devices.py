@@ -215,7 +215,7 @@ def precision_candidates(device: torch.device) -> tuple[list[str], str]:
 # flags: an AMD EPYC with AVX-512 BF16 trains 2.4× faster in bf16, an Intel Xeon with
 # the same flag but no AMX 1.56× *slower*. So `auto` times a few forward and backward
 # passes of the run's own model, in each candidate precision and attention path, on
-# the run's device (`time_calls`, about two seconds), and leaves float32 and the
+# the run's device (`time_calls`, about 1.6 s), and leaves float32 and the
 # readable path only for a clear win — at least `CLEAR_WIN` times their speed — so
 # that near-ties give the same answer run after run. The times are taken inside
 # `torch.random.fork_rng`: the run's random streams, and so its numbers, do not change.

@@ -8,8 +8,8 @@ import re
 import signal
 import subprocess
 import sys
-import types
 import time
+import types
 from pathlib import Path
 
 import pytest

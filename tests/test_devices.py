@@ -8,6 +8,7 @@ import hashlib
 import inspect
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -271,9 +272,9 @@ def test_time_calls_interleaves_warms_up_and_keeps_to_its_budget():
         2 <= rounds <= 8 and order == ["a", "b"] * rounds
     )  # one warm-up round, then timed ones
     assert 0.015 < times["a"] < 0.05 and 0.05 < times["b"] < 0.1, times
-    # the README's "within 1.6 s" is the budget a run's measurement is given
+    # the README's "within about 1.6 s" is the budget a run's measurement is given
     budget = inspect.signature(machinery.time_calls).parameters["budget_s"].default
-    assert budget == 1.6
+    assert f"within about {budget} s" in (ROOT / "README.md").read_text()
 
 
 class FakeTimer:
@@ -922,24 +923,30 @@ def test_every_update_and_every_measured_pass_runs_in_the_kernel_context(
     assert len(times) == 2 and seen == [False] * 2
 
 
-@pytest.mark.parametrize(
-    "capability, where", [((8, 0), "tensor cores"), ((7, 0), "no")]
-)
-def test_float32_matrix_products_on_cuda_may_use_tf32(capability, where, machine):
-    # the README: "On CUDA, float32 matrix products use TF32"; off CUDA nothing changes
-    from machinery.devices import allow_tf32
+# TF32's switches are process-wide (and torch refuses to read them once its old and
+# new APIs have both set them), so the check runs in a process of its own, with the
+# capability faked.
+TF32_CHECK = """
+import torch
+from machinery.devices import allow_tf32
 
-    flags = torch.backends.cuda.matmul, torch.backends.cudnn
-    before = [f.allow_tf32 for f in flags]  # process-wide switches: put back after
-    try:
-        for f in flags:
-            f.allow_tf32 = False
-        assert allow_tf32(torch.device("cpu")) == ""
-        assert not any(f.allow_tf32 for f in flags)
-        machine(capability=capability)
-        line = allow_tf32(torch.device("cuda"))
-        assert "TF32 allowed" in line and where in line
-        assert all(f.allow_tf32 for f in flags)
-    finally:
-        for f, value in zip(flags, before):
-            f.allow_tf32 = value
+assert allow_tf32(torch.device("cpu")) == ""
+assert not torch.backends.cuda.matmul.allow_tf32
+for capability, where in (((7, 0), "no effect before Ampere"), ((8, 0), "tensor cores")):
+    torch.cuda.get_device_capability = lambda device=None: capability
+    line = allow_tf32(torch.device("cuda"))
+    assert "TF32 allowed" in line and where in line, line
+    assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+"""
+
+
+def test_float32_matrix_products_on_cuda_may_use_tf32():
+    # the README: "On CUDA, float32 matrix products use TF32"; off CUDA nothing changes
+    done = subprocess.run(
+        [sys.executable, "-c", TF32_CHECK],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr

@@ -544,3 +544,37 @@ def test_an_example_runs_only_as_the_notebook_and_leaves_no_name(monkeypatch):
             ran.append("ran")
 
         assert demo is None and ran == runs
+
+
+def test_the_preset_paragraph_and_the_readme_say_what_the_presets_set():
+    # Part 4's paragraph on `multi30k-small`, and the README's "Not faithful: … Eq. 3
+    # scaled and warmed up sooner, clipped gradients, more dropout for IWSLT14"
+    import machinery
+
+    cells = jupytext.read(PY).cells
+    (text,) = [c.source for c in cells if "The `multi30k-small` preset:" in c.source]
+    text = squash(text.replace("#", ""))
+    cfg = machinery.get_config("multi30k-small")
+    for said in (
+        f"$N={cfg.N}$",
+        f"$d_{{ff}}={cfg.d_ff}$",
+        f"$h={cfg.h}$",
+        f"$P_{{drop}}={cfg.P_drop}$",
+        f"$\\epsilon_{{ls}}={cfg.eps_ls}$",
+        f"about {cfg.batch_tokens:,} tokens a batch",
+        f"Eq. 3 scaled by {cfg.lr_factor} (`lr_factor`) with {cfg.warmup:,} warm-up",
+        f"clipped at norm {cfg.clip_grad:g}",
+        f"{cfg.bpe_size:,} joint BPE pieces",
+        f"{cfg.epochs} epochs",
+    ):
+        assert squash(said) in text, said
+    readme = squash((ROOT / "README.md").read_text())
+    said = (
+        "Eq. 3 scaled and warmed up sooner, clipped gradients, more dropout for IWSLT14"
+    )
+    assert squash(said) in readme
+    small = [machinery.get_config(n) for n in ("multi30k-small", "iwslt14-sample")]
+    assert all(c.lr_factor < 1 and c.warmup < 4000 and c.clip_grad > 0 for c in small)
+    for name in ("iwslt14-sample", "iwslt14-small"):
+        c = machinery.get_config(name)
+        assert c.P_drop > 0.1 or c.attn_dropout > 0 or c.ffn_dropout > 0, name

@@ -153,14 +153,22 @@ def test_the_bpe_model_is_cached_and_keyed_on_its_settings_and_data(tmp_path):
     assert models[0].stat().st_mtime_ns == stamp  # read, not rewritten
     machinery.load_dataset(dataclasses.replace(cfg, bpe_size=50), log=quiet)
     assert len(list(cache.glob("bpe-*.model"))) == 2
-    # and on the training files' contents: one caption changed, its time stamp kept
+    # and on the training files' contents: two one-word edits whose files have the same
+    # size and time stamp (a key of size and time would take the second for the first)
     de = mirror / "multi30k" / machinery.CORPORA["multi30k"].files["train"][0]
-    times = de.stat().st_atime_ns, de.stat().st_mtime_ns
-    captions = gzip.decompress(de.read_bytes()).decode().splitlines()
-    write_gz(de, ["Ein Hund sieht einen Vogel."] + captions[1:])
-    os.utime(de, ns=times)
-    machinery.load_dataset(cfg, log=quiet)
-    assert len(list(cache.glob("bpe-*.model"))) == 3
+    text = gzip.decompress(de.read_bytes()).decode()
+    one = gzip.compress(text.replace("Hund", "Maus", 1).encode(), mtime=0)
+    another = next(
+        edited
+        for word in ("Hunf", "hund", "Hunde", "Kuh", "Huhn")
+        for edited in [gzip.compress(text.replace("Hund", word, 1).encode(), mtime=0)]
+        if len(edited) == len(one)
+    )
+    for kept, contents in ((3, one), (4, another)):
+        de.write_bytes(contents)
+        os.utime(de, ns=(10**18, 10**18))
+        machinery.load_dataset(cfg, log=quiet)
+        assert len(list(cache.glob("bpe-*.model"))) == kept
 
 
 @pytest.fixture

@@ -572,7 +572,9 @@ def test_html_and_markdown_outputs_are_sanitised_and_tables_recognised():
 
 def test_the_readmes_results_table_is_the_recorded_runs():
     """Each row of the README's Results table gives its run's summary in ``results/``:
-    BLEU beam and greedy to two places, training minutes to one, its precision."""
+    BLEU beam and greedy to two places, training minutes to one, its precision, and
+    the machine the summary names (or, for a summary from before runs named it, the
+    machine ``results/README.md``'s row of that run names)."""
     readme = (ROOT / "README.md").read_text()
     section = readme.split("\n## Results\n")[1].split("\n## ")[0]
     for preset, name in (
@@ -588,13 +590,14 @@ def test_the_readmes_results_table_is_the_recorded_runs():
             assert run["cpu"].split(" (")[0] in row, row
         else:  # a summary from before runs named their CPU: the history's row names it
             history = (ROOT / "results" / "README.md").read_text().splitlines()
-            (past,) = [
+            past = [
                 r
                 for r in history
                 if f"`{preset}`" in r and f"{run['train_minutes']:.1f} training" in r
             ]
+            assert len(past) == 1, f"{preset}: {len(past)} history rows of this run"
             machine = row.split(" | ")[2].split(",")[0].removeprefix("2-core ")
-            assert machine in past.split(" | ")[1], (row, past)
+            assert machine in past[0].split(" | ")[1], (row, past[0])
 
 
 def test_every_file_a_result_names_is_in_the_repository():
