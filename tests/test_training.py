@@ -513,30 +513,39 @@ PART_4_EDITS = {
 }
 
 
-def test_every_shared_definition_has_an_edit_and_an_unedited_run_repeats(tmp_path):
-    # the control for the test below: without an edit, the same run's weights repeat
+def part_4_settings(run_dir):
+    """The tiny run each of Part 4's edits is tried on: training, then decoding."""
+    return tiny_cfg(run_dir, max_steps=2, max_eval_sentences=2, beam_size=2)
+
+
+@pytest.fixture(scope="module")
+def unedited(tmp_path_factory):
+    """(summary, trained weights) of that run with no edit, trained once."""
+    where = tmp_path_factory.mktemp("unedited") / "run"
+    cfg = part_4_settings(where)
+    return run(cfg, tiny_data(cfg), evaluate=True), last_state(where)["model"]
+
+
+def test_every_shared_definition_has_an_edit_and_an_unedited_run_repeats(
+    unedited, tmp_path
+):
+    # the control for the test below: without an edit, the run's weights repeat
     assert set(PART_4_EDITS) == set(PART_4_SHARES)
-    for name in ("once", "again"):
-        cfg = tiny_cfg(tmp_path / name, max_steps=2)
-        run(cfg, tiny_data(cfg))
-    once, again = (last_state(tmp_path / d)["model"] for d in ("once", "again"))
-    assert all(torch.equal(once[k], again[k]) for k in once)
+    cfg = part_4_settings(tmp_path / "again")
+    run(cfg, tiny_data(cfg), evaluate=True)
+    again, (_, before) = last_state(tmp_path / "again")["model"], unedited
+    assert all(torch.equal(again[k], before[k]) for k in before)
 
 
 @pytest.mark.parametrize("name", PART_4_SHARES)
 def test_every_definition_part_4_names_is_the_one_its_runs_call(
-    name, tmp_path, monkeypatch
+    name, unedited, tmp_path, monkeypatch
 ):
     # a reader who redefines the cell replaces the name in the notebook's namespace;
     # the production run (training, then greedy and beam decoding) goes through it, and
     # what the edit changes, the run follows: other weights, or (for the decoders) a
     # perfect copy, where the same run unedited is not yet perfect
-    def settings(where):
-        return tiny_cfg(where, max_steps=2, max_eval_sentences=2, beam_size=2)
-
-    plain = run(
-        settings(tmp_path / "plain"), tiny_data(settings(tmp_path)), evaluate=True
-    )
+    plain, before = unedited
     calls = []
     original = getattr(tat, name)
 
@@ -545,7 +554,7 @@ def test_every_definition_part_4_names_is_the_one_its_runs_call(
         return PART_4_EDITS[name](original)(*args, **kwargs)
 
     monkeypatch.setattr(tat, name, counted)
-    cfg = settings(tmp_path / "edited")
+    cfg = part_4_settings(tmp_path / "edited")
     summary = run(cfg, tiny_data(cfg), evaluate=True)
     assert summary["steps"] == 2 and "bleu" in summary and "bleu_greedy" in summary
     assert calls, f"the run never called the notebook's {name}"
@@ -553,7 +562,7 @@ def test_every_definition_part_4_names_is_the_one_its_runs_call(
         score = "bleu_greedy" if name == "greedy_decode" else "bleu"
         assert plain[score] < 100 and summary[score] == pytest.approx(100), score
         return
-    edited, before = (last_state(tmp_path / d)["model"] for d in ("edited", "plain"))
+    edited = last_state(tmp_path / "edited")["model"]
     assert any(not torch.equal(edited[k], before[k]) for k in before), (
         f"editing {name} left the trained weights as they were"
     )
