@@ -219,6 +219,26 @@ def test_beam_of_one_is_greedy_on_random_distributions_that_end():
         assert beam == [greedy]
 
 
+def test_a_beam_of_one_with_alpha_may_outlive_greedys_end():
+    """The notebook's claim: with alpha > 0 a beam of 1 may continue past a finished
+    hypothesis and keep the longer one; with alpha = 0 it stops where greedy does."""
+    v = 6
+    table = {(): dist(v, t1=0.5, t4=0.48, t5=0.02), (4,): dist(v, t1=1.0)}
+    model = TableModel(lambda prefix: table.get(prefix, dist(v, t1=1.0)), v)
+    src, mask = torch.full((1, 3), 4), torch.ones(1, 1, 3, dtype=torch.bool)
+    ys = tat.greedy_decode(model, src, mask, 6, BOS, EOS, PAD)
+    assert ys[0].tolist()[:2] == [BOS, EOS]  # greedy ends at once: P = 0.5
+    # [4 </s>] has P = 0.48 < 0.5, but log .48 / lp(2) > log .5 / lp(1) for alpha = 1
+    assert math.log(0.48) / tat.length_penalty(2, 1.0) > math.log(0.5)
+    one = {
+        alpha: tat.beam_search(
+            model, src, mask, 5, BOS, EOS, 1, alpha, banned=[PAD], cached=False
+        )
+        for alpha in (0.0, 1.0)
+    }
+    assert one == {0.0: [[EOS]], 1.0: [[4, EOS]]}
+
+
 def test_beam_finds_the_sequence_that_greedy_misses():
     v = 6
     table = {
