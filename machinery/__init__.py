@@ -170,6 +170,7 @@ from .hosted import (  # noqa: F401
     hosted_setup,
     hosted_setup_plan,
     is_hosted,
+    iwslt_run_choice,
 )
 from .parts import (  # noqa: F401
     notebook,

@@ -44,6 +44,21 @@ def is_hosted(environ, modules) -> bool:
     )
 
 
+# Epochs that fit a free hosted session on a GPU (Part 4's IWSLT14 paragraph).
+HOSTED_EPOCHS = 15
+
+
+def iwslt_run_choice(on_gpu: bool, environ, modules) -> tuple[str, dict]:
+    """Part 4's IWSLT14 run (our addition): ``(preset, overrides)``. On a GPU the full
+    recipe, `iwslt14-small`; on a CPU `iwslt14-sample`. In a hosted notebook on a GPU
+    it trains ``HOSTED_EPOCHS`` epochs to fit a free session, unless
+    ``ANNOTATED_TRANSFORMER_FULL=1`` asks for the preset's own schedule."""
+    preset = "iwslt14-small" if on_gpu else "iwslt14-sample"
+    full = environ.get("ANNOTATED_TRANSFORMER_FULL") == "1"
+    short = on_gpu and is_hosted(environ, modules) and not full
+    return preset, ({"epochs": HOSTED_EPOCHS} if short else {})
+
+
 def hosted_setup_plan(
     environ, modules, version_of: Callable[[str], Optional[str]]
 ) -> dict:

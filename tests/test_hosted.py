@@ -247,3 +247,30 @@ def test_the_notebooks_project_address_is_the_one_citation_cff_names():
         and [getattr(t, "id", None) for t in node.targets] == ["PROJECT_URL"]
     ]
     assert literal == [machinery.project_url()], literal
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+@pytest.mark.parametrize("hosted", [False, True])
+@pytest.mark.parametrize("full", [False, True])
+def test_part_4_trains_iwslt14_for_fewer_epochs_only_hosted_on_a_gpu(
+    on_gpu, hosted, full
+):
+    # Part 4: "In a hosted notebook … there it trains 15 … Set
+    # ANNOTATED_TRANSFORMER_FULL=1 for the full 50 epochs"; a CPU trains the sample.
+    environ = (COLAB_ENV if hosted else {}) | (
+        {"ANNOTATED_TRANSFORMER_FULL": "1"} if full else {}
+    )
+    preset, overrides = machinery.iwslt_run_choice(on_gpu, environ, {})
+    assert preset == ("iwslt14-small" if on_gpu else "iwslt14-sample")
+    epochs = machinery.get_config(preset, **overrides).epochs
+    if on_gpu and hosted and not full:
+        assert epochs == 15 < machinery.get_config(preset).epochs
+    else:
+        assert overrides == {}
+    assert machinery.get_config("iwslt14-small").epochs == 50
+
+
+def test_the_hosted_epochs_are_the_ones_part_4_names():
+    text = " ".join((ROOT / "the_annotated_transformer.py").read_text().split())
+    said = f"so there it trains {machinery.hosted.HOSTED_EPOCHS} (about half an hour"
+    assert said in text.replace("# ", "")

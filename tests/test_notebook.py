@@ -547,8 +547,8 @@ def test_an_example_runs_only_as_the_notebook_and_leaves_no_name(monkeypatch):
 
 
 def test_the_preset_paragraph_and_the_readme_say_what_the_presets_set():
-    # Part 4's paragraph on `multi30k-small`, and the README's "Not faithful: … Eq. 3
-    # scaled and warmed up sooner, clipped gradients, more dropout for IWSLT14"
+    # Part 4's paragraph on `multi30k-small`, the README's "Not faithful: … Eq. 3 scaled
+    # and warmed up sooner, clipped gradients, more dropout for IWSLT14", the Conclusion
     import machinery
 
     cells = jupytext.read(PY).cells
@@ -573,6 +573,9 @@ def test_the_preset_paragraph_and_the_readme_say_what_the_presets_set():
         "Eq. 3 scaled and warmed up sooner, clipped gradients, more dropout for IWSLT14"
     )
     assert squash(said) in readme
+    (end,) = [c.source for c in cells if "## Conclusion" in c.source]
+    said = "Eq. 3's schedule (scaled and warmed up sooner, with clipped gradients"
+    assert squash(said) in squash(end.replace("#", ""))  # the Conclusion names them too
     small = [machinery.get_config(n) for n in ("multi30k-small", "iwslt14-sample")]
     assert all(c.lr_factor < 1 and c.warmup < 4000 and c.clip_grad > 0 for c in small)
     for name in ("iwslt14-sample", "iwslt14-small"):

@@ -263,6 +263,29 @@ def test_the_smoothed_target_is_the_papers_q(eps):
         torch.testing.assert_close(others, torch.full((K - 1,), eps / K))
 
 
+@pytest.mark.parametrize(
+    "preset, V, most", [("copy", 14, 3.0), ("multi30k-small", 8000, 1.05)]
+)
+def test_a_fresh_model_starts_above_an_even_spreads_loss(preset, V, most):
+    """The notebook's and LossWatch's premise: an untrained model's loss per token
+    starts above ln |V| (an even spread over the target vocabulary), and below the
+    ``most`` × ln |V| they name (LossWatch's factor 3 on the copy task; just above
+    ln |V| for a real vocabulary)."""
+    for seed in range(3):
+        torch.manual_seed(seed)
+        model = tat.make_model(V, V, machinery.get_config(preset), attention="readable")
+        rng = random.Random(seed)
+        pairs = [
+            ([BOS] + [rng.randrange(4, V) for _ in range(10)] + [EOS],) * 2
+            for _ in range(16)
+        ]
+        batch = tat.make_batch(pairs, range(16))
+        with torch.no_grad():
+            loss = tat.batch_loss(model.eval(), batch, 0.1).item() / batch.ntokens
+        assert math.log(V) < loss < most * math.log(V)
+    assert most <= machinery.planning.LossWatch.factor
+
+
 def test_loss_sum_is_least_at_q_where_it_equals_the_entropy_of_q():
     K, eps = 6, 0.2
     q = tat.smoothed_target(K, 4, eps).double()
