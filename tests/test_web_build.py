@@ -600,6 +600,29 @@ def test_the_readmes_results_table_is_the_recorded_runs():
             assert machine in past[0].split(" | ")[1], (row, past[0])
 
 
+def test_the_readme_says_how_the_reported_runs_chose_precision_and_attention():
+    """The README's Presets: `multi30k-small` under Results was given bf16 and the
+    readable path; `iwslt14-sample` took bf16 by an earlier rule (its summary has no
+    measured choice, and its history row says "auto: native", the CPU-flag rule)."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    said = (
+        "as `multi30k-small` under Results was (bf16, readable); `iwslt14-sample` "
+        "took bf16 by an earlier rule, from the CPU's flags"
+    )
+    assert said in readme
+    headline = json.loads((ROOT / "results" / build.HEADLINE).read_text())
+    assert headline["auto"] == {"precision": "asked for", "attention": "asked for"}
+    assert (headline["precision"], headline["config"]["attention"]) == (
+        "bf16",
+        "readable",
+    )
+    sample = json.loads((ROOT / "results" / build.SAMPLE).read_text())
+    assert "auto" not in sample and sample["precision"] == "bf16"
+    history = (ROOT / "results" / "README.md").read_text().splitlines()
+    (row,) = [r for r in history if f"{sample['train_minutes']:.1f} training" in r]
+    assert "`iwslt14-sample`" in row and "bf16 (auto: native)" in row
+
+
 def test_every_file_a_result_names_is_in_the_repository():
     """A run summary in ``results/`` that names its curve names a file that exists."""
     named = {
