@@ -325,6 +325,34 @@ def test_pe_at_pos_plus_k_is_a_linear_function_of_pe_at_pos():
 # --- the whole model --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("attention", ["readable", "fast"])
+def test_make_model_starts_from_glorot_uniform_and_unit_layer_norms(attention):
+    """The audit's initialisation: every matrix (projections, the shared embedding,
+    learned positions) Glorot/Xavier uniform for its own shape; biases PyTorch's
+    ``nn.Linear`` default, U(±1/sqrt(fan_in)); layer norms gamma = 1, beta = 0."""
+    torch.manual_seed(0)
+    model = tat.make_model(
+        300, 300, machinery.get_config("multi30k-small"),
+        positional="learned", attention=attention,
+    )  # fmt: skip
+    matrices = [(n, p.detach()) for n, p in model.named_parameters() if p.dim() > 1]
+    names = {n for n, _ in matrices}
+    assert {"src_embed.0.lut.weight", "src_embed.1.weight"} <= names  # + positions
+    assert isinstance(model.src_embed[1], tat.LearnedPositionalEncoding)
+    for name, p in matrices:
+        fan_out, fan_in = p.shape[0], p[0].numel()
+        bound = math.sqrt(6 / (fan_in + fan_out))
+        assert float(p.abs().max()) <= bound, name
+        assert float(p.std()) == pytest.approx(bound / math.sqrt(3), rel=0.1), name
+    for m in model.modules():
+        if isinstance(m, nn.LayerNorm):
+            assert bool((m.weight == 1).all()) and bool((m.bias == 0).all())
+        elif isinstance(m, nn.Linear) and m.bias is not None:
+            bias = m.bias.detach().abs().max()
+            assert 0.5 / math.sqrt(m.in_features) < float(bias)
+            assert float(bias) <= 1 / math.sqrt(m.in_features)
+
+
 def test_weight_sharing_is_one_tensor():
     three_way = tat.make_model(20, 20, TINY)
     w = three_way.generator.proj.weight

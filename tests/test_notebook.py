@@ -581,3 +581,27 @@ def test_the_preset_paragraph_and_the_readme_say_what_the_presets_set():
     for name in ("iwslt14-sample", "iwslt14-small"):
         c = machinery.get_config(name)
         assert c.P_drop > 0.1 or c.attn_dropout > 0 or c.ffn_dropout > 0, name
+
+
+def test_the_readmes_presets_table_is_what_the_presets_set():
+    """Each `key=value` the README's Presets table gives for a preset (and its
+    "(decoder k)", "BPE n") is that preset's setting."""
+    import machinery
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("\n## Presets\n")[1].split("\n## ")[0]
+    checked = 0
+    for row in section.splitlines():
+        names = re.findall(r"`([\w-]+)`", row.split(" | ")[0])
+        if not row.startswith("| `") or not names:
+            continue
+        for name in names:
+            cfg = machinery.get_config(name)
+            for key, value in re.findall(r"(\w+)=(\d+)", row):
+                assert getattr(cfg, key) == int(value), (name, key)
+                checked += 1
+            if m := re.search(r"\(decoder (\d+)\)", row):
+                assert cfg.decoder_layers == int(m[1]) != cfg.N, name
+            if m := re.search(r"BPE ([\d,]+)", row):
+                assert cfg.bpe_size == int(m[1].replace(",", "")), name
+    assert checked >= 12

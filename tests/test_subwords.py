@@ -112,6 +112,22 @@ def test_no_unk_on_the_training_text_and_one_shared_vocabulary(multi30k_bpe):
     )
 
 
+def test_sentencepiece_is_deterministic_the_same_text_gives_the_same_model(mirror):
+    # the notebook: sentencepiece "is fast, deterministic"
+    if not (mirror / "multi30k").is_dir():
+        pytest.skip(f"no Multi30k in the data mirror at {mirror}")
+    text = [
+        line.strip()
+        for name in ("val.de.gz", "val.en.gz")
+        for line in machinery.read_lines(mirror / "multi30k" / name)
+    ]
+    first, again = (tat.Subwords.train(text, 1000) for _ in range(2))
+    assert first.model_proto == again.model_proto
+    assert first.encode(text[:50]) == again.encode(text[:50])
+    other = tat.Subwords.train(text[1:], 1000)  # other text: another model
+    assert other.model_proto != first.model_proto
+
+
 def test_a_rare_compound_is_spelled_with_known_pieces(multi30k_bpe):
     _, data, _ = multi30k_bpe
     word = "Eisenbahnbrückengeländer"
