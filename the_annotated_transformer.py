@@ -61,10 +61,10 @@
 # ## Prelude
 #
 # PyTorch for the model; sentencepiece, spaCy's tokenizers and sacreBLEU for the text;
-# matplotlib for the figures. There is no torchtext here: its development stopped at
-# release 0.18, which only loads against torch 2.3, and the dataset URLs it downloads
-# from are dead. What we needed from it (a vocabulary, batching by length) takes a few
-# dozen lines below.
+# matplotlib for the figures. There is no torchtext here: by its own README, its
+# development stopped at release 0.18 (built for torch 2.3 only), and the dataset URLs
+# it downloads from are dead. What we needed from it (a vocabulary, batching by length)
+# takes a few dozen lines below.
 #
 # `example` runs a cell's demonstration only when this file runs as the notebook, never
 # on import, and leaves none of its names behind. `NOTEBOOK_PROFILE` sizes the examples:
@@ -301,9 +301,9 @@ class Encoder(nn.Module):
 # sub-layer connection is $\mathrm{LayerNorm}(x +
 # \mathrm{Dropout}(\mathrm{Sublayer}(x)))$ — **post-norm**. The widely copied Harvard
 # notebook computes $x + \mathrm{Dropout}(\mathrm{Sublayer}(\mathrm{LayerNorm}(x)))$
-# instead (**pre-norm**), which trains more stably in deep stacks but is not what the
-# paper describes. We implement the paper by default and keep pre-norm as the option
-# `norm_first=True` (the name `torch.nn.Transformer` uses).
+# instead (**pre-norm**), found to train deep stacks more stably (Wang et al. 2019;
+# Xiong et al. 2020) but not what the paper describes. We implement the paper by default
+# and keep pre-norm as the option `norm_first=True` (`torch.nn.Transformer`'s name).
 
 
 # %%
