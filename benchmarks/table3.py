@@ -567,8 +567,10 @@ RULE = (
     "is larger than twice the pooled standard deviation of validation BLEU over the "
     "seeds of every row that has two or more; it then agrees with the paper when it "
     "has the sign of the paper's own difference (its dev BLEU minus the base's 25.8) "
-    "and disagrees otherwise. Within twice that deviation it can't tell, unless the "
-    "paper's difference is 0, which it then agrees with. A (C) variation (the costlier "
+    "and disagrees otherwise. Within twice that deviation it can't tell. A paper's "
+    "difference of at most 0.1 (one step of its table's rounding) is read as no "
+    "change: a variation within twice that deviation then agrees, one beyond it "
+    "disagrees. A (C) variation (the costlier "
     "sizes) runs its second seed only where its first lies within twice that deviation "
     "of the base's mean. A run whose validation loss rises by less than 1 nat per "
     "target token when each pair is given another pair's source has not learnt to "
@@ -577,6 +579,9 @@ RULE = (
     'their scores and reads "fails to train", and while no seed of the base has '
     'trained every row reads "base fails to train".'
 )
+# The paper's Table 3 gives BLEU to 0.1: a difference of one step of that rounding
+# (E's 25.7, "nearly identical results", against the base's 25.8) is no change.
+PAPER_NO_CHANGE = 0.1
 # Below this gap (nats per target token) a run's decoder is a language model of the
 # target side, not a translation model (benchmarks/source_use.py measures it).
 SOURCE_GAP_MIN = 1.0
@@ -612,12 +617,14 @@ def pooled_sd(groups: list[list[float]]) -> Optional[float]:
 def verdict(ours: float, noise: Optional[float], paper: float) -> str:
     """The noise rule (RULE): "agrees", "disagrees" or "can't tell" for a variation
     whose mean differs from the base's by ``ours``, given the pooled seed deviation
-    ``noise`` and the paper's own difference ``paper`` (dev BLEU, Table 3)."""
+    ``noise`` and the paper's own difference ``paper`` (dev BLEU, Table 3), read as no
+    change where it is at most ``PAPER_NO_CHANGE``."""
     if noise is None:
         return "can't tell"
+    none = round(abs(paper), 6) <= PAPER_NO_CHANGE  # 25.7 - 25.8 is -0.100000000001
     if abs(ours) <= 2 * noise:
-        return "agrees" if paper == 0 else "can't tell"
-    if paper == 0:
+        return "agrees" if none else "can't tell"
+    if none:
         return "disagrees"
     return "agrees" if (ours > 0) == (paper > 0) else "disagrees"
 

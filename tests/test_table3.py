@@ -145,6 +145,11 @@ def test_the_noise_rule_on_made_up_numbers():
     assert runner.verdict(-1.5, noise, -0.9) == "can't tell"  # inside 2·sd
     assert runner.verdict(-1.5, noise, 0.0) == "agrees"  # no difference, as the paper
     assert runner.verdict(+2.5, noise, 0.0) == "disagrees"
+    # a paper difference of one rounding step (E: 25.7 against 25.8) is no change
+    assert runner.verdict(-2.5, noise, 25.7 - 25.8) == "disagrees"
+    assert runner.verdict(+0.5, noise, 25.7 - 25.8) == "agrees"
+    assert runner.verdict(-2.5, noise, 25.6 - 25.8) == "agrees"  # two steps: a change
+    assert runner.verdict(+0.5, noise, 25.6 - 25.8) == "can't tell"
     assert runner.verdict(-9.0, None, -0.9) == "can't tell"  # no seed spread known
 
 
