@@ -178,11 +178,41 @@ class Table3:
                 )
         return "".join(f"; {n}" for n in notes)
 
+    def _rate_control(self, s: dict) -> str:
+        """For a learning-rate control (a row that also sets ``lr_factor``): its
+        validation BLEU against the same variation at Eq. 3's own rate, and whether
+        that gap lies beyond the rule's 2·s; "" for any other row."""
+        fields = self._fields(s["variation"])
+        if "lr_factor" not in fields:
+            return ""
+        width = {k: v for k, v in fields.items() if k != "lr_factor"}
+        plain = next(
+            (
+                o
+                for o in self.summary
+                if o is not s and self._fields(o["variation"]) == width
+            ),
+            None,
+        )
+        if plain is None:
+            return ""
+        gap = s["valid_bleu"]["mean"] - plain["valid_bleu"]["mean"]
+        sd, _ = self.noise()
+        beyond = (
+            "" if sd is None else f", {'beyond' if abs(gap) > 2 * sd else 'within'} 2·s"
+        )
+        return (
+            f"; at Eq. 3's own rate ({plain['variation']}) the same model scored "
+            f"{_spread(plain['valid_bleu'])} ({self._seeds(plain)}): the base's peak "
+            f"learning rate moves it by {gap:+.2f}{beyond}"
+        )
+
     def findings(self) -> str:
         """One paragraph per row group: each finished variation's validation BLEU
         against the base's, and the rule's verdict against the paper's difference once
-        the variation has its seeds ("seeds to come" before); a group with no finished
-        row states no finding."""
+        the variation has its seeds ("seeds to come" before), a seed that over-fits,
+        and a learning-rate control's gap to the same width at Eq. 3's rate; a group
+        with no finished row states no finding."""
         base = next((s for s in self.summary if s["variation"] == "base"), None)
         sd, pooled = self.noise()
         out = [
@@ -203,6 +233,7 @@ class Table3:
                 f"{s['paper_diff_bleu']:+.1f}: "
                 + (f"**{s['verdict']}**" if s.get("settled") else "seeds to come")
                 + self._overfits(s["variation"])
+                + self._rate_control(s)
                 for s in rows
             ]
             out.append(

@@ -529,3 +529,32 @@ def test_part_4_says_which_seed_over_fits_from_its_curve():
         "to 7.70 by epoch 4: it over-fits"
     )  # seed 2 ends 3% above its lowest: within the 5%
     assert table._overfits("base") == ""  # 1% above its lowest
+
+
+def test_a_learning_rate_control_is_read_against_its_width_at_eq_3s_rate():
+    from machinery.table3view import Table3
+
+    def summary(variation, bleu, seeds):
+        stat = {"mean": bleu, "sd": None if len(seeds) == 1 else 0.3}
+        return {"variation": variation, "group": "C", "seeds": seeds,
+                "valid_bleu": stat}  # fmt: skip
+
+    rows = [
+        {"name": "C-d128", "fields": {"d_model": 128, "d_k": 16}},
+        {"name": "C-d128-lr", "fields": {"d_model": 128, "d_k": 16, "lr_factor": 0.5}},
+        {"name": "C-N2", "fields": {"N": 2}},
+    ]
+    plain, control = summary("C-d128", 15.5, [1]), summary("C-d128-lr", 40.0, [1, 2])
+    data = {"rows": rows, "summary": [plain, control, summary("C-N2", 39.0, [1])],
+            "noise": {"sd": 0.5, "rows": 4}}  # fmt: skip
+    table = Table3(data, Path("."))
+    assert table._rate_control(control) == (
+        "; at Eq. 3's own rate (C-d128) the same model scored 15.50 (1 seed): the "
+        "base's peak learning rate moves it by +24.50, beyond 2·s"
+    )
+    plain["valid_bleu"]["mean"] = 39.5  # 0.5 apart: inside 2·s = 1.0
+    assert table._rate_control(control).endswith("moves it by +0.50, within 2·s")
+    # a row that does not set lr_factor, or a control without its width: nothing
+    assert table._rate_control(plain) == ""
+    data["summary"].remove(plain)
+    assert table._rate_control(control) == ""
