@@ -53,6 +53,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -883,6 +884,56 @@ def child_env(threads: int) -> dict:
     return env
 
 
+def rows_training(runs: Path) -> int:
+    """How many rows hold their lock in ``runs`` now (this process's own included),
+    whichever runner trains them: a lock held elsewhere refuses a shared one."""
+    held = 0
+    for path in runs.glob("*.lock"):
+        with open(path, "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held += 1
+            else:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    return held
+
+
+class LoadWatch:
+    """While a row trains, look every ``every`` seconds at how many rows train at once
+    (`rows_training`) and at the 1-minute load average: the load its minutes were
+    measured under, which another runner or any other work adds to."""
+
+    def __init__(self, runs: Path, every: float = 30.0):
+        self.runs, self.every = runs, every
+        self.rows, self.loads = [], []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        while True:
+            self.rows.append(rows_training(self.runs))
+            self.loads.append(os.getloadavg()[0])
+            if self._stop.wait(self.every):
+                return
+
+    def __enter__(self) -> "LoadWatch":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def record(self) -> dict:
+        """``concurrent_rows``: the most rows seen training at once (at least this
+        one); ``load_average``: the mean of the load averages seen."""
+        return {
+            "concurrent_rows": max([1, *self.rows]),
+            "load_average": round(sum(self.loads) / len(self.loads), 2),
+        }
+
+
 class Child:
     """The one training process of a Table 3 (§6.2) row; SIGINT/SIGTERM/SIGHUP sent to
     this script are handed on to it once (it saves a checkpoint and stops)."""
@@ -1012,9 +1063,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="print how far every row has got (done, its update, to run) and train "
         "nothing",
-    )
-    p.add_argument(
-        "--worker-of", dest="workers_of", type=int, default=0, help=argparse.SUPPRESS
     )
     args = p.parse_args(argv)
     args.argv = list(argv)  # what a --jobs worker is started with
@@ -1320,11 +1368,12 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
                 continue
             log(f"row {row['name']}: training")
             t0 = time.time()
-            record = run_row(row, base, budget, args.python, runs, options, child)
+            with LoadWatch(runs) as load:
+                record = run_row(row, base, budget, args.python, runs, options, child)
             if record is None:
                 return 130
             record["row_wall_minutes"] = (time.time() - t0) / 60
-            record["concurrent_rows"] = args.workers_of or 1
+            record |= load.record()
             refusal = merge(out, record, base, budget, smoke, order)
         if refusal:
             failed += 1
@@ -1409,7 +1458,7 @@ def run_workers(args, out: Path, runs: Path) -> int:
     """``--jobs N``: N copies of this script, each taking the next row no other holds
     (one thread each); signals are handed on; the worst exit status is returned."""
     base_args = [sys.executable, str(Path(__file__).resolve()), *strip_jobs(args.argv)]
-    base_args += ["--out", str(out), "--runs", str(runs), "--worker-of", str(args.jobs)]
+    base_args += ["--out", str(out), "--runs", str(runs)]
     procs = []
     for _ in range(args.jobs):
         procs.append(subprocess.Popen(base_args, cwd=ROOT))

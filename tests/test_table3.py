@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -558,3 +559,33 @@ def test_a_learning_rate_control_is_read_against_its_width_at_eq_3s_rate():
     assert table._rate_control(plain) == ""
     data["summary"].remove(plain)
     assert table._rate_control(control) == ""
+
+
+def test_a_row_records_the_rows_that_trained_beside_it_whichever_runner_ran_them(
+    tmp_path,
+):
+    runner = load_script(SCRIPT, "table3_runner")
+    (tmp_path / "free.lock").touch()  # a row no one trains
+    with runner.locked(tmp_path / "A-h1.lock"):
+        assert runner.rows_training(tmp_path) == 1
+        other = subprocess.Popen(  # another runner's row, in its own process
+            [sys.executable, "-c", "import fcntl, sys, time\n"
+             f"f = open({str(tmp_path / 'B-dk8.lock')!r}, 'a+')\n"
+             "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True)\n"
+             "time.sleep(60)"],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            assert other.stdout.readline() == "held\n"
+            with runner.LoadWatch(tmp_path, every=0.01) as load:
+                time.sleep(0.1)
+            assert runner.rows_training(tmp_path) == 2
+        finally:
+            other.kill()
+            other.wait()
+    record = load.record()
+    assert record["concurrent_rows"] == 2 and record["load_average"] >= 0
+    assert runner.rows_training(tmp_path) == 0  # probing took no lock for good
+    with runner.LoadWatch(tmp_path, every=60) as alone:  # looked at once, at the start
+        pass
+    assert alone.record()["concurrent_rows"] == 1  # at least the row itself
