@@ -2119,9 +2119,9 @@ if IN_NOTEBOOK:
     display(Markdown(table3.markdown()))
 
 # %% [markdown]
-# Validation perplexity after every epoch of each row, one panel per group, the base's
-# seeds in grey: a variation that learns faster and one that ends better look different
-# here.
+# Validation perplexity after every epoch of each row, one panel per group, a colour
+# per variation (its second seed dashed), the base's seeds in grey: a variation that
+# learns faster and one that ends better look different here.
 
 # %%
 if IN_NOTEBOOK:

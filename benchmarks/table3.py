@@ -820,31 +820,50 @@ def draw(data: dict, out: Path) -> Path:
 
 def draw_curves(data: dict, out: Path) -> Path:
     """Validation perplexity per epoch of every finished row of Table 3 (§6.2), one
-    panel per row group (the base's seeds in grey in each), so that a variation that
-    learns faster can be told from one that ends better."""
+    panel per row group (the base's seeds in grey in each; a colour per variation,
+    its seeds told apart by the line's dashes), so that a variation that learns
+    faster can be told from one that ends better."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    # tab10 without its grey (index 7), which is the base's
+    colours = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7]
+    dashes = {1: "-", 2: "--"}
     done = [r for r in data["rows"] if finished(r) and r.get("curve")]
-    fig, axes = plt.subplots(1, 5, figsize=(15, 3.6), sharey=True)
+    fig, axes = plt.subplots(1, 5, figsize=(15, 3.8), sharey=True)
     for ax, g in zip(axes, "ABCDE"):
+        variations: list[str] = []
         for r in done:
             xs = [c["epoch"] for c in r["curve"]]
             ys = [c["valid_ppl"] for c in r["curve"]]
             if r["group"] == "base":
                 ax.plot(xs, ys, color="0.6", lw=1)
-            elif r["group"] == g:
-                ax.plot(xs, ys, lw=1.2, label=r["name"])
+                continue
+            if r["group"] != g:
+                continue
+            v = r.get("variation", r["name"])
+            first = v not in variations  # one legend entry per variation
+            if first:
+                variations.append(v)
+            ax.plot(
+                xs,
+                ys,
+                lw=1.2,
+                color=colours[variations.index(v) % len(colours)],
+                linestyle=dashes.get(r.get("seed", 1), ":"),
+                label=v if first else None,
+            )
         ax.set_title(f"({g})")
         ax.set_xlabel("epoch")
         ax.set_yscale("log")
-        if any(r["group"] == g for r in done):
-            ax.legend(fontsize=10)
+        if variations:
+            ax.legend(fontsize=8)
         else:
             ax.text(0.5, 0.5, "not yet run", ha="center", transform=ax.transAxes)
     axes[0].set_ylabel("validation perplexity (grey: base)")
+    fig.suptitle("a colour per variation: seed 1 solid, seed 2 dashed", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

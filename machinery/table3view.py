@@ -20,7 +20,8 @@ FIGURES = (
     (
         "table3-curves.png",
         "Validation perplexity after each epoch for every finished Table 3 row, one "
-        "panel per row group, with the base's seeds in grey.",
+        "panel per row group: a colour per variation, its first seed solid and its "
+        "second dashed, with the base's seeds in grey.",
     ),
     (
         "table3.png",

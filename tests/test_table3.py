@@ -589,3 +589,41 @@ def test_a_row_records_the_rows_that_trained_beside_it_whichever_runner_ran_them
     with runner.LoadWatch(tmp_path, every=60) as alone:  # looked at once, at the start
         pass
     assert alone.record()["concurrent_rows"] == 1  # at least the row itself
+
+
+def test_the_curves_give_each_variation_its_own_colour_never_the_bases_grey(
+    tmp_path, monkeypatch
+):
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+
+    runner = load_script(SCRIPT, "table3_runner")
+    names = ["N2", "N4", "d128", "d512", "ff512", "ff2048", "d128-lr", "d512-lr"]
+
+    def row(name, group, seed):
+        curve = [{"epoch": e, "valid_ppl": 10.0 / e} for e in (1, 2, 3)]
+        return {"name": name if seed == 1 else f"{name}-seed{seed}", "seed": seed,
+                "variation": name, "group": group, "status": "done",
+                "valid_bleu": 40.0, "curve": curve}  # fmt: skip
+
+    rows = [row("base", "base", s) for s in (1, 2, 3)]
+    rows += [row(f"C-{n}", "C", s) for n in names for s in (1, 2)]
+    drawn = []
+    monkeypatch.setattr(plt, "close", drawn.append)  # keep the figure to look at
+    runner.draw_curves({"rows": rows}, tmp_path / "curves.png")
+    panel = drawn[0].axes[2]
+    assert panel.get_title() == "(C)"
+    legend = [t.get_text() for t in panel.get_legend().get_texts()]
+    assert legend == [f"C-{n}" for n in names]  # one entry a variation, seeds apart
+    lines = panel.get_lines()
+    base, ours = lines[:3], lines[3:]
+    assert all(to_rgb(line.get_color()) == to_rgb("0.6") for line in base)
+    colours = [to_rgb(line.get_color()) for line in ours]
+    greys = {to_rgb("0.6"), to_rgb(plt.get_cmap("tab10").colors[7])}
+    assert not greys & set(colours)
+    assert len(set(colours)) == len(names)  # eight variations, eight colours
+    for first, second in zip(ours[::2], ours[1::2]):  # seed 1, then its seed 2
+        assert first.get_color() == second.get_color()
+        assert (first.get_linestyle(), second.get_linestyle()) == ("-", "--")
+    monkeypatch.undo()
+    plt.close(drawn[0])
