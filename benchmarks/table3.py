@@ -905,16 +905,11 @@ def child_env(threads: int) -> dict:
 
 def rows_training(runs: Path) -> int:
     """How many rows hold their lock in ``runs`` now (this process's own included),
-    whichever runner trains them: a lock held elsewhere refuses a shared one."""
+    whichever runner trains them: a held lock is one `locked` cannot take at once."""
     held = 0
     for path in runs.glob("*.lock"):
-        with open(path, "a+") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
-                held += 1
-            else:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        with locked(path, wait=False) as free:
+            held += not free
     return held
 
 
