@@ -332,6 +332,23 @@ def test_committed_notebook_carries_outputs_of_a_full_run():
     assert not [o for o in outputs if o.get("output_type") == "error"]
 
 
+def test_committed_notebook_draws_attention_maps_from_a_trained_checkpoint():
+    """The attention section's maps come from a run's checkpoint; re-running the
+    notebook where no run is leaves only its "no checkpoints here" line."""
+    nb = nbformat.read(NB, as_version=4)
+    cell = next(
+        c
+        for c in nb.cells
+        if c.cell_type == "code" and "machinery.attention_maps(" in c.source
+    )
+    outputs = cell.get("outputs", [])
+    text = "".join(o.get("text", "") for o in outputs)
+    assert re.search(r"^maps from checkpoint-\d+\.pt in runs/", text, re.M), text[:200]
+    kinds = [k for o in outputs for k in o.get("data", {})]
+    assert kinds.count("image/png") >= 4
+    assert "application/vnd.attention-maps+json" in kinds
+
+
 MACHINE_PATH = re.compile(
     r"""(?:^|[\s'"(=:])(/[\w.@+-]+/[\w.@+-]+|[A-Za-z]:\\)|shared/""", re.M
 )
