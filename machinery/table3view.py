@@ -67,10 +67,14 @@ class Table3:
             return f"no {self.data['missing']} here: `make table3` writes it"
         done = [r for r in self.data["rows"] if r.get("status") == "done"]
         updates = f"{b['updates']:,} updates" if b.get("updates") else "updates"
+        wide = b.get("wide_threads", b["threads"])
+        wider = (
+            f" ({wide} for a row wider than the base)" if wide != b["threads"] else ""
+        )
         return (
             f"every row: {b['epochs']} epochs of {b['preset']} ({updates}, warm-up "
             f"{b['warmup']:,}), {b['precision']}, {b['attention']} attention, "
-            f"{b['threads']} thread(s), the last checkpoint scored; "
+            f"{b['threads']} thread(s){wider}, the last checkpoint scored; "
             f"{len(done)} of the runs finished"
         )
 

@@ -118,6 +118,18 @@ def test_the_budget_is_the_headline_preset_unchanged():
     assert runner.BUDGET["average_last"] == 0  # §6.2: no checkpoint averaging
 
 
+def test_only_the_rows_wider_than_the_base_train_on_more_threads():
+    runner = load_script(SCRIPT, "table3_runner")
+    base, budget = runner.BASE, runner.BUDGET
+    threads = {
+        r["name"]: runner.row_threads(r, base, budget) for r in runner.table3_rows(base)
+    }
+    wide = {n for n, t in threads.items() if t != budget["threads"]}
+    assert wide == {"C-d512", "C-d512-seed2", "C-d512-lr", "C-d512-lr-seed2"}
+    assert {threads[n] for n in wide} == {budget["wide_threads"]} != {budget["threads"]}
+    assert threads["C-d128"] == threads["base"] == budget["threads"] == 1
+
+
 def test_the_learning_rate_controls_peak_where_the_base_does():
     runner = load_script(SCRIPT, "table3_runner")
     base, lr = runner.BASE, runner.BUDGET["lr_factor"]
@@ -272,6 +284,12 @@ def test_a_row_with_another_budget_is_not_merged(smoke, tmp_path):
     stray = dict(data["rows"][0], name="A-h4", settings_differ={
         "warmup": {"asked": 200, "ran": 400}})  # fmt: skip
     assert "warmup asked 200, ran 400" in runner.merge(out, stray, *args)
+    stray = dict(data["rows"][0], name="A-h4")
+    stray["provenance"] = dict(stray["provenance"], threads=2)  # its own count is 1
+    assert "ran on 2 thread(s), its budget 1" in runner.merge(out, stray, *args)
+    wide = dict(stray, name="C-d128", fields={"d_model": 128, "d_k": 32})
+    wide["provenance"] = dict(stray["provenance"], threads=1)  # a wide row's is 2
+    assert "ran on 1 thread(s), its budget 2" in runner.merge(out, wide, *args)
     assert out.read_bytes() == before
 
 
@@ -381,6 +399,7 @@ def test_part_4_shows_the_file_as_a_table_and_claims_nothing_unmeasured(smoke):
     for name in ("base", "A-h1", "B-dk4", "E-learned"):  # trained: our numbers
         assert "not yet run" not in body[name]
     assert "not yet run" in body["C-N3"]  # the paper's columns only
+    assert "1 thread(s) (2 for a row wider than the base)" in table.budget_line
     findings = table.findings()
     # groups (C) and (D) have no finished row: no finding, only that fact
     for g in "CD":
