@@ -35,9 +35,10 @@ Writes ``results/table3.json`` (atomically, under a lock, after every row) and
 ``results/table3.png``; each row's run directory keeps its ``valid_bleu.json`` and
 ``source_use.json``. A row already in the JSON is skipped; a row that was
 interrupted continues from the checkpoints in its run directory; a row another worker
-holds (its lock file) is left to it. The file records one budget (updates, warm-up,
-lr_factor, batch size, precision, attention, threads) and refuses a row trained with
-another, or on another thread count than its own.
+holds (its lock file) is left to it; a row wider than the base starts only while no
+other row trains, and no other row starts while it does. The file records one budget
+(updates, warm-up, lr_factor, batch size, precision, attention, threads) and refuses a
+row trained with another, or on another thread count than its own.
 """
 
 from __future__ import annotations
@@ -916,14 +917,32 @@ def child_env(threads: int) -> dict:
     return env
 
 
-def rows_training(runs: Path) -> int:
-    """How many rows hold their lock in ``runs`` now (this process's own included),
+def rows_held(runs: Path) -> list[str]:
+    """The rows whose lock in ``runs`` is held now (this process's own included),
     whichever runner trains them: a held lock is one `locked` cannot take at once."""
-    held = 0
-    for path in runs.glob("*.lock"):
+    held = []
+    for path in sorted(runs.glob("*.lock")):
         with locked(path, wait=False) as free:
-            held += not free
+            if not free:
+                held.append(path.stem)
     return held
+
+
+def rows_training(runs: Path) -> int:
+    """How many rows train in ``runs`` now (this process's own included)."""
+    return len(rows_held(runs))
+
+
+def alone_problem(name: str, held: list[str], wide: set[str]) -> Optional[str]:
+    """Why row ``name`` cannot start while the rows ``held`` train, or None: a row of
+    ``wide`` (wider than the base, on more threads) takes the machine's cores alone,
+    so it waits for every other row, and every other row waits for it."""
+    others = [n for n in held if n != name]
+    if name in wide and others:
+        return f"it trains alone on its threads, and {', '.join(others)} is training"
+    if busy := [n for n in others if n in wide]:
+        return f"{busy[0]} is training alone on its threads"
+    return None
 
 
 class LoadWatch:
@@ -1045,8 +1064,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=int,
         default=1,
         help="rows trained at once, each in its own worker with one thread "
-        "(default 1; 2 on two cores; a row wider than the base takes two threads: "
-        "train it alone)",
+        "(default 1; 2 on two cores); a row wider than the base trains alone, on "
+        "two threads, and is left for later while another row trains",
     )
     p.add_argument(
         "--smoke",
@@ -1362,6 +1381,7 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
         budget = budget | {"epochs": args.epochs}
     rows = table3_rows(base, budget["lr_factor"])
     order = [r["name"] for r in rows]
+    wide = {r["name"] for r in rows if row_threads(r, base, budget) > budget["threads"]}
     if smoke and not args.rows:
         rows = [r for r in rows if r["name"] in SMOKE_ROWS]
     rows = select(rows, args.rows)
@@ -1384,7 +1404,7 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
     if args.jobs > 1:
         return run_workers(args, out, runs)
     options = program_options(args.python, PROGRAM)
-    child, failed = Child(), 0
+    child, failed, later = Child(), 0, []
     held = {r["name"] for r in data["rows"] if finished(r)}
     todo = [r for r in rows if r["name"] not in held]
     log(
@@ -1403,6 +1423,11 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
             why = needless(row, data)
             if why:
                 log(f"row {row['name']}: not run: {why}")
+                continue
+            why = alone_problem(row["name"], rows_held(runs), wide)
+            if why:
+                log(f"row {row['name']}: not started: {why}")
+                later.append(row["name"])
                 continue
             log(f"row {row['name']}: training")
             t0 = time.time()
@@ -1425,6 +1450,11 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
         else:
             failed += record["status"] == "failed"
             log(f"row {row['name']}: {record['status']}: {record['error']}")
+    if later:
+        log(
+            f"left for later: {', '.join(later)}; a row wider than the base trains "
+            f"alone: `--rows {','.join(later)}` once no other row trains"
+        )
     log(f"results in {out}")
     return 1 if failed else 0
 

@@ -646,3 +646,30 @@ def test_the_curves_give_each_variation_its_own_colour_never_the_bases_grey(
         assert (first.get_linestyle(), second.get_linestyle()) == ("-", "--")
     monkeypatch.undo()
     plt.close(drawn[0])
+
+
+def test_a_row_wider_than_the_base_trains_alone():
+    runner = load_script(SCRIPT, "table3_runner")
+    wide = {"C-d512", "C-d512-lr"}
+    assert runner.alone_problem("C-d512", ["C-d512"], wide) is None  # itself only
+    assert "A-h1 is training" in runner.alone_problem(
+        "C-d512", ["A-h1", "C-d512"], wide
+    )
+    assert "C-d512-lr is training alone" in runner.alone_problem(
+        "A-h1", ["A-h1", "C-d512-lr"], wide
+    )
+    assert runner.alone_problem("A-h1", ["A-h1", "B-dk8"], wide) is None  # two narrow
+
+
+def test_the_runner_leaves_a_row_for_later_while_a_wide_row_trains(tmp_path):
+    out = tmp_path / "table3.json"
+    runs = tmp_path / "table3-runs"  # --smoke's rows, next to --out
+    runs.mkdir()
+    with load_script(SCRIPT, "table3_runner").locked(runs / "C-d128.lock"):
+        result = run(out, "--rows", "A-h1")  # C-d128 is wider than the smoke base
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = result.stdout + result.stderr
+    assert "row A-h1: not started: C-d128 is training alone on its threads" in said
+    assert "left for later: A-h1" in said
+    assert "device:" not in said  # no training run started
+    assert not (runs / "A-h1").exists()
