@@ -939,7 +939,10 @@ def alone_problem(name: str, held: list[str], wide: set[str]) -> Optional[str]:
     so it waits for every other row, and every other row waits for it."""
     others = [n for n in held if n != name]
     if name in wide and others:
-        return f"it trains alone on its threads, and {', '.join(others)} is training"
+        verb = "is" if len(others) == 1 else "are"
+        return (
+            f"it trains alone on its threads, and {', '.join(others)} {verb} training"
+        )
     if busy := [n for n in others if n in wide]:
         return f"{busy[0]} is training alone on its threads"
     return None
