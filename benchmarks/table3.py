@@ -1391,7 +1391,7 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
     with locked(out.with_name(out.name + ".lock")):
         data = read_table(out, base, budget, smoke)  # refuses another budget first
         if args.status:
-            print("\n".join(progress(data, rows, runs)))
+            print("\n".join(progress(data, rows, runs, wide)))
             return 0
         if not args.refresh and not out.is_file():
             write_json(out, data)
@@ -1493,9 +1493,10 @@ def last_update(run_dir: Path) -> int:
     return max(steps)
 
 
-def progress(data: dict, rows: list[dict], runs: Path) -> list[str]:
+def progress(data: dict, rows: list[dict], runs: Path, wide=frozenset()) -> list[str]:
     """One line per row of Table 3 (§6.2) in run order — done (with its scores), how
-    far it has got, not needed (one seed settles it) or to run — then the counts."""
+    far it has got, not needed (one seed settles it) or to run (alone, if ``wide``
+    names it) — then the counts."""
     done = {r["name"]: r for r in data["rows"] if finished(r)}
     updates = (data.get("budget") or {}).get("updates")
     counts = {"done": 0, "started": 0, "not needed": 0, "to run": 0}
@@ -1516,7 +1517,10 @@ def progress(data: dict, rows: list[dict], runs: Path) -> list[str]:
         elif why := needless(row, data):
             state, what = "not needed", why
         else:
-            state, what = "to run", ""
+            state = "to run"
+            what = (
+                "alone, on more threads (wider than the base)" if name in wide else ""
+            )
         counts[state] += 1
         lines.append(f"{name:<16} {state:<10} {what}".rstrip())
     lines.append(

@@ -373,6 +373,7 @@ def test_the_status_says_how_far_each_row_has_got_and_writes_nothing(smoke, tmp_
     assert lines["base"][:3] == ["done", "valid", "BLEU"]
     assert lines["A-h1-seed2"] == ["started", "update", "4", "of", "5"]
     assert lines["B-dk4-seed2"] == ["to", "run"]
+    assert " ".join(lines["C-d128"]).startswith("to run alone, on more threads")
     runner = load_script(SCRIPT, "table3_runner")
     planned = len(runner.table3_rows(runner.SMOKE_BASE))
     assert result.stdout.splitlines()[-1] == (
