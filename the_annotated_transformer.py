@@ -2099,18 +2099,19 @@ if IN_NOTEBOOK:
 #
 # The same variations of our base, `multi30k-small` ($N=3$, $d_{model}=256$,
 # $d_{ff}=1024$, $h=8$, $d_k=32$, $P_{drop}=0.1$, $\epsilon_{ls}=0.1$). Every row trains
-# the preset's whole schedule (15 epochs; same seed, same batches), so the base row is
-# the Multi30k run above trained again, in float32 with the fused attention path on one
-# thread; its last checkpoint is scored (no averaging), with beam search, on the
-# validation set (our development set) and on the test set. Every variation runs two
-# seeds (a costly (C) size one where that is beyond the noise), the base three; each is
-# read against the base by one rule, printed with the table. Two more rows hold Eq. 3's
-# learning rate apart from the width: it scales the rate by $d_{model}^{-0.5}$, so
-# C-d128 and C-d512 also train at 1.41× and 0.71× the base's rate; C-d128-lr and
-# C-d512-lr scale `lr_factor` so that their peak is the base's. The paper's figures are
-# newstest2013 EN→DE with 4.5M training pairs; ours are Multi30k DE→EN with 29k, so only
-# the direction of each change compares. `make table3` trains the rows (`--jobs 2`: two
-# at once) and resumes; this notebook only reads `results/table3.json`.
+# the preset's whole schedule (15 epochs; rows of one seed see the same batches), so the
+# base row is the Multi30k run above trained again, in float32 with the fused attention
+# path on one thread (two for a row wider than the base); its last checkpoint is scored
+# (no averaging), with beam search, on the validation set (our development set) and on
+# the test set. Every variation runs two seeds (a costly (C) size one where that is
+# beyond the noise), the base three; each is read against the base by one rule, printed
+# with the table. Two more rows hold Eq. 3's learning rate apart from the width: it
+# scales the rate by $d_{model}^{-0.5}$, so C-d128 and C-d512 also train at 1.41× and
+# 0.71× the base's rate; C-d128-lr and C-d512-lr scale `lr_factor` so that their peak is
+# the base's. The paper's figures are newstest2013 EN→DE with 4.5M training pairs; ours
+# are Multi30k DE→EN with 29k, so only the direction of each change compares.
+# `make table3` trains the rows (`--jobs 2`: two at once) and resumes; this notebook
+# only reads `results/table3.json`.
 
 # %%
 if IN_NOTEBOOK:
@@ -2264,8 +2265,8 @@ if IN_NOTEBOOK:
 # %% [markdown]
 # On IWSLT14 the sample is the point: published systems reach 34.5–35.6 BLEU with all
 # 160,239 training pairs, while our CPU run sees the 8,746-pair sample, a low-resource
-# setting in which the same architecture scores far lower (the row above). On a GPU the
-# cell above trains `iwslt14-small`, the full recipe, instead.
+# setting in which a smaller model of the same design scores far lower (the row above).
+# On a GPU the cell above trains `iwslt14-small`, the full recipe, instead.
 #
 # ## Conclusion
 #

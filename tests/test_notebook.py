@@ -587,9 +587,28 @@ def test_the_preset_paragraph_and_the_readme_say_what_the_presets_set():
         assert squash(said) in text, said
     readme = squash((ROOT / "README.md").read_text())
     said = (
-        "Eq. 3 scaled and warmed up sooner, clipped gradients, more dropout for IWSLT14"
+        "Eq. 3 scaled and warmed up sooner, clipped gradients, more dropout for IWSLT14; "
+        "for IWSLT14 also AdamW's weight decay (`iwslt14-small`), label smoothing 0.2 "
+        "and a two-layer decoder (`iwslt14-sample`)."
     )
     assert squash(said) in readme
+    # and that list is whole: every recipe field a preset sets apart from the paper's
+    # base is one it names, for the presets it names it for
+    paper = machinery.get_config("base")
+    named = {
+        "multi30k-small": {"lr_factor", "warmup", "clip_grad"},
+        "iwslt14-sample": {"lr_factor", "warmup", "clip_grad", "ffn_dropout"}
+        | {"attn_dropout", "eps_ls", "N_dec"},
+        "iwslt14-small": {"lr_factor", "P_drop", "weight_decay"},
+    }
+    recipe = ("lr_factor", "warmup", "clip_grad", "P_drop", "ffn_dropout")
+    recipe += ("attn_dropout", "weight_decay", "eps_ls", "N_dec", "betas", "adam_eps")
+    for name, fields in named.items():
+        c = machinery.get_config(name)
+        apart = {f for f in recipe if getattr(c, f) != getattr(paper, f)}
+        assert apart == fields, (name, apart ^ fields)
+    sample = machinery.get_config("iwslt14-sample")
+    assert sample.eps_ls == 0.2 and sample.N_dec == 2
     (end,) = [c.source for c in cells if "## Conclusion" in c.source]
     said = "Eq. 3's schedule (scaled and warmed up sooner, with clipped gradients"
     assert squash(said) in squash(end.replace("#", ""))  # the Conclusion names them too
