@@ -36,7 +36,8 @@ Writes ``results/table3.json`` (atomically, under a lock, after every row) and
 ``source_use.json``. A row already in the JSON is skipped; a row that was
 interrupted continues from the checkpoints in its run directory; a row another worker
 holds (its lock file) is left to it; a row wider than the base starts only while no
-other row trains, and no other row starts while it does. The file records one budget
+other row trains, and no other row starts while it does (``--jobs N`` trains the wide
+rows its workers left for later at its end). The file records one budget
 (updates, warm-up, lr_factor, batch size, precision, attention, threads) and refuses a
 row trained with another, or on another thread count than its own.
 """
@@ -1068,7 +1069,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=1,
         help="rows trained at once, each in its own worker with one thread "
         "(default 1; 2 on two cores); a row wider than the base trains alone, on "
-        "two threads, and is left for later while another row trains",
+        "two threads: a worker leaves it for later while another row trains, and "
+        "the job trains the rows so left at its end, one after another",
     )
     p.add_argument(
         "--smoke",
@@ -1405,7 +1407,12 @@ def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool
         log(f"{out}: summary, noise and figures rewritten from its rows")
         return 0
     if args.jobs > 1:
-        return run_workers(args, out, runs)
+
+        def untried_wide() -> list[str]:
+            with locked(out.with_name(out.name + ".lock")):
+                return wide_left(read_table(out, base, budget, smoke), rows, wide)
+
+        return run_workers(args, out, runs, untried_wide)
     options = program_options(args.python, PROGRAM)
     child, failed, later = Child(), 0, []
     held = {r["name"] for r in data["rows"] if finished(r)}
@@ -1529,17 +1536,32 @@ def progress(data: dict, rows: list[dict], runs: Path, wide=frozenset()) -> list
     return lines
 
 
-def run_workers(args, out: Path, runs: Path) -> int:
+def wide_left(data: dict, rows: list[dict], wide: set[str]) -> list[str]:
+    """The rows of ``rows`` wider than the base (``wide``) that Table 3's file ``data``
+    (§6.2) holds no record of, finished or failed, and that still need a run."""
+    tried = {r["name"] for r in data["rows"]}
+    return [
+        r["name"]
+        for r in rows
+        if r["name"] in wide and r["name"] not in tried and not needless(r, data)
+    ]
+
+
+def run_workers(args, out: Path, runs: Path, untried_wide) -> int:
     """``--jobs N``: N copies of this script, each taking the next row no other holds
-    (one thread each); signals are handed on; the worst exit status is returned."""
+    (one thread each); then, unless stopped by a signal, one more copy for the rows
+    wider than the base that every worker left for later (``untried_wide()`` names
+    them), which it trains alone, one after another. Signals are handed on; the worst
+    exit status is returned."""
     base_args = [sys.executable, str(Path(__file__).resolve()), *strip_jobs(args.argv)]
     base_args += ["--out", str(out), "--runs", str(runs)]
-    procs = []
+    procs, stopped = [], []
     for _ in range(args.jobs):
         procs.append(subprocess.Popen(base_args, cwd=ROOT))
         time.sleep(2)  # the first takes the first row's lock before the next looks
 
     def forward(signum, frame):
+        stopped.append(signum)
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signum)
@@ -1547,6 +1569,10 @@ def run_workers(args, out: Path, runs: Path) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
     codes = [p.wait() for p in procs]
+    if not stopped and (left := untried_wide()):
+        log(f"the rows wider than the base, alone now: {', '.join(left)}")
+        procs.append(subprocess.Popen(base_args + ["--rows", ",".join(left)], cwd=ROOT))
+        codes.append(procs[-1].wait())
     return max(codes)
 
 

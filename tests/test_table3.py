@@ -662,6 +662,48 @@ def test_a_row_wider_than_the_base_trains_alone():
     assert runner.alone_problem("A-h1", ["A-h1", "B-dk8"], wide) is None  # two narrow
 
 
+def test_a_job_trains_the_wide_rows_its_workers_left_at_its_end(monkeypatch):
+    runner = load_script(SCRIPT, "table3_runner")
+    plan = runner.table3_rows(runner.BASE)
+    wide = {
+        r["name"] for r in plan if runner.row_threads(r, runner.BASE, runner.BUDGET) > 1
+    }
+    base = [{"name": n, "variation": "base", "group": "base", "seed": s,
+             "status": "done", "valid_bleu": b, "valid_ppl": 5.0, "bleu": b,
+             "params": 10, "paper": runner.paper_values(plan[0]["paper_row"])}
+            for n, s, b in (("base", 1, 40.0), ("base-seed2", 2, 41.0))]  # fmt: skip
+    data = {"rows": base + [{"name": "C-d512-lr", "status": "failed"}]}
+    # a failed row is not tried again unasked; a second seed is left with its first
+    want = ["C-d512", "C-d512-seed2", "C-d512-lr-seed2"]
+    assert runner.wide_left(data, plan, wide) == want
+    c_d512 = dict(base[0], name="C-d512", variation="C-d512", group="C")
+    data["rows"].append(c_d512 | {"valid_bleu": 30.0, "bleu": 30.0})
+    assert runner.wide_left(data, plan, wide) == ["C-d512-lr-seed2"]  # −10.5: settled
+    assert runner.wide_left(data, plan[:5], wide) == []  # none of these is wide
+
+    started = []
+
+    class Worker:
+        def __init__(self, args, cwd):
+            started.append(args)
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(runner.subprocess, "Popen", Worker)
+    monkeypatch.setattr(runner.time, "sleep", lambda s: None)
+    monkeypatch.setattr(runner.signal, "signal", lambda *a: None)  # pytest's kept
+    args = runner.parse_args(["--jobs", "2", "--rows", "C"])
+    out, runs = Path("t.json"), Path("runs")
+    assert runner.run_workers(args, out, runs, lambda: ["C-d512", "C-d512-lr"]) == 0
+    assert len(started) == 3  # two workers, then one for the rows they left
+    assert started[0] == started[1] and "--jobs" not in started[0]
+    assert started[2] == started[0] + ["--rows", "C-d512,C-d512-lr"]
+    started.clear()
+    assert runner.run_workers(args, out, runs, lambda: []) == 0
+    assert len(started) == 2  # nothing left: no third
+
+
 def test_the_runner_leaves_a_row_for_later_while_a_wide_row_trains(tmp_path):
     out = tmp_path / "table3.json"
     runs = tmp_path / "table3-runs"  # --smoke's rows, next to --out
