@@ -920,7 +920,8 @@ def child_env(threads: int) -> dict:
 
 def rows_held(runs: Path) -> list[str]:
     """The rows whose lock in ``runs`` is held now (this process's own included),
-    whichever runner trains them: a held lock is one `locked` cannot take at once."""
+    whichever runner trains them: a held lock is one `locked` cannot take within its
+    grace."""
     held = []
     for path in sorted(runs.glob("*.lock")):
         with locked(path, wait=False) as free:
@@ -1165,16 +1166,24 @@ def same_budget(a: dict, b: dict) -> bool:
 
 
 @contextlib.contextmanager
-def locked(path: Path, wait: bool = True):
-    """Hold an exclusive lock on ``path`` (made if missing): yields whether it was got
-    (without ``wait``, False when another process holds it)."""
+def locked(path: Path, wait: bool = True, grace: float = 0.5):
+    """Hold an exclusive lock on ``path`` (made if missing): yields whether it was got.
+    Without ``wait``, False when another process holds it for longer than ``grace``
+    seconds: a row's lock is held for the hours it trains, while a runner that looks
+    which rows train (`rows_held`) holds each lock for an instant, which must not make
+    a runner that asks for that row in the same instant pass it by."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
+        give_up = time.monotonic() + grace
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+                break
+            except BlockingIOError:
+                if time.monotonic() >= give_up:
+                    yield False
+                    return
+                time.sleep(0.02)
         try:
             yield True
         finally:

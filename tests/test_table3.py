@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -579,6 +580,35 @@ def test_a_learning_rate_control_is_read_against_its_width_at_eq_3s_rate():
     assert table._rate_control(plain) == ""
     data["summary"].remove(plain)
     assert table._rate_control(control) == ""
+
+
+def test_a_lock_held_for_an_instant_is_not_a_row_another_runner_trains(tmp_path):
+    runner = load_script(SCRIPT, "table3_runner")
+    path = tmp_path / "A-h1.lock"
+    other = subprocess.Popen(  # another runner looking at the row: it lets go
+        [sys.executable, "-c", "import fcntl, sys\n"
+         f"f = open({str(path)!r}, 'a+')\n"
+         "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True)\n"
+         "sys.stdin.readline(); fcntl.flock(f, fcntl.LOCK_UN); sys.stdin.readline()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert other.stdout.readline() == "held\n"
+        with runner.locked(path, wait=False, grace=0) as mine:
+            assert not mine  # held now, and no grace
+
+        def release():
+            other.stdin.write("\n")
+            other.stdin.flush()
+
+        let_go = threading.Timer(0.2, release)
+        let_go.start()
+        with runner.locked(path, wait=False, grace=30) as mine:
+            assert mine  # held for an instant only: the row is got, not passed by
+        let_go.join()
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_a_row_records_the_rows_that_trained_beside_it_whichever_runner_ran_them(
