@@ -16,6 +16,9 @@ GROUPS = "ABCDE"
 # A seed whose last validation perplexity lies more than 5% above its lowest has
 # over-fitted (the base's seeds end within 1.3% of theirs).
 OVERFIT = 1.05
+# A seed whose validation perplexity fell by more than 10% over its last three epochs
+# was still learning when its schedule ended (the base's seeds fell by 1.7-5.0%).
+STILL_LEARNING = 0.90
 FIGURES = (
     (
         "table3-curves.png",
@@ -183,6 +186,27 @@ class Table3:
                 )
         return "".join(f"; {n}" for n in notes)
 
+    def _still_learning(self, variation: str) -> str:
+        """Each seed of ``variation`` whose validation perplexity fell below
+        ``STILL_LEARNING`` times its value three epochs before the end: the schedule
+        ended while it still learned, so its score is that of an unfinished run; ""
+        where none did."""
+        notes = []
+        for r in self.data["rows"]:
+            curve = r.get("curve") or []
+            if r.get("variation", r["name"]) != variation or len(curve) < 4:
+                continue
+            before, end = curve[-4], curve[-1]
+            if end["valid_ppl"] < STILL_LEARNING * before["valid_ppl"]:
+                fell = 1 - end["valid_ppl"] / before["valid_ppl"]
+                notes.append(
+                    f"seed {r.get('seed', 1)}'s validation perplexity still fell "
+                    f"{fell:.0%} over its last three epochs ({before['valid_ppl']:.2f} "
+                    f"after epoch {before['epoch']}, {end['valid_ppl']:.2f} after "
+                    f"{end['epoch']}): it was still learning when its schedule ended"
+                )
+        return "".join(f"; {n}" for n in notes)
+
     def _rate_control(self, s: dict) -> str:
         """For a learning-rate control (a row that also sets ``lr_factor``): its
         validation BLEU against the same variation at Eq. 3's own rate, and whether
@@ -215,9 +239,9 @@ class Table3:
     def findings(self) -> str:
         """One paragraph per row group: each finished variation's validation BLEU
         against the base's, and the rule's verdict against the paper's difference once
-        the variation has its seeds ("seeds to come" before), a seed that over-fits,
-        and a learning-rate control's gap to the same width at Eq. 3's rate; a group
-        with no finished row states no finding."""
+        the variation has its seeds ("seeds to come" before), a seed that over-fits
+        or was still learning at the end, and a learning-rate control's gap to the
+        same width at Eq. 3's rate; a group with no finished row states no finding."""
         base = next((s for s in self.summary if s["variation"] == "base"), None)
         sd, pooled = self.noise()
         out = [
@@ -238,6 +262,7 @@ class Table3:
                 f"{s['paper_diff_bleu']:+.1f}: "
                 + (f"**{s['verdict']}**" if s.get("settled") else "seeds to come")
                 + self._overfits(s["variation"])
+                + self._still_learning(s["variation"])
                 + self._rate_control(s)
                 for s in rows
             ]

@@ -553,6 +553,30 @@ def test_part_4_says_which_seed_over_fits_from_its_curve():
     assert table._overfits("base") == ""  # 1% above its lowest
 
 
+def test_part_4_says_which_seed_was_still_learning_when_its_schedule_ended():
+    from machinery.table3view import Table3
+
+    def row(name, variation, seed, ppls):
+        curve = [{"epoch": e + 1, "valid_ppl": p} for e, p in enumerate(ppls)]
+        return {"name": name, "variation": variation, "seed": seed, "curve": curve}
+
+    table = Table3(
+        {"rows": [row("C-N4", "C-N4", 1, [40.0, 20.0, 13.0, 12.5, 12.0, 11.5]),
+                  row("C-N4-seed2", "C-N4", 2, [40.0, 20.0, 6.0, 5.8, 5.7, 5.5]),
+                  row("base", "base", 1, [9.0, 5.7, 5.6, 5.5, 5.45, 5.42]),
+                  row("A-h1", "A-h1", 1, [30.0, 20.0, 12.0])]},
+        Path("."),
+    )  # fmt: skip
+    assert table._still_learning("C-N4") == (
+        "; seed 1's validation perplexity still fell 12% over its last three epochs "
+        "(13.00 after epoch 3, 11.50 after 6): it was still learning when its "
+        "schedule ended"
+    )  # seed 2 fell 8%: within the 10%
+    assert table._still_learning("base") == ""  # 5% over its last three epochs
+    assert table._still_learning("A-h1") == ""  # too short a curve to say
+    assert "it was still learning" not in table._overfits("C-N4")
+
+
 def test_a_learning_rate_control_is_read_against_its_width_at_eq_3s_rate():
     from machinery.table3view import Table3
 
