@@ -346,6 +346,19 @@ def test_part_4_shows_table_3_as_results_holds_it_now():
     assert findings == [table3.findings()]
 
 
+def test_part_4_states_the_thresholds_its_table_3_paragraphs_apply():
+    from machinery.table3view import OVERFIT, STILL_LEARNING
+
+    prose = next(
+        text
+        for c in jupytext.read(PY).cells
+        if c.cell_type == "markdown"
+        and "(it over-fits)" in (text := " ".join(c.source.split()))
+    )
+    assert f"ending more than {OVERFIT - 1:.0%} above its lowest" in prose
+    assert f"by more than {1 - STILL_LEARNING:.0%} over its last three epochs" in prose
+
+
 def test_committed_notebook_carries_outputs_of_a_full_run():
     nb = nbformat.read(NB, as_version=4)
     outputs = [
