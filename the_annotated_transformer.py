@@ -2130,10 +2130,9 @@ if IN_NOTEBOOK:
         display(Image(filename=figure), metadata={"image/png": {"alt": alt}})
 
 # %% [markdown]
-# What §6.2 says of each group, and what our rows say by the rule above. Each paragraph
-# also names a seed whose curve rose again, ending more than 5% above its lowest (it
-# over-fits), or still fell by more than 10% over its last three epochs (it was still
-# learning when its schedule ended, so its score is that of an unfinished run).
+# What §6.2 says of each group, and what our rows say by the rule above, naming a seed
+# that ends more than 5% above its lowest (it over-fits) or fell by more than 10% over
+# its last three epochs (it was still learning when its schedule ended):
 #
 # **(A)** "While single-head attention is 0.9 BLEU worse than the best setting, quality
 # also drops off with too many heads." (§6.2)

@@ -355,7 +355,7 @@ def test_part_4_states_the_thresholds_its_table_3_paragraphs_apply():
         if c.cell_type == "markdown"
         and "(it over-fits)" in (text := " ".join(c.source.split()))
     )
-    assert f"ending more than {OVERFIT - 1:.0%} above its lowest" in prose
+    assert f"ends more than {OVERFIT - 1:.0%} above its lowest" in prose
     assert f"by more than {1 - STILL_LEARNING:.0%} over its last three epochs" in prose
 
 
