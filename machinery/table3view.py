@@ -167,19 +167,24 @@ class Table3:
                     text += f", the base's {_spread(base['source_gap'])}"
         return text
 
+    def _curves(self, variation: str) -> list[tuple[int, list]]:
+        """(seed, validation curve) of each seed of ``variation`` that has a curve."""
+        return [
+            (r.get("seed", 1), r["curve"])
+            for r in self.data["rows"]
+            if r.get("variation", r["name"]) == variation and r.get("curve")
+        ]
+
     def _overfits(self, variation: str) -> str:
         """Each seed of ``variation`` whose validation perplexity ended more than
         ``OVERFIT`` above its lowest (its curve rose again: over-fitting), with the
         epoch of the lowest; "" where none did."""
         notes = []
-        for r in self.data["rows"]:
-            curve = r.get("curve") or []
-            if r.get("variation", r["name"]) != variation or not curve:
-                continue
+        for seed, curve in self._curves(variation):
             low = min(curve, key=lambda c: c["valid_ppl"])
             if curve[-1]["valid_ppl"] > OVERFIT * low["valid_ppl"]:
                 notes.append(
-                    f"seed {r.get('seed', 1)}'s validation perplexity was lowest after "
+                    f"seed {seed}'s validation perplexity was lowest after "
                     f"epoch {low['epoch']} ({low['valid_ppl']:.2f}) and rose to "
                     f"{curve[-1]['valid_ppl']:.2f} by epoch {curve[-1]['epoch']}: it "
                     "over-fits"
@@ -190,17 +195,16 @@ class Table3:
         """Each seed of ``variation`` whose validation perplexity fell below
         ``STILL_LEARNING`` times its value three epochs before the end: the schedule
         ended while it still learned, so its score is that of an unfinished run; ""
-        where none did."""
+        where none did (or its curve is too short to say)."""
         notes = []
-        for r in self.data["rows"]:
-            curve = r.get("curve") or []
-            if r.get("variation", r["name"]) != variation or len(curve) < 4:
+        for seed, curve in self._curves(variation):
+            if len(curve) < 4:
                 continue
             before, end = curve[-4], curve[-1]
             if end["valid_ppl"] < STILL_LEARNING * before["valid_ppl"]:
                 fell = 1 - end["valid_ppl"] / before["valid_ppl"]
                 notes.append(
-                    f"seed {r.get('seed', 1)}'s validation perplexity still fell "
+                    f"seed {seed}'s validation perplexity still fell "
                     f"{fell:.0%} over its last three epochs ({before['valid_ppl']:.2f} "
                     f"after epoch {before['epoch']}, {end['valid_ppl']:.2f} after "
                     f"{end['epoch']}): it was still learning when its schedule ended"
