@@ -2276,7 +2276,7 @@ if IN_NOTEBOOK:
 # up sooner, with clipped gradients, as the preset says), label smoothing and §6.1's
 # beam search translate Multi30k on a CPU to the Results table's BLEU. Table 3's
 # findings at this scale are its paragraphs above, each by the stated rule once a
-# variation has its seeds; a group not yet measured at the full budget makes no claim.
+# variation has its seeds; what is not yet measured at the full budget makes no claim.
 #
 # ## Citation
 #

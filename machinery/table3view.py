@@ -2,8 +2,8 @@
 (written by ``benchmarks/table3.py``), never trained here (our addition).
 
 `read_table3` gives the table as Markdown (our rows beside the paper's), its figures,
-and one paragraph per row group with the noise rule's verdicts — or "not yet measured
-at the full budget" for a group none of whose rows has finished.
+and one paragraph per row group with the noise rule's verdicts and the variations "not
+yet measured at the full budget" — all the group says where none has finished.
 """
 
 from __future__ import annotations
@@ -245,7 +245,9 @@ class Table3:
         against the base's, and the rule's verdict against the paper's difference once
         the variation has its seeds ("seeds to come" before), a seed that over-fits
         or was still learning at the end, and a learning-rate control's gap to the
-        same width at Eq. 3's rate; a group with no finished row states no finding."""
+        same width at Eq. 3's rate; then the group's planned variations with no
+        finished run, named as not yet measured; a group with no finished row states
+        no finding."""
         base = next((s for s in self.summary if s["variation"] == "base"), None)
         sd, pooled = self.noise()
         out = [
@@ -270,11 +272,19 @@ class Table3:
                 + self._rate_control(s)
                 for s in rows
             ]
+            done = {s["variation"] for s in rows}
+            pending = [
+                f"{_changed(e.get('fields') or {})} ({e['variation']})"
+                for e in self.data.get("plan") or []
+                if e.get("group") == g and e["variation"] not in done
+            ]
+            later = f" Not yet measured at the full budget: {'; '.join(pending)}."
             out.append(
                 f"**({g})** Validation BLEU against the base's "
                 f"{_spread(base['valid_bleu'])} ({self._seeds(base)}): "
                 + "; ".join(parts)
                 + "."
+                + (later if pending else "")
             )
         return "\n\n".join(out)
 

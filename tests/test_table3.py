@@ -419,6 +419,11 @@ def test_part_4_shows_the_file_as_a_table_and_claims_nothing_unmeasured(smoke):
     assert body["A-h1"].split("|")[9].strip() == ""
     group_a = findings.split("**(A)**")[1].split("**(B)**")[0]
     assert "seeds to come" in group_a and "**" not in group_a
+    # a measured group names each of its variations that has no finished run yet
+    unmeasured = group_a.split("Not yet measured at the full budget: ")[1]
+    for name in planned:
+        if name.startswith("A-"):
+            assert (f"({name})" in unmeasured) == ("not yet run" in body[name]), name
 
 
 SOURCE_USE = ROOT / "benchmarks" / "source_use.py"
