@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 PROGRAM = ROOT / "the_annotated_transformer.py"
 SOURCE_CHECK = ROOT / "benchmarks" / "source_use.py"
 UNSUPPORTED = "not supported by this version"
@@ -911,8 +912,11 @@ def select(rows: list[dict], wanted: Optional[str]) -> list[dict]:
 
 def child_env(threads: int) -> dict:
     """The environment of a row's processes: ``threads`` threads for PyTorch's CPU
-    kernels, the same for every row of Table 3 (§6.2)."""
-    env = dict(os.environ)
+    kernels, the same for every row of Table 3 (§6.2), and glibc's settings for
+    reusing freed memory (those `make` sets) where the caller set none of its own."""
+    from machinery.devices import GLIBC_MALLOC_SETTINGS
+
+    env = {**GLIBC_MALLOC_SETTINGS, **os.environ}
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         env[name] = str(threads)
     return env

@@ -131,6 +131,22 @@ def test_only_the_rows_wider_than_the_base_train_on_more_threads():
     assert threads["C-d128"] == threads["base"] == budget["threads"] == 1
 
 
+def test_every_row_reuses_freed_memory_as_make_sets_it_however_the_runner_started(
+    monkeypatch,
+):
+    from machinery import GLIBC_MALLOC_SETTINGS
+
+    runner = load_script(SCRIPT, "table3_runner")
+    settings = dict(GLIBC_MALLOC_SETTINGS)
+    for name in settings:
+        monkeypatch.delenv(name, raising=False)
+    env = runner.child_env(2)
+    assert {k: env[k] for k in settings} == settings  # started without `make`
+    assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "2"
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "7")
+    assert runner.child_env(1)["MALLOC_MMAP_MAX_"] == "7"  # the caller's own is kept
+
+
 def test_the_learning_rate_controls_peak_where_the_base_does():
     runner = load_script(SCRIPT, "table3_runner")
     base, lr = runner.BASE, runner.BUDGET["lr_factor"]
