@@ -278,13 +278,17 @@ class Table3:
                 for e in self.data.get("plan") or []
                 if e.get("group") == g and e["variation"] not in done
             ]
-            later = f" Not yet measured at the full budget: {'; '.join(pending)}."
+            later = (
+                f" Not yet measured at the full budget: {'; '.join(pending)}."
+                if pending
+                else ""
+            )
             out.append(
                 f"**({g})** Validation BLEU against the base's "
                 f"{_spread(base['valid_bleu'])} ({self._seeds(base)}): "
                 + "; ".join(parts)
                 + "."
-                + (later if pending else "")
+                + later
             )
         return "\n\n".join(out)
 
