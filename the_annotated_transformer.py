@@ -2275,8 +2275,8 @@ if IN_NOTEBOOK:
 # At our scale the paper's model trains: post-norm, Eq. 3's schedule (scaled and warmed
 # up sooner, with clipped gradients, as the preset says), label smoothing and §6.1's
 # beam search translate Multi30k on a CPU to the Results table's BLEU. Table 3's
-# findings at this scale are its paragraphs above, each by the stated rule once a
-# variation has its seeds; what is not yet measured at the full budget makes no claim.
+# findings at this scale are its paragraphs above, every variation read by the rule
+# on its seeds; where the rule cannot tell, or a run was still learning, they say so.
 #
 # ## Citation
 #

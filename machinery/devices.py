@@ -439,9 +439,9 @@ def compilations() -> int:
 # starts, make it keep freed memory for reuse: `MALLOC_MMAP_MAX_=0` (no separate
 # mappings) and a large `MALLOC_TRIM_THRESHOLD_` (do not give the top of the heap back).
 # The `Makefile` sets both for everything it runs, and `benchmarks/table3.py` for the
-# rows it trains; a CPU run started another way says in its log when they are not set. A process then keeps its largest footprint until it
-# ends, which is what a training run does anyway. Other C libraries (macOS, musl) ignore
-# the variables.
+# rows it trains; a CPU run started another way says in its log when they are not set.
+# A process then keeps its largest footprint until it ends, which is what a training run
+# does anyway. Other C libraries (macOS, musl) ignore the variables.
 
 GLIBC_MALLOC_SETTINGS = MappingProxyType(
     {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**34)}
