@@ -2103,7 +2103,7 @@ if IN_NOTEBOOK:
 # base row is the Multi30k run above trained again, in float32 with the fused attention
 # path on one thread (two for a row wider than the base); its last checkpoint is scored
 # (no averaging), with beam search, on the validation set (our development set) and on
-# the test set. Every variation runs two seeds (a costly (C) size one where that is
+# the test set. Every variation runs two seeds (a (C) size one where that is
 # beyond the noise), the base three; each is read against the base by one rule, printed
 # with the table. Two more rows hold Eq. 3's learning rate apart from the width: it
 # scales the rate by $d_{model}^{-0.5}$, so C-d128 and C-d512 also train at 1.41× and

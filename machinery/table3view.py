@@ -64,11 +64,22 @@ class Table3:
 
     @property
     def budget_line(self) -> str:
-        """One line: the budget every row shares, and how many rows have finished."""
+        """One line: the budget every row shares, how many runs have finished, how
+        many second seeds the rule made unneeded, and how many are left to run."""
         b = self.data["budget"]
         if b is None:
             return f"no {self.data['missing']} here: `make table3` writes it"
         done = [r for r in self.data["rows"] if r.get("status") == "done"]
+        planned = {p["variation"]: len(p["seeds"]) for p in self.data.get("plan") or []}
+        skipped = sum(  # a settled variation with fewer seeds than planned
+            max(planned.get(s["variation"], 0) - len(s["seeds"]), 0)
+            for s in self.summary
+            if s.get("settled")
+        )
+        left = sum(planned.values()) - len(done) - skipped
+        runs = f"{len(done)} run(s) finished" + (
+            f", {skipped} second seed(s) not needed by the rule" if skipped else ""
+        )
         updates = f"{b['updates']:,} updates" if b.get("updates") else "updates"
         wide = b.get("wide_threads", b["threads"])
         wider = (
@@ -78,7 +89,7 @@ class Table3:
             f"every row: {b['epochs']} epochs of {b['preset']} ({updates}, warm-up "
             f"{b['warmup']:,}), {b['precision']}, {b['attention']} attention, "
             f"{b['threads']} thread(s){wider}, the last checkpoint scored; "
-            f"{len(done)} of the runs finished"
+            f"{runs}" + (f", {left} still to run" if left > 0 else "")
         )
 
     def _fields(self, variation: str) -> dict:

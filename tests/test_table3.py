@@ -442,6 +442,30 @@ def test_part_4_shows_the_file_as_a_table_and_claims_nothing_unmeasured(smoke):
             assert (f"({name})" in unmeasured) == ("not yet run" in body[name]), name
 
 
+def test_the_budget_line_counts_runs_finished_unneeded_and_still_to_run(tmp_path):
+    from machinery.table3view import Table3
+
+    budget = {"epochs": 15, "preset": "p", "updates": 9, "warmup": 3}
+    budget |= {"precision": "fp32", "attention": "fast", "threads": 1}
+    seeds = {"base": [1, 2, 3], "C-x": [1, 2], "C-y": [1, 2]}
+    plan = [{"variation": v, "seeds": s} for v, s in seeds.items()]
+    rows = [{"status": "done"}] * 5  # the base's 3, C-x's seed 1, C-y's seed 1
+    summary = [
+        {"variation": "base", "seeds": [1, 2, 3], "settled": True},
+        {"variation": "C-x", "seeds": [1], "settled": True},  # beyond 2·s on one seed
+        {"variation": "C-y", "seeds": [1], "settled": False},  # within: seed 2 runs
+    ]
+    data = {"budget": budget, "plan": plan, "rows": rows, "summary": summary}
+    line = Table3(data, tmp_path).budget_line
+    assert line.endswith(
+        "; 5 run(s) finished, 1 second seed(s) not needed by the rule, 1 still to run"
+    )
+    summary[2] = {"variation": "C-y", "seeds": [1, 2], "settled": True}
+    data["rows"] = rows + [{"status": "done"}]
+    line = Table3(data, tmp_path).budget_line
+    assert line.endswith("; 6 run(s) finished, 1 second seed(s) not needed by the rule")
+
+
 SOURCE_USE = ROOT / "benchmarks" / "source_use.py"
 
 
