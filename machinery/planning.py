@@ -176,37 +176,127 @@ def memory_estimate(
     return weights + activations, weights, activations
 
 
-def available_memory(device: torch.device) -> tuple[int, str]:
+# A container's or a scheduler's memory limit (Docker `--memory`, SLURM `--mem`,
+# Kubernetes limits) is a cgroup's: `memory.max` under cgroup v2,
+# `memory.limit_in_bytes` under v1. Neither `/proc/meminfo` nor the address-space limit
+# sees it, and the kernel ends a process that passes it; so the plan reads it, with the
+# cgroup's usage (less the page cache the kernel can drop), and psutil gives the
+# machine's available memory on every system. The limits of the process's own cgroup
+# and of every one above it count.
+
+UNLIMITED = 2**60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def _cgroup_dirs(root: str, cgroup_file: str) -> list[str]:
+    """The folders under ``root`` of this process's cgroups (``cgroup_file``: v2's one
+    tree, v1's memory controller) and of every cgroup above them, innermost first."""
+    places = [(root, "/"), (os.path.join(root, "memory"), "/")]
+    try:
+        with open(cgroup_file, encoding="utf-8") as f:
+            for line in f:
+                _, controllers, path = (line.rstrip("\n").split(":", 2) + ["", ""])[:3]
+                if controllers == "":
+                    places.insert(0, (root, path))
+                elif "memory" in controllers.split(","):
+                    places.insert(0, (os.path.join(root, "memory"), path))
+    except OSError:
+        pass
+    dirs: list[str] = []
+    for base, path in places:
+        base = os.path.normpath(base)
+        here = os.path.normpath(os.path.join(base, path.lstrip("/")))
+        if here != base and not here.startswith(base + os.sep):
+            continue
+        while True:
+            if os.path.isdir(here) and here not in dirs:
+                dirs.append(here)
+            if here == base:
+                break
+            here = os.path.dirname(here)
+    return dirs
+
+
+def _read_number(path: str) -> Optional[int]:
+    """The whole number in file ``path``; None where absent, "max" or unreadable."""
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+        return int(text)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _reclaimable(stat_path: str, key: str) -> int:
+    """Bytes of page cache the kernel can drop (``key`` of a cgroup's memory.stat)."""
+    try:
+        with open(stat_path, encoding="ascii") as f:
+            for line in f:
+                name, _, value = line.partition(" ")
+                if name == key:
+                    return int(value)
+    except (OSError, ValueError, UnicodeDecodeError):
+        pass
+    return 0
+
+
+def cgroup_memory_left(
+    root: str = "/sys/fs/cgroup", cgroup_file: str = "/proc/self/cgroup"
+) -> Optional[int]:
+    """Bytes this process may still use under its cgroups' memory limits — cgroup v2's
+    ``memory.max`` or v1's ``memory.limit_in_bytes``, less what the cgroup uses beyond
+    droppable page cache — the least over the cgroup and those above it; None where
+    no limit is set (our addition)."""
+    left = []
+    for here in _cgroup_dirs(root, cgroup_file):
+        for limit_name, usage_name, cache in (
+            ("memory.max", "memory.current", "inactive_file"),
+            ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+        ):
+            limit = _read_number(os.path.join(here, limit_name))
+            if limit is None or limit >= UNLIMITED:
+                continue
+            used = _read_number(os.path.join(here, usage_name)) or 0
+            used -= _reclaimable(os.path.join(here, "memory.stat"), cache)
+            left.append(max(limit - max(used, 0), 0))
+    return min(left) if left else None
+
+
+def available_memory(
+    device: torch.device,
+    cgroup_root: str = "/sys/fs/cgroup",
+    cgroup_file: str = "/proc/self/cgroup",
+) -> tuple[int, str]:
     """(bytes, where) this process can still allocate on ``device`` (our addition): the
-    GPU's free memory, or the CPU's available memory, lowered to the address-space limit
-    (``ulimit -v``) when one is set; (-1, "") where unknown."""
+    GPU's free memory, or the least of the machine's available memory (psutil), what
+    its cgroup's memory limit leaves (a container's or a scheduler's; the note above),
+    and the address-space limit (``ulimit -v``); (-1, "") where none is known."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free, f"free on {device}"
     found = []
     try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    found.append((int(line.split()[1]) * 1024, "available in RAM"))
-    except (OSError, ValueError, IndexError):
+        import psutil
+
+        found.append((int(psutil.virtual_memory().available), "available in RAM"))
+    except (ImportError, OSError, RuntimeError):
         try:
             pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             found.append((pages, "available in RAM"))
         except (OSError, ValueError, AttributeError):
             pass
+    left = cgroup_memory_left(cgroup_root, cgroup_file)
+    if left is not None:
+        found.append((left, "left under the container's (cgroup's) memory limit"))
     try:
         import resource
 
         limit = resource.getrlimit(resource.RLIMIT_AS)[0]
         if limit != resource.RLIM_INFINITY:
-            used = 0
-            with open("/proc/self/status", encoding="ascii") as f:
-                for line in f:
-                    if line.startswith("VmSize:"):
-                        used = int(line.split()[1]) * 1024
+            import psutil
+
+            used = psutil.Process().memory_info().vms
             found.append((max(limit - used, 0), "left under the address-space limit"))
-    except (ImportError, OSError, ValueError, IndexError):
+    except (ImportError, OSError, ValueError):
         pass
     return min(found) if found else (-1, "")
 

@@ -143,3 +143,87 @@ def test_every_preset_is_post_norm_and_none_compiles():
         cfg = machinery.get_config(name)
         departures = (cfg.ffn_dropout, cfg.attn_dropout, cfg.N_dec, cfg.norm_first)
         assert departures == (0.0, 0.0, 0, False), name
+
+
+def fake_cgroup(tmp_path, files: dict, own: str = "0::/job\n"):
+    """A cgroup tree under tmp_path with ``files`` (relative path → text) and a
+    /proc/self/cgroup that places this process in ``own``."""
+    root = tmp_path / "cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    root.mkdir(exist_ok=True)
+    (tmp_path / "self-cgroup").write_text(own)
+    return str(root), str(tmp_path / "self-cgroup")
+
+
+def test_a_cgroup_v2_limit_leaves_its_limit_less_what_it_uses_beyond_page_cache(
+    tmp_path,
+):
+    from machinery.planning import available_memory, cgroup_memory_left
+
+    gib = 2**30
+    root, own = fake_cgroup(
+        tmp_path,
+        {
+            "job/memory.max": f"{2 * gib}\n",
+            "job/memory.current": f"{gib}\n",
+            "job/memory.stat": f"anon 1\ninactive_file {gib // 2}\nactive_file 9\n",
+        },
+    )
+    assert cgroup_memory_left(root, own) == 2 * gib - gib // 2
+    have, where = available_memory(torch.device("cpu"), root, own)
+    assert have == 2 * gib - gib // 2 and "cgroup" in where
+
+
+def test_the_tightest_cgroup_limit_counts_the_ones_above_included(tmp_path):
+    from machinery.planning import cgroup_memory_left
+
+    root, own = fake_cgroup(
+        tmp_path,
+        {
+            "memory.max": "max\n",
+            "slice/memory.max": "1000\n",
+            "slice/job/memory.max": "5000\n",
+            "slice/job/memory.current": "100\n",
+        },
+        own="0::/slice/job\n",
+    )
+    assert cgroup_memory_left(root, own) == 1000
+
+
+def test_a_cgroup_v1_limit_is_read_and_no_limit_means_none(tmp_path):
+    from machinery.planning import cgroup_memory_left
+
+    root, own = fake_cgroup(
+        tmp_path,
+        {
+            "memory/docker/memory.limit_in_bytes": "3000000\n",
+            "memory/docker/memory.usage_in_bytes": "1000000\n",
+            "memory/docker/memory.stat": "total_inactive_file 500000\n",
+        },
+        own="4:memory:/docker\n1:cpu:/\n",
+    )
+    assert cgroup_memory_left(root, own) == 3000000 - 500000
+    unlimited, own = fake_cgroup(
+        tmp_path / "other",
+        {"memory.max": "max\n", "memory/memory.limit_in_bytes": f"{2**63 - 4096}\n"},
+    )
+    assert cgroup_memory_left(unlimited, own) is None
+
+
+def test_a_run_that_does_not_fit_its_containers_limit_is_refused(tmp_path, monkeypatch):
+    import functools
+
+    from machinery import planning
+
+    root, own = fake_cgroup(tmp_path, {"job/memory.max": f"{2**20}\n"})
+    monkeypatch.setattr(
+        planning,
+        "available_memory",
+        functools.partial(planning.available_memory, cgroup_root=root, cgroup_file=own),
+    )
+    cfg = machinery.get_config("copy", device="cpu")
+    data = machinery.make_copy_data(cfg, vocab_size=11, sizes=(20, 4, 4))
+    with pytest.raises(planning.PlanError, match="cannot fit.*cgroup"):
+        planning.check_plan(cfg, data, torch.device("cpu"), 1)
