@@ -16,6 +16,12 @@ SRC := the_annotated_transformer.py
 export MALLOC_MMAP_MAX_ ?= 0
 export MALLOC_TRIM_THRESHOLD_ ?= 17179869184
 
+# Idle OpenMP threads wait passively (sleep) rather than spin, so training, evaluation,
+# translation and the benchmarks keep their speed beside other work (WAIT_POLICY in
+# machinery/devices.py, which a test keeps equal to this; its comment says why). The
+# runtime reads it when it starts; a value already in the environment wins.
+export OMP_WAIT_POLICY ?= PASSIVE
+
 .PHONY: install test sync notebook lab html train translate evaluate bench gpu-check table3 clean help
 
 help:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .config import PRESETS, Config, default_preset, get_config, run_dir_for, shorten
 from .datafiles import DataError
+from .devices import use_usable_cores
 from .inference import OneLineParser, OutputError, _quiet_stdout, run_inference_command
 from .runfiles import (
     CheckpointError,
@@ -227,11 +228,13 @@ def main(argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    threads = use_usable_cores()  # the cores this process may use (devices.py)
     try:
         if argv and argv[0] in ("translate", "evaluate"):
             return run_inference_command(argv[0], argv[1:])
         command, cfg = config_from_args(argv)
         if command == "train":
+            _say(threads)
             summary = train(cfg, log=_say)
             if summary.get("bleu") is not None:
                 _say(

@@ -7,6 +7,7 @@ the update in progress.
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import random
@@ -466,6 +467,142 @@ def allocator_note(device: torch.device, environ=None) -> str:
         "tensors get fresh "
         "pages every step; setting them made CPU training steps faster (the "
         "Makefile's comment on them says why)"
+    )
+
+
+# **Threads beside other work.** A laptop or a shared machine always runs something
+# else. PyTorch's CPU kernels split their work over OpenMP threads, and by default an
+# idle OpenMP thread spins for a while before it sleeps; with another busy process on
+# the same cores, the spinning threads take turns with it and an update slows several
+# times (issue figures: 2.9× on a 2-core AMD EPYC with the default, 1.5× with passive
+# waiting). So training, evaluation, translation and the benchmarks wait passively
+# (`OMP_WAIT_POLICY=PASSIVE`), unless the user set `OMP_WAIT_POLICY`. The runtime reads
+# it once, when it starts — when torch is imported — so it is set in the Makefile's
+# exported environment, in the environment of every process the machinery starts, and
+# before torch is imported at the program's start. And threads default to the cores
+# this process may use — its CPU affinity (`taskset`, a scheduler's allocation) and a
+# container's CPU quota (cgroup `cpu.max`, `docker --cpus`) — rather than every core of
+# the machine, unless `OMP_NUM_THREADS` says otherwise.
+
+WAIT_POLICY = "PASSIVE"
+
+
+def cgroup_dirs(
+    controller: str,
+    root: str = "/sys/fs/cgroup",
+    cgroup_file: str = "/proc/self/cgroup",
+) -> list[str]:
+    """The folders under ``root`` of this process's cgroup — cgroup v2's one tree, or
+    v1's ``controller`` tree — and of every cgroup above it, innermost first (our
+    addition; ``cgroup_file`` is /proc/self/cgroup)."""
+    v1 = os.path.join(root, controller)
+    places = [(root, "/"), (v1, "/")]
+    try:
+        with open(cgroup_file, encoding="utf-8") as f:
+            for line in f:
+                _, controllers, path = (line.rstrip("\n").split(":", 2) + ["", ""])[:3]
+                if controllers == "":
+                    places.insert(0, (root, path))
+                elif controller in controllers.split(","):
+                    places.insert(0, (v1, path))
+    except OSError:
+        pass
+    dirs: list[str] = []
+    for base, path in places:
+        base = os.path.normpath(base)
+        here = os.path.normpath(os.path.join(base, path.lstrip("/")))
+        if here != base and not here.startswith(base + os.sep):
+            continue
+        while True:
+            if os.path.isdir(here) and here not in dirs:
+                dirs.append(here)
+            if here == base:
+                break
+            here = os.path.dirname(here)
+    return dirs
+
+
+def _words(path: str) -> list[str]:
+    """The words of a small text file; [] where it cannot be read."""
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().split()
+    except (OSError, UnicodeDecodeError):
+        return []
+
+
+def cpu_quota(
+    root: str = "/sys/fs/cgroup", cgroup_file: str = "/proc/self/cgroup"
+) -> Optional[float]:
+    """Cores' worth of CPU time this process's cgroups allow — v2's ``cpu.max``, v1's
+    ``cpu.cfs_quota_us`` over ``cpu.cfs_period_us``, the least over the cgroup and
+    those above it — or None where no quota is set (our addition)."""
+    quotas = []
+    for here in cgroup_dirs("cpu", root, cgroup_file):
+        v2 = _words(os.path.join(here, "cpu.max"))
+        v1 = _words(os.path.join(here, "cpu.cfs_quota_us")) + _words(
+            os.path.join(here, "cpu.cfs_period_us")
+        )
+        for pair in (v2, v1):
+            try:
+                quota, period = int(pair[0]), int(pair[1])
+            except (IndexError, ValueError):  # "max", -1 or nothing: no quota
+                continue
+            if quota > 0 and period > 0:
+                quotas.append(quota / period)
+    return min(quotas) if quotas else None
+
+
+def usable_cores(
+    root: str = "/sys/fs/cgroup", cgroup_file: str = "/proc/self/cgroup"
+) -> int:
+    """How many cores this process can keep busy (our addition): those its CPU
+    affinity allows (``os.sched_getaffinity``; ``os.cpu_count()`` where the system has
+    none), fewer where a container's CPU quota allows less time (rounded up); at
+    least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    quota = cpu_quota(root, cgroup_file)
+    if quota is not None:
+        cores = min(cores, math.ceil(quota))
+    return max(cores, 1)
+
+
+def quiet_environment(environ=None) -> dict:
+    """``environ`` (default: this process's) for a process the machinery starts, with
+    passive OpenMP waiting and a thread count of :func:`usable_cores`, each unless
+    already set (our addition; the note above)."""
+    env = dict(os.environ if environ is None else environ)
+    env.setdefault("OMP_WAIT_POLICY", WAIT_POLICY)
+    env.setdefault("OMP_NUM_THREADS", str(usable_cores()))
+    return env
+
+
+def use_usable_cores(environ=None) -> str:
+    """Lower torch's CPU threads to :func:`usable_cores` where there are more, unless
+    ``OMP_NUM_THREADS`` (or ``MKL_NUM_THREADS``) sets them; a line for the log saying
+    how many, why, and how idle threads wait (our addition)."""
+    environ = os.environ if environ is None else environ
+    policy = environ.get("OMP_WAIT_POLICY", "")
+    waiting = (
+        f"OMP_WAIT_POLICY={policy}"
+        if policy
+        else "idle threads spin before they sleep (OMP_WAIT_POLICY not set)"
+    )
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        if environ.get(name):
+            return (
+                f"threads: {torch.get_num_threads()} ({name}={environ[name]}); "
+                f"{waiting}"
+            )
+    cores = usable_cores()
+    if torch.get_num_threads() > cores:
+        torch.set_num_threads(cores)
+    return (
+        f"threads: {torch.get_num_threads()} ({cores} cores usable by this "
+        f"process); {waiting}"
     )
 
 

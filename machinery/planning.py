@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from .config import Config
 from .data import Dataset
-from .devices import any_process
+from .devices import any_process, cgroup_dirs
 from .parts import notebook
 
 
@@ -187,35 +187,6 @@ def memory_estimate(
 UNLIMITED = 2**60  # cgroup v1 writes "no limit" as a number near 2**63
 
 
-def _cgroup_dirs(root: str, cgroup_file: str) -> list[str]:
-    """The folders under ``root`` of this process's cgroups (``cgroup_file``: v2's one
-    tree, v1's memory controller) and of every cgroup above them, innermost first."""
-    places = [(root, "/"), (os.path.join(root, "memory"), "/")]
-    try:
-        with open(cgroup_file, encoding="utf-8") as f:
-            for line in f:
-                _, controllers, path = (line.rstrip("\n").split(":", 2) + ["", ""])[:3]
-                if controllers == "":
-                    places.insert(0, (root, path))
-                elif "memory" in controllers.split(","):
-                    places.insert(0, (os.path.join(root, "memory"), path))
-    except OSError:
-        pass
-    dirs: list[str] = []
-    for base, path in places:
-        base = os.path.normpath(base)
-        here = os.path.normpath(os.path.join(base, path.lstrip("/")))
-        if here != base and not here.startswith(base + os.sep):
-            continue
-        while True:
-            if os.path.isdir(here) and here not in dirs:
-                dirs.append(here)
-            if here == base:
-                break
-            here = os.path.dirname(here)
-    return dirs
-
-
 def _read_number(path: str) -> Optional[int]:
     """The whole number in file ``path``; None where absent, "max" or unreadable."""
     try:
@@ -247,7 +218,7 @@ def cgroup_memory_left(
     droppable page cache — the least over the cgroup and those above it; None where
     no limit is set (our addition)."""
     left = []
-    for here in _cgroup_dirs(root, cgroup_file):
+    for here in cgroup_dirs("memory", root, cgroup_file):
         for limit_name, usage_name, cache in (
             ("memory.max", "memory.current", "inactive_file"),
             ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),

@@ -952,3 +952,69 @@ def test_float32_matrix_products_on_cuda_may_use_tf32():
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
+
+
+def cpu_cgroup(tmp_path, files: dict, own: str = "0::/job\n"):
+    """A fake cgroup tree with ``files`` (relative path → text), and the
+    /proc/self/cgroup that places this process in it."""
+    root = tmp_path / "cgroup"
+    root.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    (tmp_path / "own").write_text(own)
+    return str(root), str(tmp_path / "own")
+
+
+def test_threads_default_to_the_cores_affinity_and_a_cpu_quota_allow(tmp_path):
+    from machinery.devices import cpu_quota, usable_cores
+
+    allowed = len(__import__("os").sched_getaffinity(0))
+    none = cpu_cgroup(tmp_path / "a", {"job/cpu.max": "max 100000\n"})
+    assert cpu_quota(*none) is None and usable_cores(*none) == allowed
+    half = cpu_cgroup(tmp_path / "b", {"job/cpu.max": "50000 100000\n"})
+    assert cpu_quota(*half) == 0.5 and usable_cores(*half) == 1  # at least one
+    above = cpu_cgroup(  # the parent's quota is the tighter one
+        tmp_path / "c", {"cpu.max": "100000 100000\n", "job/cpu.max": "900000 100000\n"}
+    )
+    assert cpu_quota(*above) == 1.0 and usable_cores(*above) == 1
+    v1 = cpu_cgroup(
+        tmp_path / "d",
+        {"cpu/k8s/cpu.cfs_quota_us": "150000\n", "cpu/k8s/cpu.cfs_period_us": "100000"},
+        own="3:cpu,cpuacct:/k8s\n",
+    )
+    assert cpu_quota(*v1) == 1.5 and usable_cores(*v1) == min(allowed, 2)
+    unlimited_v1 = cpu_cgroup(
+        tmp_path / "e", {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "1"}
+    )
+    assert cpu_quota(*unlimited_v1) is None
+
+
+def test_processes_the_machinery_starts_wait_passively_unless_told_otherwise():
+    from machinery.devices import WAIT_POLICY, quiet_environment, usable_cores
+
+    env = quiet_environment({"PATH": "/bin"})
+    assert env["OMP_WAIT_POLICY"] == WAIT_POLICY == "PASSIVE"
+    assert env["OMP_NUM_THREADS"] == str(usable_cores()) and env["PATH"] == "/bin"
+    own = quiet_environment({"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": "7"})
+    assert own["OMP_WAIT_POLICY"] == "ACTIVE" and own["OMP_NUM_THREADS"] == "7"
+
+
+def test_torch_threads_are_lowered_to_the_usable_cores_unless_set(monkeypatch):
+    from machinery.devices import usable_cores, use_usable_cores
+
+    before, cores = torch.get_num_threads(), usable_cores()
+    try:
+        torch.set_num_threads(cores + 3)
+        line = use_usable_cores({"OMP_NUM_THREADS": str(cores + 3)})
+        assert torch.get_num_threads() == cores + 3  # the user's number stays
+        assert f"OMP_NUM_THREADS={cores + 3}" in line
+        assert "OMP_WAIT_POLICY not set" in line
+        line = use_usable_cores({"OMP_WAIT_POLICY": "PASSIVE"})
+        assert torch.get_num_threads() == cores
+        assert line.startswith(f"threads: {cores} ") and "PASSIVE" in line
+        torch.set_num_threads(1)  # fewer than the cores (a caller's choice): kept
+        use_usable_cores({})
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -156,3 +156,27 @@ def test_no_recipe_compiles_anything():
         check=True,
     ).stdout
     assert "make train" in help_text and "kernel" not in help_text
+
+
+def test_make_runs_everything_waiting_passively_unless_the_user_set_a_policy():
+    """Every recipe gets OMP_WAIT_POLICY=machinery.devices.WAIT_POLICY; a policy
+    already in the environment is the one the programs get."""
+    import sys
+
+    sys.path.insert(0, str(ROOT))
+    from machinery.devices import WAIT_POLICY
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+
+    def shown(environ) -> str:
+        return subprocess.run(
+            ["make", "--no-print-directory", "-s", "-f", "-", "show"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env=environ,
+            input="include Makefile\nshow:\n\t@printenv OMP_WAIT_POLICY\n",
+        ).stdout.strip()
+
+    assert shown(env) == WAIT_POLICY == "PASSIVE"
+    assert shown({**env, "OMP_WAIT_POLICY": "ACTIVE"}) == "ACTIVE"
