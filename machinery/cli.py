@@ -1,9 +1,10 @@
-"""The command line: ``train``, ``translate`` and ``evaluate``.
+"""The command line: ``train``, ``translate``, ``evaluate`` and ``export``.
 
 ``python the_annotated_transformer.py train --config NAME [--field value ...]`` trains a
 preset with any config field overridden; ``translate`` and ``evaluate`` use a trained
-model (their options and decoding: `inference.py`). Every mistake is one line on
-standard error and a non-zero exit status, never a traceback (``--debug`` shows one).
+model (their options and decoding: `inference.py`); ``export`` writes one as a model
+folder (`export.py`). Every mistake is one line on standard error and a non-zero exit
+status, never a traceback (``--debug`` shows one).
 """
 
 from __future__ import annotations
@@ -114,13 +115,15 @@ COMMANDS = {
     "train": "train a preset: --config NAME, any config field as --field value",
     "translate": "translate sentences with a trained model (--run_dir or --checkpoint)",
     "evaluate": "BLEU of a trained model on its test split, or on --src and --ref",
+    "export": "write a run's averaged weights as a model folder (safetensors, JSON)",
 }
 
 
 def usage() -> str:
-    """The top-level help: the three commands, one line each (our addition)."""
+    """The top-level help: the commands, one line each (our addition)."""
     lines = [
-        "usage: the_annotated_transformer.py {train,translate,evaluate} [options]",
+        "usage: the_annotated_transformer.py {train,translate,evaluate,export} "
+        "[options]",
         "",
         "Train and evaluate the Transformer of Vaswani et al. (2017).",
         "",
@@ -230,6 +233,10 @@ def main(argv: Sequence[str]) -> int:
         return 2
     threads = use_usable_cores()  # the cores this process may use (devices.py)
     try:
+        if argv and argv[0] == "export":
+            from .export import run_export_command
+
+            return run_export_command(argv[1:])
         if argv and argv[0] in ("translate", "evaluate"):
             return run_inference_command(argv[0], argv[1:])
         command, cfg = config_from_args(argv)

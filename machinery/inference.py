@@ -37,6 +37,7 @@ from .runfiles import (
     misnamed_checkpoints,
     misnamed_message,
 )
+from .export import META, SHIPPED, load_model, sha256_of
 from .translation import translate
 
 if TYPE_CHECKING:
@@ -273,7 +274,7 @@ def _device(text: str) -> str:
 def inference_parser(command: str) -> argparse.ArgumentParser:
     """Options of the ``translate`` and ``evaluate`` commands (§6.1 decoding)."""
     parser = OneLineParser(prog=f"the_annotated_transformer.py {command}")
-    where = parser.add_mutually_exclusive_group(required=True)
+    where = parser.add_mutually_exclusive_group()
     where.add_argument(
         "--run_dir",
         "--run-dir",
@@ -281,6 +282,12 @@ def inference_parser(command: str) -> argparse.ArgumentParser:
         help="a run directory: average its last checkpoints",
     )
     where.add_argument("--checkpoint", type=Path, help="one checkpoint file")
+    where.add_argument(
+        "--model",
+        type=Path,
+        help="a model folder written by export (the default, where no run is named: "
+        "the shipped models/multi30k-small)",
+    )
     parser.add_argument(
         "--average_last",
         "--average-last",
@@ -334,6 +341,13 @@ def inference_parser(command: str) -> argparse.ArgumentParser:
             default=None,
             help="folder holding the data sets",
         )
+        parser.add_argument(
+            "--hypotheses",
+            type=Path,
+            default=None,
+            help="write the decoded sentences (detokenized, as scored) to this file, "
+            "one a line, and print their SHA-256",
+        )
     return parser
 
 
@@ -384,11 +398,34 @@ def translate_lines(
             beam_size=beam_size,
             alpha=alpha,
         )
-        for (i, _), text in zip(todo, nb.detokenize(tokens, cfg.dataset, subwords)):
+        texts = nb.detokenize(tokens, CORPORA[cfg.dataset], subwords)
+        for (i, _), text in zip(todo, texts):
             out[i] = " ".join(
                 text.splitlines()
             )  # one output line per input line, always
     return out, skipped
+
+
+def hypotheses_text(hyps: Sequence[str]) -> bytes:
+    """The decoded sentences as ``evaluate --hypotheses`` writes them: UTF-8, one a
+    line, each line ended (our addition)."""
+    return "".join(f"{h}\n" for h in hyps).encode("utf-8")
+
+
+def write_hypotheses(path: Path, hyps: Sequence[str]) -> str:
+    """Write the decoded sentences to ``path`` (one a line; to a temporary name, then
+    renamed) and return their SHA-256 (our addition: a score can be checked against
+    the very sentences it scored)."""
+    from .runfiles import write_atomic
+
+    data = hypotheses_text(hyps)
+    try:
+        write_atomic(Path(path), data)
+    except OSError as e:
+        raise DataError(
+            f"cannot write the hypotheses to {path} ({e.strerror or e})"
+        ) from None
+    return sha256_of(data)
 
 
 def skipped_message(skipped: Sequence[tuple[int, int]], max_len: int) -> str:
@@ -474,6 +511,20 @@ def run_inference_command(command: str, argv: Sequence[str]) -> int:
             "names one file, so it cannot apply: give --run_dir, or leave "
             "--average_last out"
         )
+    if args.run_dir is None and args.checkpoint is None:  # a model folder
+        if args.average_last is not None:
+            raise DataError(
+                "--average_last averages the last checkpoints of --run_dir; a model "
+                "folder holds weights averaged already: give --run_dir, or leave "
+                "--average_last out"
+            )
+        if args.model is None:  # no run named: the shipped model
+            if not (SHIPPED / META).is_file():
+                raise DataError(
+                    f"no model named and none shipped at {SHIPPED}: give --model "
+                    "DIR, --run_dir DIR or --checkpoint FILE"
+                )
+            args.model = SHIPPED
     present = len(checkpoint_paths(args.run_dir)) if args.run_dir else 0
     if args.average_last and 0 < present < args.average_last:  # asked for more
         print(
@@ -482,9 +533,12 @@ def run_inference_command(command: str, argv: Sequence[str]) -> int:
             file=sys.stderr,
         )
     device = resolve_device(args.device)
-    model, cfg, src_vocab, tgt_vocab, subwords = load_for_inference(
-        args.checkpoint, args.run_dir, args.average_last or 5, device
-    )
+    if args.model is not None:
+        model, cfg, src_vocab, tgt_vocab, subwords, _ = load_model(args.model, device)
+    else:
+        model, cfg, src_vocab, tgt_vocab, subwords = load_for_inference(
+            args.checkpoint, args.run_dir, args.average_last or 5, device
+        )
     if command == "evaluate":
         lines, refs = evaluation_pairs(args, cfg)
         if args.first > len(
@@ -503,8 +557,11 @@ def run_inference_command(command: str, argv: Sequence[str]) -> int:
             for h in hyps:
                 print(h)
         else:
-            result = nb.bleu(hyps, refs, cfg.dataset)
+            result = nb.bleu(hyps, refs, CORPORA[cfg.dataset])
             print(f"{result.text}\n{result.signature}")
+            if args.hypotheses is not None:
+                digest = write_hypotheses(args.hypotheses, hyps)
+                print(f"hypotheses: {args.hypotheses} sha256 {digest}")
         sys.stdout.flush()
     except OSError as e:  # standard output closed, or a full disk behind it
         _quiet_stdout()
