@@ -296,6 +296,228 @@ def fresh(browser, site):
 OPEN_ALL = "document.querySelectorAll('details').forEach(d => { d.open = true; })"
 
 
+# --- Hostile outputs: nothing runs, nothing is loaded ---------------------------------
+
+# Cell outputs that try to run script or load from elsewhere: those the page was once
+# fooled by, and mutation-XSS cases from the published lists (parser differentials:
+# foreign content, raw-text elements, comments and CDATA). Each script sets
+# window.pwned; each address is on example.org, which the test's network refuses.
+TINY_PNG = (
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAQAAAC1HAwCAAAAC0lEQVR42mNkYAAAAAYAAjCB0C8AAAAASUVO"
+    "RK5CYII="
+)
+HOSTILE_HTML = [
+    "<![CDATA[><img src=x onerror=window.pwned=1>]]>",
+    '<svg><a><animate attributeName="href" values="javascript:window.pwned=2"/>'
+    '<text x="20" y="20">animate</text></a></svg>',
+    '<svg><a><set attributeName="href" to="javascript:window.pwned=3"/>'
+    '<text x="20" y="20">set</text></a></svg>',
+    f'<img alt="t" src="data:image/png;base64,{TINY_PNG}" '
+    'srcset="https://example.org/srcset.png 2x">',
+    '<svg><image href="https://example.org/image.png"/></svg>',
+    '<svg><filter id="f"><feImage href="https://example.org/feimage.png"/></filter>'
+    '<rect filter="url(#f)" width="9" height="9"/></svg>',
+    '<svg><use href="https://example.org/use.svg#x"/></svg>',
+    '<table background="https://example.org/table.png"><tr><td>t</td></tr></table>',
+    '<body background="https://example.org/body.png"><p>a nested body</p></body>',
+    '<a href="#title" ping="https://example.org/ping">ping</a>',
+    '<svg><rect fill="url(https://example.org/fill.svg#g)" width="9" height="9"/>'
+    "</svg>",
+    '<math><maction actiontype="statusline" href="https://example.org/maction">m'
+    "</maction></math>",
+    '<noscript><p title="</noscript><img src=x onerror=window.pwned=4>"></noscript>',
+    '<svg></p><style><a id="</style><img src=1 onerror=window.pwned=5>"></style></svg>',
+    '<math><mtext><table><mglyph><style><!--</style><img title="--&gt;&lt;/mglyph&gt;'
+    '&lt;img&Tab;src=1&Tab;onerror=window.pwned=6&gt;"></table></mtext></math>',
+    "<form><math><mtext></form><form><mglyph><style></math>"
+    "<img src onerror=window.pwned=7>",
+    "<svg><style><img src=x onerror=window.pwned=8></style></svg>",
+    '<a href="jav&#x09;ascript:window.pwned=9">tab</a>'
+    '<a href="  JaVaScRiPt:window.pwned=10">case</a>'
+    '<a href="data:text/html,<script>window.pwned=11</script>">data</a>',
+    '<iframe srcdoc="<script>parent.pwned=12</script>"></iframe>'
+    '<object data="data:text/html,<script>parent.pwned=13</script>"></object>',
+    '<base href="https://example.org/"><meta http-equiv="refresh" '
+    'content="0;url=https://example.org/refresh">',
+    '<link rel="stylesheet" href="https://example.org/link.css">'
+    "<style>@import url(https://example.org/import.css);</style>"
+    '<div style="background:url(https://example.org/style.png)">styled</div>',
+    '<video poster="https://example.org/poster.png"></video>'
+    '<input type="image" src="https://example.org/input.png">'
+    '<details open ontoggle="window.pwned=14"><summary>s</summary></details>',
+    "<img src=`x` onerror=window.pwned=15><script>window.pwned=16</script>",
+    '<img src="data:image/svg+xml,<svg onload=window.pwned=17>">'
+    '<svg onload="window.pwned=18"><script>window.pwned=19</script></svg>',
+    '<a href="https://example.org/ok">a link out</a>',
+    "<xmp><img src=x onerror=window.pwned=20></xmp>"
+    "<noembed><img src=x onerror=window.pwned=21></noembed>",
+    "<template><img src=x onerror=window.pwned=22></template>"
+    '<textarea></textarea><img src=x onerror="window.pwned=23">',
+    "<plaintext><img src=x onerror=window.pwned=24>",  # the rest as text
+]
+HOSTILE_MARKDOWN = (
+    "| a | b |\n|---|---|\n| [x](javascript:window.pwned=30) | "
+    "<img src=x onerror=window.pwned=31> |\n\n"
+    "![p](https://example.org/markdown.png) <!--<script>window.pwned=32</script>"
+)
+
+
+def hostile_notebook(path: Path) -> Path:
+    """A copy of the committed notebook with hostile outputs after its first cells:
+    HTML, Markdown, a raw HTML cell, JavaScript, a printed ``</pre><script>``, an
+    error, alt text and attention tokens that try to end their element, and
+    ``<!--<script>`` in a code comment and a heading."""
+    nb = nbformat.read(NB, as_version=4)
+    new = nbformat.v4
+    rng = random.Random(1)
+    tokens = ["<!--<script>", "</script><script>window.pwned=40</script>", "x"]
+    blob = {
+        "sentence": {"src": tokens, "tgt": tokens, "tgt_out": tokens},
+        "maps": {"encoder": [[softmax_rows(3, 3, rng)]]},
+        "title": "</script><script>window.pwned=41</script>",
+    }
+    cells = [
+        new.new_markdown_cell(
+            "## Hostile outputs \\<!--\\<script>\n\nThe cells below. "
+            "<script>window.pwned=42</script>"  # the prose's own: the policy stops it
+        ),
+        new.new_code_cell(
+            "# a comment: <!--<script> and </script>\nshow()",
+            outputs=[
+                *(
+                    new.new_output("display_data", data={"text/html": h})
+                    for h in HOSTILE_HTML
+                ),
+                new.new_output(
+                    "display_data", data={"text/markdown": HOSTILE_MARKDOWN}
+                ),
+                new.new_output(
+                    "display_data", data={"application/javascript": "window.pwned = 50"}
+                ),
+                new.new_output(
+                    "stream", name="stdout", text="</pre><script>window.pwned=51"
+                ),
+                new.new_output(
+                    "error",
+                    ename="E",
+                    evalue="",
+                    traceback=["<img src=x onerror=window.pwned=52>"],
+                ),
+                new.new_output(
+                    "display_data",
+                    data={"image/png": TINY_PNG},
+                    metadata={
+                        "image/png": {"alt": '"><img src=x onerror=window.pwned=53>'}
+                    },
+                ),
+                new.new_output(
+                    "display_data", data={build.ATTENTION_MIME: blob, "text/plain": "m"}
+                ),
+            ],
+        ),
+        new.new_raw_cell(
+            "<img src=x onerror=window.pwned=60><script>window.pwned=61</script>",
+            metadata={"raw_mimetype": "text/html"},
+        ),
+    ]
+    nb.cells[2:2] = cells
+    nbformat.write(nb, path)
+    return path
+
+
+def hostile_results(where: Path) -> Path:
+    """A copy of results/ whose runs' text fields carry Markdown links and HTML, one
+    BLEU a NaN, and Table 3's file torn in half."""
+    results = where / "results"
+    shutil.copytree(ROOT / "results", results)
+    run = json.loads((results / build.HEADLINE).read_text())
+    run["cpu"] = "[AMD](javascript:window.pwned=70) <img src=x onerror=window.pwned=71>"
+    run["bleu_kind"] = "<script>window.pwned=72</script>"
+    (results / build.HEADLINE).write_text(json.dumps(run))
+    sample = (results / build.SAMPLE).read_text()
+    sample = re.sub(r'"bleu": [0-9.]+', '"bleu": NaN', sample, count=1)
+    (results / build.SAMPLE).write_text(sample)
+    table3 = (results / build.TABLE3).read_text()
+    (results / build.TABLE3).write_text(table3[: len(table3) // 2])
+    return results
+
+
+@pytest.fixture(scope="module")
+def hostile_site(tmp_path_factory, site) -> Path:
+    """The page of the hostile notebook, results and CITATION.cff (after the real
+    page, so KaTeX is there)."""
+    where = tmp_path_factory.mktemp("hostile")
+    cff = where / "CITATION.cff"
+    cff.write_text(
+        (ROOT / "CITATION.cff").read_text()
+        + 'repository-code: "javascript:window.pwned=80//https://github.com/o/n"\n'
+    )
+    out = where / "index.html"
+    build.build(
+        hostile_notebook(where / "hostile.ipynb"), out, hostile_results(where), cff
+    )
+    return out
+
+
+CSP_PARTS = ("default-src 'none'", "img-src data:", "font-src data:", "script-src")
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_hostile_outputs_run_no_script_and_load_nothing(fresh, hostile_site, width):
+    visit = fresh(width, hostile_site)
+    page = visit.page
+    page.wait_for_timeout(300)
+    # every link the outputs kept, clicked (none leads out but the https:// one)
+    for link in page.locator("main .output a:not([href^='https:'])").all():
+        link.click()
+    page.wait_for_timeout(300)
+    state = page.evaluate("""(() => ({
+        pwned: window.pwned === undefined ? null : window.pwned,
+        csp: [...document.querySelectorAll('meta[http-equiv]')]
+            .filter(m => m.httpEquiv.toLowerCase() === 'content-security-policy')
+            .map(m => m.content),
+        pageJs: !document.querySelector('.toolbar').hidden
+            && !document.querySelector('form.search').hidden,
+        explorer: !document.querySelector('.ae-controls').hidden,
+        risky: [...document.querySelectorAll('main *')].flatMap(e =>
+            [...e.attributes].filter(a => /^on|^(srcset|ping|background|poster)$/i
+                .test(a.name) || /javascript:|data:text|example[.]org[/](?!ok)/i
+                .test(a.value)).map(a => e.tagName + ' ' + a.name)),
+        foreign: [...document.querySelectorAll(
+            'main .output :is(svg, math, iframe, object, embed, base, meta, ' +
+            'link, style, video, input, form, template, noscript)')]
+            .filter(e => !e.closest('.attention-explorer'))
+            .map(e => e.tagName),
+        scripts: [...document.querySelectorAll('script')]
+            .filter(s => !/json/.test(s.type)).length,
+        after: document.querySelectorAll('main h1').length,
+        findings: document.querySelector('aside.findings').textContent,
+        repository: [...document.querySelectorAll('.title-links a')]
+            .map(a => a.getAttribute('href'))}))()""")
+    assert state["pwned"] is None, state
+    assert visit.left_file == [], visit.left_file  # nothing asked for from outside
+    assert all(u.startswith(("file:", "data:")) for u in visit.requests)
+    assert len(state["csp"]) == 1 and all(p in state["csp"][0] for p in CSP_PARTS)
+    assert state["pageJs"] and state["explorer"], "page.js did not run"
+    assert state["risky"] == [] and state["foreign"] == [], state
+    assert state["scripts"] == 3  # the page's own two, and the prose's one
+    assert state["after"] >= 4, "the page after the hostile cells is missing"
+    assert "nan" not in state["findings"].lower()
+    for name in (build.SAMPLE, build.TABLE3):  # says what is missing
+        assert f"results/{name}" in state["findings"]
+    assert "<img src=x onerror" in state["findings"]  # as text, not markup
+    assert not any("javascript" in h for h in state["repository"])
+    assert [e for e in visit.errors if "Content Security Policy" not in e] == []
+    # and were the sanitiser to let one through, the policy stops it
+    page.evaluate("""document.querySelector('main').insertAdjacentHTML('beforeend',
+        '<img src="https://example.org/late.png" onerror="window.pwned=90">' +
+        '<a id="late" href="javascript:window.pwned=91">late</a>')""")
+    page.click("#late")
+    page.wait_for_timeout(300)
+    assert page.evaluate("window.pwned === undefined")
+    assert visit.left_file == []
+
+
 # --- Offline, typeset, readable -------------------------------------------------------
 
 

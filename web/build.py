@@ -98,7 +98,6 @@ import json
 import math
 import re
 import shutil
-import struct
 import subprocess
 import sys
 import textwrap
@@ -168,6 +167,11 @@ class MissingTool(Exception):
     """A program the build needs is missing or could not be fetched."""
 
 
+class BadInput(Exception):
+    """Something the build reads (the notebook, an output, a results file) is not as
+    it should be: said in one line."""
+
+
 def project():
     """machinery/project.py (the project's address, from CITATION.cff), loaded from
     its file so that the build does not import the package (and torch)."""
@@ -182,7 +186,9 @@ def project():
 
 
 def citation(path: Path = ROOT / "CITATION.cff") -> dict:
-    """CITATION.cff as a dict ({} when it is absent or unreadable)."""
+    """CITATION.cff read as YAML, as a dict ({} when it is absent or unreadable).
+    Its ``repository-code`` is used only as an https:// address
+    (:func:`https_address`)."""
     import yaml
 
     try:
@@ -252,12 +258,19 @@ def build_stamp() -> str:
 HEADLINE = "multi30k-small.json"  # the Multi30k preset's headline run (Results)
 SAMPLE = "iwslt14-sample.json"  # the IWSLT14 sample's run
 TABLE3 = "table3.json"
+# IWSLT14 de→en: the training pairs of the full data and of the mirror's sample
+# (machinery/data.py reads both), and the tokenized test BLEU published for 6-layer
+# models trained on the full data (REPRODUCTION_NOTES.md: fairseq's recipe, 34.5–35.6).
+IWSLT14_PAIRS = 160_239
+IWSLT14_SAMPLE = 8_746
+IWSLT14_PUBLISHED = 34.5
 FINDINGS_START = "<!-- findings: web/build.py --readme writes these lines -->"
 FINDINGS_END = "<!-- /findings -->"
 
 
 def read_json(path: Path) -> dict:
-    """A results file as a dict ({} when it is absent, unreadable or not a dict)."""
+    """A results file as a dict ({} when it is absent, unreadable or not a dict; a
+    NaN in it is read, and :func:`number` refuses it)."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -265,17 +278,33 @@ def read_json(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def number(value) -> float | None:
+    """``value`` as a finite number, or None (text, NaN, a missing field)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def words(value, limit: int = 80) -> str:
+    """Text from a results file or CITATION.cff, safe inside Markdown and HTML: one
+    line, cut at ``limit`` characters, every character Markdown or HTML would read
+    as markup backslash-escaped (so it shows as itself and links nothing)."""
+    text = re.sub(r"\s+", " ", str(value if value is not None else "")).strip()
+    text = text[:limit]
+    return re.sub(r"([\\`*_{}\[\]<>&|~])", r"\\\1", text)
+
+
 def where_trained(run: dict) -> str:
     """ "on a 2-core AMD EPYC (no GPU)", "on a CPU (no GPU)" or "on 2 GPUs", from a
     run's summary (its ``cpu`` line, where it has one)."""
     device = str(run.get("device", ""))
-    n = run.get("world_size") or 1
+    n = int(number(run.get("world_size")) or 1)
     if device.startswith("cuda"):
         return f"on {n} GPU{'s' if n > 1 else ''}"
     if device != "cpu":
-        return f"on {device or '?'}"
+        return f"on {words(device, 30) or '?'}"
     cpu = str(run.get("cpu") or "")
-    name = cpu.split(" (")[0].split(",")[0].strip()
+    name = words(cpu.split(" (")[0].split(",")[0], 60)
     cores = re.search(r"(\d+) cores?\b", cpu)
     if name and cores:
         return f"on a {cores.group(1)}-core {name} (no GPU)"
@@ -288,8 +317,8 @@ def table3_state(data: dict) -> dict:
     per-variation ``summary``: a group is finished when the base and each of its
     variations (every one the file's ``plan`` names) have the seeds the design asks
     (the runner's ``settled``); with the verdicts of its variations."""
-    summary = [s for s in data.get("summary") or [] if isinstance(s, dict)]
-    plan = [p for p in data.get("plan") or [] if isinstance(p, dict)]
+    summary = [s for s in listed(data.get("summary")) if isinstance(s, dict)]
+    plan = [p for p in listed(data.get("plan")) if isinstance(p, dict)]
     base = next((s for s in summary if s.get("variation") == "base"), None)
     seeded = base is not None and base.get("settled", False)
     finished, verdicts, seeds = [], [], []
@@ -305,15 +334,34 @@ def table3_state(data: dict) -> dict:
             finished.append(group)
             verdicts += [str(s.get("verdict", "can't tell")) for s in rows]
             seeds += [  # the seeds each verdict rests on: those that trained
-                len(s.get("seeds") or []) - len(s.get("failed_seeds") or [])
+                len(listed(s.get("seeds"))) - len(listed(s.get("failed_seeds")))
                 for s in rows
             ]
     return {
-        "epochs": (data.get("budget") or {}).get("epochs"),
+        "epochs": (
+            data.get("budget") if isinstance(data.get("budget"), dict) else {}
+        ).get("epochs"),
         "finished": finished,
         "verdicts": verdicts,
         "seeds": seeds,
     }
+
+
+def missing(name: str, run: dict, fields: tuple) -> str:
+    """The sentence a finding becomes when its results file lacks what it says:
+    which file, and which of its fields are absent or not numbers."""
+    if not run:
+        return f"`results/{name}` is missing or unreadable: its finding is not shown."
+    gone = [f"`{f}`" for f in fields if number(run.get(f)) is None]
+    return (
+        f"`results/{name}` has no number for {', '.join(gone)}: its finding is not "
+        "shown."
+    )
+
+
+def listed(value) -> list:
+    """``value`` when it is a list, else [] (a results file's list that is not)."""
+    return value if isinstance(value, list) else []
 
 
 def counted(n: int, one: str, many: str) -> str:
@@ -326,28 +374,43 @@ def findings(results: Path, links: dict) -> list[str]:
     ``results``; ``links`` gives the address of "results" and "table3"."""
     out = []
     run = read_json(results / HEADLINE)
-    if run.get("bleu") is not None:
-        cfg = run.get("config") or {}
-        size = ", ".join(f"{k} = {cfg[k]}" for k in ("N", "d_model", "h") if k in cfg)
-        preset = Path(str(run.get("run_dir", "multi30k-small"))).name
-        out.append(
-            f"The paper's model at a small scale (`{preset}`: {size}) trains on "
-            f"Multi30k German→English {where_trained(run)}, in "
-            f"{run.get('train_minutes', 0):.1f} minutes ({run.get('steps', 0):,} "
-            f"updates), and scores {run['bleu']:.1f} BLEU on its test set (beam "
-            f"{run.get('beam_size', '?')}, {run.get('bleu_kind', '')}; "
-            f"[Results]({links['results']}))."
+    bleu, minutes = number(run.get("bleu")), number(run.get("train_minutes"))
+    steps = number(run.get("steps"))
+    if bleu is not None and minutes is not None and steps is not None:
+        cfg = run.get("config") if isinstance(run.get("config"), dict) else {}
+        size = ", ".join(
+            f"{k} = {words(cfg[k], 12)}" for k in ("N", "d_model", "h") if k in cfg
         )
+        preset = re.sub(r"[^\w.-]", "", Path(str(run.get("run_dir", ""))).name)
+        out.append(
+            f"The paper's model at a small scale (`{preset or 'multi30k-small'}`: "
+            f"{size}) trains on Multi30k German→English {where_trained(run)}, in "
+            f"{minutes:.1f} minutes ({steps:,.0f} updates), and scores {bleu:.1f} "
+            f"BLEU on its test set (beam {words(run.get('beam_size', '?'), 4)}, "
+            f"{words(run.get('bleu_kind', ''), 30)}; [Results]({links['results']}))."
+        )
+    else:
+        out.append(missing(HEADLINE, run, ("bleu", "train_minutes", "steps")))
     sample = read_json(results / SAMPLE)
-    if sample.get("bleu") is not None:
+    bleu, minutes = number(sample.get("bleu")), number(sample.get("train_minutes"))
+    if bleu is not None and minutes is not None:
         out.append(
-            f"On the IWSLT14 German→English training sample it reaches "
-            f"{sample['bleu']:.1f} BLEU ({sample.get('bleu_kind', '')}), trained "
-            f"{where_trained(sample)} in {sample.get('train_minutes', 0):.1f} minutes."
+            f"On a {IWSLT14_SAMPLE / IWSLT14_PAIRS:.0%} sample of IWSLT14's "
+            f"German→English training data ({IWSLT14_SAMPLE:,} of {IWSLT14_PAIRS:,} "
+            f"pairs), trained {where_trained(sample)} for {minutes:.1f} minutes, it "
+            f"reaches {bleu:.1f} BLEU ({words(sample.get('bleu_kind', ''), 30)}), "
+            f"against {IWSLT14_PUBLISHED} published for 6-layer models trained on "
+            f"the full data on a GPU ([Results]({links['results']}))."
         )
-    state = table3_state(read_json(results / TABLE3))
+    else:
+        out.append(missing(SAMPLE, sample, ("bleu", "train_minutes")))
+    table3 = read_json(results / TABLE3)
+    if not table3:
+        return out + [missing(TABLE3, table3, ())]
+    state = table3_state(table3)
     table = f"[Table 3]({links['table3']})"
-    budget = f"{state['epochs']} epochs" if state["epochs"] else "the full schedule"
+    epochs = number(state["epochs"])
+    budget = f"{epochs:g} epochs" if epochs else "the full schedule"
     if not state["finished"]:
         out.append(
             f"{table} at our scale, every variation over {budget} with two seeds "
@@ -364,7 +427,7 @@ def findings(results: Path, links: dict) -> list[str]:
                 counted(v.count("fails to train"), "fails", "fail") + " to train"
             )
         told += [
-            f"{v.count(other)} read “{other}”"
+            f"{v.count(other)} read “{words(other, 30)}”"
             for other in sorted(
                 set(v) - {"agrees", "disagrees", "fails to train", "can't tell"}
             )
@@ -559,34 +622,34 @@ def figure_alt(code: str, prose: str) -> str:
     )
 
 
-def png_size(data: str) -> tuple[int, int] | None:
-    """(width, height) from a base64 PNG's header, or None if it is not one."""
+def png_image(data: str):
+    """A base64 PNG opened by Pillow (only its header is read), or None when it is
+    not one."""
+    from PIL import Image, UnidentifiedImageError
+
     try:
-        head = base64.b64decode(data[:32])
-    except ValueError:
+        image = Image.open(io.BytesIO(base64.b64decode(data)))
+    except (ValueError, TypeError, OSError, UnidentifiedImageError):
         return None
-    if head[:8] != b"\x89PNG\r\n\x1a\n" or len(head) < 24:
-        return None
-    return struct.unpack(">II", head[16:24])
+    return image if image.format == "PNG" else None
+
+
+def png_size(data: str) -> tuple[int, int] | None:
+    """(width, height) of a base64 PNG, or None if it is not one."""
+    image = png_image(data)
+    return image.size if image else None
 
 
 def png_dpi(data: str) -> float | None:
-    """The dots per inch a base64 PNG stores (its ``pHYs`` chunk in pixels per metre),
-    or None when it has none or says nothing of its unit."""
+    """The dots per inch a base64 PNG stores (its ``pHYs`` chunk, which Pillow reads
+    as ``info["dpi"]``), or None when it has none."""
+    image = png_image(data)
+    dpi = image.info.get("dpi") if image else None
     try:
-        raw = base64.b64decode(data[: 4 * 2048])  # the chunks before the image data
-    except ValueError:
+        x = float(dpi[0]) if dpi else 0.0
+    except (TypeError, ValueError):
         return None
-    at = 8
-    while at + 8 <= len(raw):
-        length, kind = struct.unpack(">I4s", raw[at : at + 8])
-        if kind == b"pHYs" and at + 17 <= len(raw):
-            x, _, unit = struct.unpack(">IIB", raw[at + 8 : at + 17])
-            return x * 0.0254 if unit == 1 and x else None
-        if kind == b"IDAT":
-            return None
-        at += 12 + length
-    return None
+    return x if math.isfinite(x) and x > 0 else None
 
 
 def display_size(output, mime: str) -> tuple[int, int, int] | None:
@@ -603,12 +666,29 @@ def display_size(output, mime: str) -> tuple[int, int, int] | None:
         least = math.ceil(round(size[0] * 72 / dpi * LEGIBLE_PT_PX, 1))
         return round(size[0] * scale), round(size[1] * scale), least
     if meta.get("width"):
-        width = int(meta["width"])
-        height = int(
-            meta.get("height") or (size and round(size[1] * width / size[0])) or 0
+        width = css_length(meta["width"], "width")
+        height = (
+            css_length(meta["height"], "height")
+            if meta.get("height")
+            else (size and round(size[1] * width / size[0])) or 0
         )
         return (width, height, 0) if height else None
     return (*size, 0) if size else None
+
+
+def css_length(value, name: str) -> int:
+    """An image's ``width`` or ``height`` from its output's metadata, in whole CSS
+    px; a value that is not a positive finite number is a :class:`BadInput`."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = math.nan
+    if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
+        raise BadInput(
+            f"an image output's {name} in its metadata is not a number of "
+            f"pixels: {str(value)[:40]!r}"
+        )
+    return round(number)
 
 
 def is_main_guard(cell) -> bool:
@@ -651,7 +731,6 @@ def prepare(nb):
                 )
             if ATTENTION_MIME in data:
                 blob = data[ATTENTION_MIME]
-                blob = json.loads(blob) if isinstance(blob, str) else blob
                 output["data"] = {"text/html": attention_explorer(blob)}
                 output["metadata"] = {"explorer": True}
                 continue
@@ -820,8 +899,68 @@ def colour_scale() -> str:
     )
 
 
+def script_json(data) -> str:
+    """``data`` as JSON to embed in a ``<script type="application/json">``: ``<``,
+    ``>`` and ``&`` written as ``\\u003c`` …, so that no ``<!--``, ``<script`` or
+    ``</script`` in a string can end or confuse the element (JSON.parse reads them
+    back as the characters)."""
+    text = json.dumps(data, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    for char in "<>&\u2028\u2029":
+        text = text.replace(char, f"\\u{ord(char):04x}")
+    return text
+
+
+def checked_maps(blob) -> dict:
+    """An attention-maps blob as the explorer reads it, or a :class:`BadInput`: a
+    dict whose ``maps`` are lists [layer][head][query][key] of numbers in [0, 1] and
+    whose ``sentence`` holds lists of tokens (strings)."""
+    if isinstance(blob, str):
+        try:
+            blob = json.loads(blob)
+        except ValueError:
+            raise BadInput("an attention-maps output is not JSON") from None
+    if not isinstance(blob, dict) or not isinstance(blob.get("maps", {}), dict):
+        raise BadInput("an attention-maps output is not an object with its maps")
+    for kind, layers in blob.get("maps", {}).items():
+        ok = (
+            isinstance(layers, list)
+            and all(
+                isinstance(head, list)
+                and all(
+                    isinstance(row, list)
+                    and all(
+                        isinstance(w, (int, float))
+                        and not isinstance(w, bool)
+                        and 0 <= w <= 1
+                        for w in row
+                    )
+                    for row in head
+                )
+                for heads in layers
+                if isinstance(heads, list)
+                for head in heads
+            )
+            and all(isinstance(heads, list) for heads in layers)
+        )
+        if not ok:
+            raise BadInput(
+                f"the attention maps' {str(kind)[:20]!r} are not "
+                "[layer][head][query][key] weights in [0, 1]"
+            )
+    sentence = blob.get("sentence", {})
+    if not isinstance(sentence, dict) or not all(
+        isinstance(v, list) and all(isinstance(t, str) for t in v)
+        for v in sentence.values()
+    ):
+        raise BadInput("an attention-maps output's sentence is not lists of tokens")
+    if not isinstance(blob.get("title", ""), str):
+        raise BadInput("an attention-maps output's title is not text")
+    return blob
+
+
 def attention_explorer(blob: dict) -> str:
     """The HTML of the interactive attention figure for one attention-maps blob."""
+    blob = checked_maps(blob)
     aliases = {
         "decoder_self": "decoder",
         "decoder_src": "cross",
@@ -846,9 +985,7 @@ def attention_explorer(blob: dict) -> str:
         "start": {"kind": kind, "layer": layer, "head": head},
         "presets": presets,
     }
-    payload = json.dumps(data, separators=(",", ":"), ensure_ascii=False).replace(
-        "</", "<\\/"
-    )
+    payload = script_json(data)
     caption = blob.get("title") or (
         "What the trained model attends to, for one test sentence: "
         "every kind of attention, layer and head."
@@ -1024,48 +1161,80 @@ def code_html(source: str, tabular: bool = False) -> str:
 
 # --- Outputs that are HTML ------------------------------------------------------------
 
-UNSAFE_TAGS = {
-    "script", "style", "iframe", "frame", "frameset", "object", "embed", "applet",
-    "link", "meta", "base", "form", "input", "button", "textarea", "select", "audio",
-    "video", "source", "track", "portal",
+# What a cell's HTML output may hold on the page: an allow-list for nh3 (the ammonia
+# sanitiser, which parses as browsers do). Tables, text formatting, lists, links to
+# "#…" and https://, pictures inline as data: addresses; nothing else.
+ALLOWED_TAGS = {
+    "a", "abbr", "b", "blockquote", "br", "caption", "code", "col", "colgroup", "dd",
+    "del", "details", "div", "dl", "dt", "em", "figcaption", "figure", "h1", "h2",
+    "h3", "h4", "h5", "h6", "hr", "i", "img", "ins", "kbd", "li", "mark", "ol", "p",
+    "pre", "q", "s", "samp", "small", "span", "strong", "sub", "summary", "sup",
+    "table", "tbody", "td", "tfoot", "th", "thead", "tr", "u", "ul", "var",
 }  # fmt: skip
-URL_ATTRIBUTES = {"href", "src", "action", "formaction", "xlink:href", "poster"}
+ALLOWED_ATTRIBUTES = {
+    "*": {"title", "lang", "dir"},
+    "a": {"href"},
+    "img": {"src", "alt", "width", "height"},
+    "td": {"colspan", "rowspan", "style"},
+    "th": {"colspan", "rowspan", "scope", "style"},
+    "col": {"span"},
+    "colgroup": {"span"},
+    "ol": {"start"},
+}
+INLINE_PICTURE = re.compile(r"data:image/(png|jpeg|gif|webp);base64,[A-Za-z0-9+/=\s]*")
+
+
+def allowed_address(tag: str, attribute: str, value: str) -> str | None:
+    """nh3's filter of each kept attribute: a link only to "#…" or an https://
+    address, a picture only inline (``data:image/png|jpeg|gif|webp``); other values
+    as they are."""
+    if attribute == "href":
+        return value if value.startswith("#") or https_address(value) else None
+    if attribute == "src":
+        return value if INLINE_PICTURE.fullmatch(value) else None
+    return value
+
+
+def https_address(value: str) -> str:
+    """``value`` when it is an absolute https:// address with a host (nothing that
+    a browser would read otherwise: no spaces, quotes or angle brackets), else ""."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(value, str) or re.search(r"[\s\x00-\x1f\x7f\"'<>\\`]", value):
+        return ""
+    try:
+        parts = urlsplit(value)
+    except ValueError:
+        return ""
+    return value if parts.scheme == "https" and parts.hostname else ""
 
 
 def sanitize_html(markup: str) -> str:
-    """HTML from a cell's output, safe on the page: no scripts, frames, forms or style
-    sheets, no ``on…`` handlers, no addresses the page would load or run (links to
-    ``#…``, http(s) and mail; pictures only inline, ``data:image/``), and of inline
-    styles only the alignment of text (what Markdown tables set)."""
-    from bs4 import BeautifulSoup, Comment
+    """HTML from a cell's output, safe on the page, by nh3's allow-list (above):
+    whatever is not allowed is removed (a script, a style sheet and their contents,
+    with them), comments too, a picture that is not inline, and a link gets
+    ``rel="noopener noreferrer"``. Of inline
+    styles only the alignment of text (what Markdown tables set) is kept."""
+    import nh3
 
-    soup = BeautifulSoup(markup, "html.parser")
-    for tag in soup.find_all(UNSAFE_TAGS):
-        tag.decompose()
-    for note in soup.find_all(string=lambda t: isinstance(t, Comment)):
-        note.extract()
-    for tag in soup.find_all(True):
-        for name in list(tag.attrs):
-            value = tag.attrs[name]
-            value = " ".join(value) if isinstance(value, list) else str(value)
-            low = re.sub(r"[\s\x00-\x1f]", "", value).lower()
-            if name.lower().startswith("on"):
-                del tag.attrs[name]
-            elif name.lower() in URL_ATTRIBUTES and not (
-                (name == "href" and low.startswith(("#", "https://", "http://")))
-                or (name == "href" and tag.name == "a" and low.startswith("mailto:"))
-                or (name == "src" and low.startswith("data:image/"))
-            ):  # links may lead out; nothing is loaded from anywhere
-                del tag.attrs[name]
-                if tag.name == "img" and name == "src":  # a picture from elsewhere
-                    tag.decompose()
-                    break
-            elif name.lower() == "style":
-                kept = re.findall(r"text-align\s*:\s*(left|right|center)", low)
-                if kept:
-                    tag.attrs[name] = f"text-align: {kept[0]}"
-                else:
-                    del tag.attrs[name]
+    clean = nh3.clean(
+        markup,
+        tags=ALLOWED_TAGS,
+        clean_content_tags={"script", "style", "template", "noscript", "title"},
+        attributes=ALLOWED_ATTRIBUTES,
+        attribute_filter=allowed_address,
+        filter_style_properties={"text-align"},
+        url_schemes={"https", "data"},
+        strip_comments=True,
+        link_rel="noopener noreferrer",
+    )
+    if "<img" not in clean:
+        return clean
+    from bs4 import BeautifulSoup
+
+    soup = BeautifulSoup(clean, "html.parser")
+    for img in soup.find_all("img", src=False):  # a picture from elsewhere: gone
+        img.decompose()
     return str(soup)
 
 
@@ -1726,12 +1895,20 @@ def arrange(html: str, about: dict | None = None) -> str:
     add_next_links(soup, main)
     contents_nav(soup, headings)
     entries = search_index(main) + index_code(main)
-    index = json.dumps(entries, separators=(",", ":"), ensure_ascii=False)
+    index = script_json(entries)
     script = soup.new_tag(
         "script", attrs={"type": "application/json", "id": "search-index"}
     )
-    script.string = index.replace("</", "<\\/")
+    script.string = index
     soup.body.find("script", recursive=False).insert_before(script)
+    policy = soup.new_tag(
+        "meta",
+        attrs={
+            "http-equiv": "Content-Security-Policy",
+            "content": content_security_policy(soup),
+        },
+    )
+    soup.head.find("meta", charset=True).insert_after(policy)
     return str(soup)
 
 
@@ -1808,29 +1985,33 @@ def with_findings(readme: str, results: Path = ROOT / "results") -> str:
     return title + sep + first + "\n\n" + block + "\n\n" + after
 
 
-def about_page(results: Path) -> dict:
+def about_page(results: Path, cff_file: Path = ROOT / "CITATION.cff") -> dict:
     """What the page says about the project: the findings (from ``results``), its
     address and Colab link (from CITATION.cff, "" while unset), this reproduction's
     BibTeX and the build's stamp."""
-    where = project()
-    url = where.project_url()
+    cff = citation(cff_file)
+    url = https_address(cff.get("repository-code", ""))
     return {
         "findings": findings(results, {"results": "#results", "table3": "#table-3"}),
         "url": url,
-        "colab": where.colab_url(url) if url else "",
-        "bibtex": bibtex_of(citation(), url) if citation() else "",
+        "colab": https_address(project().colab_url(url)) if url else "",
+        "bibtex": bibtex_of(cff, url) if cff else "",
         "stamp": build_stamp(),
     }
 
 
-def build(notebook: Path, out: Path, results: Path = ROOT / "results") -> dict:
+def build(
+    notebook: Path,
+    out: Path,
+    results: Path = ROOT / "results",
+    cff_file: Path = ROOT / "CITATION.cff",
+) -> dict:
     """Write the page for ``notebook`` to ``out`` (the findings read from
-    ``results``): its size, formulas, build time."""
-    import nbformat
-
+    ``results``, the project's address and citation from ``cff_file``): its size,
+    formulas, build time."""
     start = time.perf_counter()
+    nb = prepare(read_notebook(notebook))
     ensure_katex()
-    nb = prepare(nbformat.read(notebook, as_version=4))
     formulas: list[dict] = []
     exporter = make_exporter(formulas)
     title = next(
@@ -1854,14 +2035,69 @@ def build(notebook: Path, out: Path, results: Path = ROOT / "results") -> dict:
     html, _ = exporter.from_notebook_node(nb, resources=resources)
     typeset_html = typeset(formulas)
     html = SLOT.sub(lambda m: typeset_html[int(m.group(1))], html)
-    html = arrange(html, about_page(results))
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(html, encoding="utf-8")
+    html = arrange(html, about_page(results, cff_file))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(html, encoding="utf-8")
+    except OSError as err:
+        raise BadInput(f"cannot write {out}: {err.strerror or err}") from None
     return {
         "bytes": out.stat().st_size,
         "formulas": len(formulas),
         "seconds": time.perf_counter() - start,
     }
+
+
+def read_notebook(path: Path):
+    """The notebook at ``path`` (nbformat 4), or a :class:`BadInput` saying why not:
+    missing, unreadable, torn (not JSON) or not a notebook."""
+    import nbformat
+
+    try:
+        return nbformat.read(path, as_version=4)
+    except FileNotFoundError:
+        raise BadInput(f"no notebook at {path}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise BadInput(f"cannot read the notebook {path}: {err}") from None
+    except Exception as err:  # nbformat's NotJSONError, a validation error, …
+        first = str(err).strip().splitlines()[0][:100] if str(err).strip() else ""
+        raise BadInput(
+            f"{path} is not a readable notebook ({type(err).__name__}: {first})"
+        ) from None
+
+
+def content_security_policy(soup) -> str:
+    """The page's Content-Security-Policy: nothing from anywhere (``default-src
+    'none'``); pictures and fonts only inline (``data:``); styles inline; scripts
+    only the page's own inline ones (the template's, in ``<head>`` and at the end of
+    ``<body>``, never one inside the article), each by the SHA-256 of its text."""
+    import hashlib
+
+    own = soup.head.find_all("script", recursive=False) + soup.body.find_all(
+        "script", recursive=False
+    )
+    hashes = sorted(
+        {
+            "'sha256-"
+            + base64.b64encode(
+                hashlib.sha256((s.string or "").encode("utf-8")).digest()
+            ).decode()
+            + "'"
+            for s in own
+            if s.get("type", "text/javascript").lower() == "text/javascript"
+        }
+    )
+    return "; ".join(
+        [
+            "default-src 'none'",
+            "img-src data:",
+            "font-src data:",
+            "style-src 'unsafe-inline'",
+            "script-src " + (" ".join(hashes) or "'none'"),
+            "base-uri 'none'",
+            "form-action 'none'",
+        ]
+    )
 
 
 def main(argv=None) -> int:
@@ -1885,6 +2121,9 @@ def main(argv=None) -> int:
     except MissingTool as err:
         print(err, file=sys.stderr)
         return 2
+    except BadInput as err:
+        print(f"make html: {err}", file=sys.stderr)
+        return 1
     where = args.out.relative_to(ROOT) if args.out.is_relative_to(ROOT) else args.out
     print(
         f"wrote {where}: {stats['bytes'] / 1e6:.1f} MB ({stats['bytes']:,} bytes), "
