@@ -435,7 +435,9 @@ def summary_row(variation, group, seeds, verdict=None):
 def test_the_table_3_finding_counts_finished_row_groups_only(tmp_path):
     table = tmp_path / build.TABLE3
     links = {"results": "#r", "table3": "#t"}
-    table.write_text("{not json")
+    table.write_text("{not json")  # torn: the finding says so
+    assert "results/table3.json` is missing" in build.findings(tmp_path, links)[-1]
+    table.write_text('{"budget": {"epochs": 15}, "summary": []}')  # nothing yet
     assert "is being measured" in build.findings(tmp_path, links)[-1]
     data = {
         "budget": {"epochs": 15},
@@ -637,3 +639,90 @@ def test_every_file_a_result_names_is_in_the_repository():
         if not (v.startswith("results/") and (ROOT / v).is_file())
     }
     assert not missing, missing
+
+
+@pytest.mark.parametrize(
+    "notebook, said",
+    [
+        (None, "no notebook at"),
+        ('{"cells": [{"cell_type": "markdown", "sour', "not a readable notebook"),
+        ('{"cells": 3}', "not a readable notebook"),
+    ],
+)
+def test_a_missing_or_torn_notebook_is_one_line(tmp_path, capsys, notebook, said):
+    path = tmp_path / "torn.ipynb"
+    if notebook is not None:
+        path.write_text(notebook)
+    assert build.main(["--notebook", str(path), "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("width", ["wide", "nan", -3, True, None])
+def test_an_image_width_that_is_not_a_number_is_one_line(width):
+    output = {
+        "output_type": "display_data",
+        "data": {"image/png": png(40, 20)},
+        "metadata": {"image/png": {"width": width}},
+    }
+    if width is None:  # no width: the picture's own size
+        assert build.display_size(output, "image/png")[:2] == (40, 20)
+        return
+    with pytest.raises(build.BadInput, match="width") as err:
+        build.display_size(output, "image/png")
+    assert "\n" not in str(err.value)
+
+
+def test_findings_from_torn_or_nan_results_say_what_is_missing(tmp_path):
+    (tmp_path / build.HEADLINE).write_text('{"bleu": NaN, "steps": "many"}')
+    (tmp_path / build.SAMPLE).write_text('{"bleu": 9.1, "train_minu')
+    said = build.findings(tmp_path, build.README_LINKS)
+    assert len(said) == 3
+    assert "`bleu`" in said[0] and "`steps`" in said[0] and build.HEADLINE in said[0]
+    assert build.SAMPLE in said[1] and build.TABLE3 in said[2]
+    assert not any("nan" in s.lower() for s in said)
+
+
+def test_text_from_results_is_shown_as_text_and_links_nothing(tmp_path):
+    from nbconvert.filters.markdown_mistune import markdown2html_mistune
+
+    run = json.loads((ROOT / "results" / build.HEADLINE).read_text())
+    run["cpu"] = "[AMD](javascript:alert(1)) <b>EPYC</b> `x` *y* 2 cores"
+    run["bleu_kind"] = "<img src=x onerror=alert(1)>"
+    (tmp_path / build.HEADLINE).write_text(json.dumps(run))
+    sentence = build.findings(tmp_path, build.README_LINKS)[0]
+    html = markdown2html_mistune(sentence)
+    assert "javascript" not in re.findall(r'href="([^"]*)"', html)[0:1][0]
+    assert html.count("<a ") == 1  # Results alone
+    assert "<b>" not in html and "<img" not in html
+    assert "&lt;img src=x onerror=alert(1)&gt;" in html
+    assert "[AMD](javascript:alert(1))" in html  # the text, as it was
+
+
+@pytest.mark.parametrize(
+    "value, url",
+    [
+        ("https://github.com/o/n", "https://github.com/o/n"),
+        ('"javascript:alert(1)//https://x"', ""),
+        ("data:text/html,x", ""),
+        ("http://github.com/o/n", ""),
+        ("not a url at all", ""),
+        ('"https://github.com/o/n\\"onmouseover=x"', ""),
+        ("https://", ""),
+        ("[https://x]", ""),
+    ],
+)
+def test_the_repository_address_is_used_only_as_https(tmp_path, value, url):
+    cff = tmp_path / "CITATION.cff"
+    cff.write_text(f"cff-version: 1.2.0\ntitle: T\nrepository-code: {value}\n")
+    about = build.about_page(ROOT / "results", cff)
+    assert about["url"] == url
+    assert (about["colab"] != "") == (url != "")
+    assert (url in about["bibtex"]) if url else ("url" not in about["bibtex"])
+
+
+def test_json_in_a_script_element_cannot_end_or_confuse_it():
+    data = {"t": ["<!--<script>", "</script><b>", "a&b", "\u2028"]}
+    text = build.script_json(data)
+    assert not re.search(r"<|>|&|\u2028", text)
+    assert json.loads(text) == data
