@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import statistics
 import sys
@@ -31,21 +30,7 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 import the_annotated_transformer as tat  # noqa: E402
-
-
-def cpu_name() -> str:
-    """The CPU's model name, family and model, as Linux reports them ("" elsewhere)."""
-    info = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            info.setdefault(key.strip(), value.strip())
-    except OSError:
-        return platform.processor() or platform.machine()
-    return (
-        f"{info.get('model name', '?')} (family {info.get('cpu family', '?')}, "
-        f"model {info.get('model', '?')})"
-    )
+from machinery.devices import cpu_name  # noqa: E402
 
 
 def iwslt_like_pairs(n: int = 20_000, seed: int = 0) -> list:

@@ -13,8 +13,8 @@ Sections (each is a key of the JSON written to ``--out``):
    our readable path and ``torch.nn.Transformer`` at the same sizes, on the same
    length-bucketed Multi30k batches; float32, and bf16 autocast where the CPU computes
    bf16 natively.
-2. ``flops``: matmul FLOPs per training step counted from the tensor shapes, divided by
-   the step time, as a share of the matmul peak measured in the same run.
+2. ``flops``: matmul FLOPs per training step counted by ``FlopCounterMode``, divided
+   by the step time, as a share of the matmul peak measured in the same run.
 3. ``padding``: share of padding tokens in our length-bucketed batches vs padding every
    sentence to a fixed 72 tokens.
 4. ``decoding``: greedy decoding of the test set one sentence at a time with full
@@ -30,6 +30,7 @@ a Markdown table.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -46,12 +47,16 @@ from typing import Callable, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import machinery  # noqa: E402
+from machinery.devices import cpu_name, usable_cores  # noqa: E402
+from machinery.runfiles import atomic_file, write_atomic  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
+from profiling import counted_flops, meta_batch  # noqa: E402
 
 FIXED_PAD_LENGTH = 72  # the fixed-length padding that length bucketing is compared with
 
@@ -154,57 +159,14 @@ def median_time(fn: Callable[[], object], warmup: int, repeats: int) -> float:
 # --------------------------------------------------------------------------- machine
 
 
-def cpuinfo() -> dict:
-    """The first CPU's fields in /proc/cpuinfo, name → value ({} where there is no such
-    file)."""
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, sep, value = line.partition(":")
-            if sep and key.strip() not in fields:
-                fields[key.strip()] = value.strip()
-    except OSError:
-        pass
-    return fields
-
-
-def cpu_name(fields: dict) -> str:
-    """The CPU model as /proc/cpuinfo names it (else what ``platform`` says)."""
-    return (
-        fields.get("model name")
-        or platform.processor()
-        or platform.machine()
-        or "unknown CPU"
-    )
-
-
-def cpu_id(fields: dict) -> str:
-    """CPU family, model and stepping ("" where /proc/cpuinfo lacks them): CPUs sold
-    under one name differ."""
-    return ", ".join(
-        f"{k} {fields[k]}" for k in ("cpu family", "model", "stepping") if k in fields
-    )
-
-
-def cpu_label(machine: dict) -> str:
-    """The CPU as the table and the plot name it: its name, then family, model and
-    stepping when known."""
-    return (
-        f"{machine['cpu']} ({machine['cpu_id']})"
-        if machine.get("cpu_id")
-        else machine["cpu"]
-    )
-
-
 def machine_info() -> dict:
     """What the numbers were measured on: CPU, cores, threads, torch, bf16 support,
     load."""
     bf16, why = machinery.native_bf16(torch.device("cpu"))
-    fields = cpuinfo()
     return {
-        "cpu": cpu_name(fields),
-        "cpu_id": cpu_id(fields),
-        "cores": os.cpu_count(),
+        "cpu": cpu_name(),
+        "cores": usable_cores(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(not set)"),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -382,21 +344,21 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
 
 
-def matmul_flops(
-    cfg: machinery.Config, batch: int, src_len: int, tgt_len: int, vocab: int
+def training_flops(
+    cfg: machinery.Config, shapes: Sequence[tuple], src_vocab: int, tgt_vocab: int
 ) -> int:
-    """Matmul FLOPs (2 per multiply-add) of one forward pass, counted from the shapes.
+    """FLOPs (2 per multiply-add) of one forward and backward pass over batches of
+    ``shapes`` ((source shape, target shape) each), counted by ``FlopCounterMode``
+    (``profiling.counted_flops``) on our model with ``cfg``'s sizes on the ``meta``
+    device: the matrix products and attention that are computed, padding included,
+    whatever h·d_k is."""
+    with torch.device("meta"):
+        model = tat.make_model(src_vocab, tgt_vocab, cfg, attention="readable")
 
-    Counts the attention projections (Q, K, V, output), QK^T and AV, the two FFN layers
-    and the output layer, on the padded tensors (that is what is computed). A training
-    step is about three times this (backward = two matmuls per forward matmul).
-    """
-    d, ff, B, S, T = cfg.d_model, cfg.d_ff, batch, src_len, tgt_len
-    enc = 4 * 2 * B * S * d * d + 2 * 2 * B * S * S * d + 2 * 2 * B * S * d * ff
-    dec_self = 4 * 2 * B * T * d * d + 2 * 2 * B * T * T * d
-    dec_cross = 2 * 2 * B * T * d * d + 2 * 2 * B * S * d * d + 2 * 2 * B * T * S * d
-    dec = dec_self + dec_cross + 2 * 2 * B * T * d * ff
-    return cfg.N * enc + cfg.decoder_layers * dec + 2 * B * T * d * vocab
+    def one_pass(src: tuple, tgt: tuple) -> None:
+        tat.batch_loss(model, meta_batch(src, tgt), cfg.eps_ls).backward()
+
+    return sum(counted_flops(lambda s=s, t=t: one_pass(s, t)) for s, t in shapes)
 
 
 def bench_training(
@@ -422,11 +384,11 @@ def bench_training(
     )
     batches = [tat.make_batch(pairs, idx) for idx in all_batches[: st.train_batches]]
     tokens = sum(b.ntokens for b in batches)
-    flops = 3 * sum(
-        matmul_flops(
-            cfg, b.src.size(0), b.src.size(1), b.tgt.size(1), len(data.tgt_vocab)
-        )
-        for b in batches
+    flops = training_flops(
+        cfg,
+        [(tuple(b.src.shape), tuple(b.tgt.shape)) for b in batches],
+        len(data.src_vocab),
+        len(data.tgt_vocab),
     )
     precisions = ["float32"] + (["bf16"] if bf16_native else [])
     kinds = [k for k in MODEL_NAMES if st.compiled or not k.endswith("+compile")]
@@ -898,15 +860,10 @@ def bench_scaling(st: Settings, log: Callable) -> dict:
                     layer(x).sum().backward()
 
                 t = median_time(update, st.scaling_warmup, st.scaling_repeats)
-                flops = (
-                    3
-                    * st.scaling_batch
-                    * (
-                        8 * n * d * d + 4 * n * n * d
-                        if name == "self-attention"
-                        else 16 * n * d * d
-                    )
-                )
+                meta = copy.deepcopy(layer).to("meta")
+                shape = (st.scaling_batch, n, d)
+                x_meta = torch.empty(shape, device="meta", requires_grad=True)
+                flops = counted_flops(lambda: meta(x_meta).sum().backward())
                 results.append(
                     {
                         "sublayer": name,
@@ -1002,12 +959,13 @@ def plot(report: dict, path: Path) -> Path:
         ax.set_title(f"one sub-layer, d_model={d}, batch {report['scaling']['batch']}")
         ax.legend()
     fig.suptitle(
-        f"{cpu_label(report['machine'])}, {report['machine']['cores']} cores, torch "
+        f"{report['machine']['cpu']}, {report['machine']['cores']} cores, torch "
         f"{report['machine']['torch']}",
         fontsize=9,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_file(path) as f:
+        fig.savefig(f, format="png", dpi=110)
     plt.close(fig)
     return path
 
@@ -1032,7 +990,7 @@ def table(report: dict) -> str:
         for k in ("load_average_start", "load_average_end")
     ]
     lines = [
-        f"Machine: {cpu_label(m)}, {m['cores']} cores ({m['torch_threads']} torch "
+        f"Machine: {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch "
         f"threads), torch {m['torch']}, "
         f"bf16 native: {'yes' if m['bf16_native'] else 'no'} ({m['bf16_reason']})",
         f"Command: {report['command']}",
@@ -1290,9 +1248,7 @@ def main(argv: Sequence[str]) -> int:
         list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     )
     report["seconds"] = time.time() - t_start
-    (out / "bench.json").write_text(
-        json.dumps(report, indent=2) + "\n", encoding="utf-8"
-    )
+    write_atomic(out / "bench.json", (json.dumps(report, indent=2) + "\n").encode())
     plot(report, out / "bench.png")
     print(table(report))
     print(

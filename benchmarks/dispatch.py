@@ -36,7 +36,8 @@ import torch  # noqa: E402
 
 import machinery  # noqa: E402
 import machinery.training  # noqa: E402
-from gpu_check import cpu_name  # noqa: E402
+from machinery.devices import cpu_name  # noqa: E402
+from machinery.runfiles import write_atomic  # noqa: E402
 from profiling import window_counts  # noqa: E402
 
 WIDTH = dict(d_model=16, d_ff=32, h=4)
@@ -160,7 +161,7 @@ def main(argv=None) -> int:
         rows.append(measure(precision, compiled, args, lengths))
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
+        write_atomic(Path(args.json), (json.dumps(rows, indent=2) + "\n").encode())
     return 0
 
 

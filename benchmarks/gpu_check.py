@@ -72,7 +72,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from profiling import window_counts  # noqa: E402
+from profiling import counted_flops, meta_batch, window_counts  # noqa: E402
 
 # Optional packages: what each one's absence costs.
 OPTIONAL = MappingProxyType(
@@ -152,19 +152,23 @@ def slug(name: str) -> str:
 
 
 def cpu_name() -> str:
-    """The CPU's model name as Linux reports it (the platform's processor elsewhere)."""
+    """The CPU's name: a copy of ``machinery.devices.cpu_name`` (this script runs
+    without the package; tests/test_gpu_check.py keeps the two equal)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            lines = f.read().split("\n\n")[0].splitlines()
+    except (OSError, UnicodeDecodeError):
+        return platform.processor() or platform.machine() or "unknown CPU"
+    info = {k.strip(): v.strip() for k, _, v in (x.partition(":") for x in lines)}
+    name = info.get("model name") or platform.processor() or "unknown CPU"
+    detail = ", ".join(f"{k} {info[k]}" for k in ("cpu family", "model") if info.get(k))
+    return f"{name} ({detail})" if detail else name
 
 
 def write_json(path: Path, report: dict) -> None:
-    """Replace ``path`` with ``report`` in one step (a timeout never leaves half)."""
+    """Replace ``path`` with ``report`` in one step (a timeout never leaves half): a
+    short copy of ``machinery.runfiles.write_atomic``, since this script runs without
+    the package."""
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(report, indent=2, default=str) + "\n")
     os.replace(tmp, path)
@@ -338,18 +342,31 @@ def build_standin(src: Optional[Path], folder: Path, pairs: int) -> dict:
 # ## Measuring training
 
 
-def train_flops(cfg, vocab: int, src: tuple, tgt: tuple) -> float:
-    """FLOPs of one forward and backward pass (3× the forward's) on padded batches of
-    shapes ``src`` and ``tgt`` (sentences, length)."""
-    d, ff = cfg.d_model, cfg.d_ff
-    (b, ls), (_, lt) = src, tgt
-    enc = cfg.N * (b * ls * (4 * d * d + 2 * d * ff) + b * 2 * ls * ls * d)
-    dec = cfg.decoder_layers * (
-        b * lt * (4 * d * d + 2 * d * d + 2 * d * ff)  # self q,k,v,o; cross q,o; FFN
-        + b * ls * 2 * d * d  # cross-attention keys and values
-        + b * 2 * (lt * lt + lt * ls) * d
-    )
-    return 3 * 2 * (enc + dec + b * lt * d * vocab)
+class FlopCount:
+    """FLOPs of one forward and backward pass of a run's model on padded batches of
+    given shapes, counted by ``FlopCounterMode`` (``profiling.counted_flops``) on a
+    copy of the model on the ``meta`` device — Table 3's h·d_k ≠ d_model included —
+    once per shape."""
+
+    def __init__(self, cfg, src_vocab: int, tgt_vocab: int):
+        import machinery
+
+        self.tat, self.cfg, self.known = machinery.notebook(), cfg, {}
+        with torch.device("meta"):
+            self.model = self.tat.make_model(
+                src_vocab, tgt_vocab, cfg, attention="readable"
+            )
+
+    def __call__(self, src: tuple, tgt: tuple) -> int:
+        """FLOPs of a pass over a batch of ``src`` and ``tgt`` (sentences, length)."""
+        if (src, tgt) not in self.known:
+            batch = meta_batch(src, tgt)
+            self.known[src, tgt] = counted_flops(
+                lambda: self.tat.batch_loss(
+                    self.model, batch, self.cfg.eps_ls
+                ).backward()
+            )
+        return self.known[src, tgt]
 
 
 class SmiSampler:
@@ -408,7 +425,8 @@ class Recorder:
     ):
         self.training, self.device = training, device
         self.warm, self.timed, self.profiled = warm, timed, profiled
-        self.ends, self.tokens, self.flops = [], [], []
+        self.ends, self.tokens, self.shapes = [], [], []
+        self.count: Optional[FlopCount] = None
         self.real = training.update
         self.prof, self.smi, self.smi_result, self.window = None, None, None, None
         self.hook: Optional[Callable] = None  # called with the update's number
@@ -429,10 +447,12 @@ class Recorder:
         out = self.real(run, micro)  # ends in the update's one host sync
         self.ends.append(time.perf_counter())
         self.tokens.append(out[1])
-        vocab = len(run.data.tgt_vocab)
+        if self.count is None:  # counted after the timed window, on the meta device
+            self.count = FlopCount(
+                run.cfg, len(run.data.src_vocab), len(run.data.tgt_vocab)
+            )
         shapes = [(tuple(b.src.shape), tuple(b.tgt.shape)) for b in micro]
-        flops = sum(train_flops(run.cfg, vocab, s, t) for s, t in shapes)
-        self.flops.append(flops * run.world)
+        self.shapes.append((shapes, run.world))
         if self.timed and n == self.warm:
             self.smi = SmiSampler(self.device)
         if self.smi is not None and n == self.warm + self.timed:
@@ -472,7 +492,11 @@ class Recorder:
         out: dict = {"updates": len(self.ends), "timed_updates": max(last - first, 0)}
         if last > first >= 1:
             span = self.ends[last - 1] - self.ends[first - 1]
-            tokens, flops = sum(self.tokens[first:last]), sum(self.flops[first:last])
+            tokens = sum(self.tokens[first:last])
+            flops = sum(
+                world * sum(self.count(src, tgt) for src, tgt in shapes)
+                for shapes, world in self.shapes[first:last]
+            )
             out["ms_per_update"] = 1e3 * span / (last - first)
             out["target_tokens_per_s"] = tokens / span
             out["tflops_per_s"] = flops / span / 1e12

@@ -1,5 +1,6 @@
 """Reading a `torch.profiler` window: ops dispatched, kernels launched, and the time a
-GPU was busy (our addition; `gpu_check.py` and `dispatch.py` use it).
+GPU was busy; and FLOPs counted by `FlopCounterMode` (our addition; `gpu_check.py`,
+`dispatch.py` and `bench.py` use it).
 
 Needs only torch, and reads only attributes every torch 2.x profiler event has
 (``name``, ``device_type``, ``time_range``, ``cpu_parent``).
@@ -7,7 +8,8 @@ Needs only torch, and reads only attributes every torch 2.x profiler event has
 
 from __future__ import annotations
 
-from typing import Iterable
+from types import SimpleNamespace
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -61,3 +63,35 @@ def window_counts(events: list) -> dict:
         if spans
         else 0.0,
     }
+
+
+# FLOPs are counted, not derived from a formula: `torch.utils.flop_counter`'s
+# FlopCounterMode adds up the matrix products (and attention kernels) that a pass
+# dispatches, whatever the shapes — Table 3's rows with h·d_k ≠ d_model included. The
+# passes run on the `meta` device, where tensors have shapes and no data: counting costs
+# no arithmetic and no memory.
+
+
+def counted_flops(fn: Callable[[], object]) -> int:
+    """The FLOPs (2 per multiply-add) of the matrix products and attention that ``fn``
+    dispatches, counted by ``FlopCounterMode`` while it runs once."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return int(counter.get_total_flops())
+
+
+def meta_batch(src_shape: Sequence[int], tgt_shape: Sequence[int]) -> SimpleNamespace:
+    """A training batch's tensors on the ``meta`` device (shapes, no data): ``src``
+    (sentences, source length), ``tgt`` and ``tgt_y`` (sentences, target length) and
+    their masks, as ``Batch`` makes them."""
+    (b, s), (_, t) = src_shape, tgt_shape
+    tokens = {"dtype": torch.long, "device": "meta"}
+    return SimpleNamespace(
+        src=torch.empty(b, s, **tokens),
+        tgt=torch.empty(b, t, **tokens),
+        tgt_y=torch.empty(b, t, **tokens),
+        src_mask=torch.empty(b, 1, s, dtype=torch.bool, device="meta"),
+        tgt_mask=torch.empty(b, t, t, dtype=torch.bool, device="meta"),
+    )

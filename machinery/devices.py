@@ -117,6 +117,25 @@ def progress_bar(iterable=None, **options):
     return tqdm(iterable, **options)
 
 
+def cpu_name() -> str:
+    """The CPU as every result of this project names it (our addition; the one reader):
+    the model name in /proc/cpuinfo with its family and model number, since one name
+    covers several chips — "<model name> (cpu family F, model M)" — else the
+    platform's word for it."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            first = f.read().split("\n\n")[0]
+    except (OSError, UnicodeDecodeError):
+        return platform.processor() or platform.machine() or "unknown CPU"
+    info = dict(
+        (k.strip(), v.strip())
+        for k, _, v in (line.partition(":") for line in first.splitlines())
+    )
+    name = info.get("model name") or platform.processor() or "unknown CPU"
+    detail = ", ".join(f"{k} {info[k]}" for k in ("cpu family", "model") if info.get(k))
+    return f"{name} ({detail})" if detail else name
+
+
 # ## Devices, precision, processes and signals
 #
 # Small pieces a run needs from its surroundings: which device, which precision pays off

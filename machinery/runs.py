@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from .config import Config, weight_fields
-from .runfiles import checkpoint_paths
+from .devices import cpu_name
+from .runfiles import CheckpointError, RunDirectoryError, checkpoint_paths, first_line
 
 # What a run trains, beyond the model's shape: the data, the schedule and the
 # regularization. Precision, attention path, device, checkpoints and decoding settings
@@ -62,26 +64,13 @@ def recipe_differences(saved: dict, cfg: Config) -> list[str]:
 
 def machine_name(device) -> str:
     """The chip a run trained on, as a reader would name it: the GPU's name, else the
-    CPU's model name from /proc/cpuinfo (with its family and model number, since one
-    name covers several chips), else the platform's word for it."""
-    import platform
-
+    CPU's (:func:`machinery.devices.cpu_name`, the one reader of it)."""
     import torch
 
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    try:
-        first = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
-    except OSError:
-        return platform.processor() or platform.machine() or "unknown CPU"
-    info = {}
-    for line in first.splitlines():
-        key, _, value = line.partition(":")
-        info[key.strip()] = value.strip()
-    name = info.get("model name") or platform.processor() or "unknown CPU"
-    detail = ", ".join(f"{k} {info[k]}" for k in ("cpu family", "model") if k in info)
-    return f"{name} ({detail})" if detail else name
+    return cpu_name()
 
 
 def machine_of(summary: dict) -> str:
@@ -99,43 +88,183 @@ def _quiet(*args, **kwargs) -> None:
     """A log that keeps the training run's own lines out of the notebook's outputs."""
 
 
+# What a summary must hold before it stands for a run of ``cfg``: the whole recipe (a
+# missing field is not a matching one), the same scoring (the whole test split, the
+# same beam, the same averaging), a positive number of updates and finite scores. A
+# summary that fails is set aside with one line saying what differs.
+SCORING_FIELDS = (
+    "max_eval_sentences",
+    "beam_size",
+    "length_penalty_alpha",
+    "average_last",
+    "max_decode_extra",
+)
+
+
+def summary_problem(
+    summary, cfg: Config, sentences: Optional[int] = None
+) -> Optional[str]:
+    """Why ``summary`` (a ``results.json`` or a recorded summary) does not stand for a
+    finished run of ``cfg``, in a few words; None when it does. ``sentences``: the
+    number of test sentences a run of ``cfg`` scores, where known (from another
+    summary of the recipe)."""
+    if not isinstance(summary, dict):
+        return "it is not a run summary"
+    saved = summary.get("config")
+    if not isinstance(saved, dict) or not saved:
+        return "it has no config"
+    # a field a summary lacks was added since, and took its default then
+    defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+    lacks = [
+        n
+        for n in (*weight_fields(), *RECIPE_FIELDS)
+        if n not in saved and getattr(cfg, n) != defaults.get(n)
+    ]
+    if lacks:
+        return f"its config lacks {', '.join(lacks[:3])}{' …' * (len(lacks) > 3)}"
+    if differ := recipe_differences(saved, cfg):
+        return f"another recipe ({', '.join(differ[:3])}{' …' * (len(differ) > 3)})"
+    asked = dataclasses.asdict(cfg)
+    if differ := [n for n in SCORING_FIELDS if n in saved and saved[n] != asked[n]]:
+        said = ", ".join(f"{n}: {saved[n]!r} → {asked[n]!r}" for n in differ[:3])
+        return f"scored otherwise ({said})"
+    steps, minutes = summary.get("steps"), summary.get("train_minutes")
+    if not (isinstance(steps, int) and steps > 0):
+        return f"its steps are {steps!r}, not a number of updates"
+    if not (isinstance(minutes, (int, float)) and math.isfinite(minutes)):
+        return f"its train_minutes are {minutes!r}"
+    for key in ("bleu", "bleu_greedy"):
+        value = summary.get(key)
+        if not (isinstance(value, (int, float)) and 0 <= value <= 100):
+            return f"its {key} is {value!r}, not a score from 0 to 100"
+    n, limit = summary.get("test_sentences"), cfg.max_eval_sentences
+    if not (isinstance(n, int) and n > 0):
+        return f"its test_sentences are {n!r}"
+    if (sentences and n != sentences) or (limit and n > limit):
+        return f"scored on {n:,} test sentences, not {sentences or limit:,}"
+    return None
+
+
+def read_summary(path: Path) -> tuple[Optional[dict], str]:
+    """(the JSON in ``path``, "") or (None, why it cannot be read)."""
+    try:
+        return json.loads(Path(path).read_text("utf-8")), ""
+    except (OSError, ValueError) as e:
+        return None, f"it cannot be read ({first_line(e)})"
+
+
+def shipped_summary(folder: Path, cfg: Config, recorded=None) -> tuple[dict, str]:
+    """(a summary of the shipped model in ``folder``, as run_or_load returns it, or
+    {}, why it is set aside; "" when it is not of this recipe or not there)."""
+    from .export import read_meta, score_line
+
+    if not (Path(folder) / "model.json").is_file():
+        return {}, ""
+    try:
+        meta = read_meta(folder)
+    except CheckpointError as e:
+        return {}, first_line(e)
+    saved = meta.get("config")
+    if (
+        not isinstance(saved, dict)
+        or recipe_differences(saved, cfg)
+        or any(n not in saved for n in (*weight_fields(), *RECIPE_FIELDS))
+    ):
+        return {}, ""  # a model of another recipe: not a stand-in for this one
+    source, score = meta.get("source", {}), meta.get("score", {})
+    summary = {**source, "config": saved, "model": str(folder)}
+    if score:  # the file's own score, as `evaluate` measures it
+        summary |= {
+            "bleu": score["bleu"],
+            "bleu_greedy": score["greedy"]["bleu"],
+            "bleu_kind": score["bleu_kind"],
+            "test_sentences": score["sentences"],
+        }
+    if problem := summary_problem(summary, cfg):
+        return {}, problem
+    if recorded is not None:
+        recorded = Path(recorded)
+        summary["curve"] = str(recorded.with_name(f"{recorded.stem}-curve.png"))
+    summary["said"] = score_line(meta)
+    return summary, ""
+
+
 def run_or_load(
     cfg: Config,
     recorded: Optional[str] = None,
     log: Callable = print,
     train_log: Callable = _quiet,
+    shipped: Optional[Path] = None,
 ) -> dict:
     """The summary of a run of ``cfg`` (as ``machinery.train`` returns it), made or
-    found in plain sight:
+    found in plain sight, from the first of:
 
-    1. a finished run of the same recipe in ``cfg.run_dir`` is loaded;
-    2. else, where ``cfg.run_dir`` holds no checkpoint and ``recorded`` (a
-       ``results/*.json`` summary) exists, that summary is loaded;
-    3. else the run is resumed from its checkpoints, or trained from the start.
+    1. a finished run of the same recipe in ``cfg.run_dir``;
+    2. where ``cfg.run_dir`` holds no checkpoint of this recipe: the model folder
+       ``shipped`` (default: the repository's, ``models/multi30k-small``) where it was
+       exported from a run of this recipe; its summary names it as ``model``;
+    3. there too: ``recorded`` (a ``results/*.json`` summary) of this recipe;
+    4. the run resumed from its checkpoints, or trained from the start.
 
-    One line through ``log`` says which, and where. Nothing is deleted.
+    One line through ``log`` says which, and where; a source that does not match (a
+    summary of another recipe or scored otherwise, a torn file, a damaged model, the
+    checkpoints of another run) is set aside with one line saying what differs.
+    Nothing is deleted.
     """
+    from .export import SHIPPED
+
     where = Path(cfg.run_dir)
+    recorded_summary, sentences = None, None
+    if recorded is not None and Path(recorded).is_file():
+        recorded_summary, why = read_summary(Path(recorded))
+        why = why or summary_problem(recorded_summary, cfg)
+        if why:
+            log(f"set aside the recorded summary {recorded}: {why}")
+            recorded_summary = None
+        else:
+            sentences = recorded_summary["test_sentences"]
     results = where / "results.json"
-    summary = json.loads(results.read_text()) if results.is_file() else None
-    if summary is not None and not recipe_differences(summary.get("config", {}), cfg):
-        log(
-            f"loaded the finished run in {where}: {summary['steps']:,} updates, "
-            f"trained in {summary['train_minutes']:.0f} min{_on(summary)}"
+    if results.is_file():
+        summary, why = read_summary(results)
+        why = why or summary_problem(summary, cfg, sentences)
+        if not why:
+            log(
+                f"loaded the finished run in {where}: {summary['steps']:,} updates, "
+                f"trained in {summary['train_minutes']:.0f} min{_on(summary)}"
+            )
+            summary |= {"run_dir": str(where), "curve": str(where / "curve.png")}
+            return summary
+        log(f"set aside {results}: {why}")
+    checkpoints = checkpoint_paths(where)
+    if checkpoints and (why := checkpoint_problem(checkpoints[-1], cfg)):
+        log(f"set aside the checkpoints in {where}: {why}")
+        checkpoints = []
+        foreign = True
+    else:
+        foreign = False
+    if not checkpoints:
+        folder = Path(shipped) if shipped is not None else SHIPPED
+        summary, why = shipped_summary(folder, cfg, recorded)
+        if why:
+            log(f"set aside the model {folder}: {why}")
+        elif summary:
+            log(f"loaded the model {folder} ({summary.pop('said')}); no run here")
+            return summary
+        if recorded_summary is not None:
+            log(
+                f"loaded the recorded summary {recorded} "
+                f"({recorded_summary['steps']:,} updates, trained in "
+                f"{recorded_summary['train_minutes']:.0f} min{_on(recorded_summary)}); "
+                "no run directory here"
+            )
+            recorded = Path(recorded)
+            curve = recorded.with_name(f"{recorded.stem}-curve.png")
+            return recorded_summary | {"curve": str(curve)}
+    if foreign:
+        raise RunDirectoryError(
+            f"{where} holds the checkpoints of another run, and nothing else stands "
+            "in for this one: give another run_dir"
         )
-        summary |= {"run_dir": str(where), "curve": str(where / "curve.png")}
-        return summary
-    checkpoints = checkpoint_paths(Path(cfg.run_dir))
-    if recorded is not None and not checkpoints and Path(recorded).is_file():
-        summary = json.loads(Path(recorded).read_text())
-        log(
-            f"loaded the recorded summary {recorded} ({summary['steps']:,} updates, "
-            f"trained in {summary['train_minutes']:.0f} min{_on(summary)}); no run "
-            "directory here"
-        )
-        recorded = Path(recorded)
-        summary["curve"] = str(recorded.with_name(f"{recorded.stem}-curve.png"))
-        return summary
     if checkpoints:
         log(f"resuming the run in {cfg.run_dir} from {checkpoints[-1].name}")
     else:
@@ -148,6 +277,20 @@ def run_or_load(
         f"on {machine_of(summary) or summary['device']}"
     )
     return summary
+
+
+def checkpoint_problem(path: Path, cfg: Config) -> Optional[str]:
+    """Why the run whose newest checkpoint is ``path`` cannot be resumed as a run of
+    ``cfg`` (it cannot be read, or it is of another recipe); None when it can."""
+    from .runfiles import load_checkpoint
+
+    try:
+        saved = load_checkpoint(path)["config"]
+    except CheckpointError as e:
+        return first_line(e)
+    if differ := recipe_differences(saved, cfg):
+        return f"{path.name} is of another recipe ({', '.join(differ[:3])})"
+    return None
 
 
 # The paper's rows of the Results table (Table 2 and §5.2): BLEU on newstest2014.

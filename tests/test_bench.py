@@ -432,3 +432,33 @@ def test_the_rows_take_every_place_in_the_step_order_alike(monkeypatch):
         assert sorted(places) == sorted(list(range(len(rows))) * 3)
     assert bench.rotated(rows, 7) == bench.rotated(rows, 2) == ["c", "d", "e", "a", "b"]
     assert rows == ["a", "b", "c", "d", "e"]  # the list itself is left as it was
+
+
+def attention_flops(b: int, lq: int, lk: int, d_model: int, hk: int) -> int:
+    """Forward FLOPs of one attention sub-layer (§3.2.2): Q from the queries' and K from
+    the keys' side, each h·d_k wide; V and the output d_model wide (d_v = d_model/h);
+    QK^T over h·d_k, the weighted sum over d_model."""
+    projections = 2 * b * (lq * d_model * hk + lk * d_model * hk)
+    projections += 2 * b * (lk * d_model * d_model + lq * d_model * d_model)
+    return projections + 2 * b * lq * lk * (hk + d_model)
+
+
+@pytest.mark.parametrize("d_k", [0, 4, 16])  # 0: d_k = d_model/h = 8
+def test_flops_are_counted_right_where_h_times_d_k_is_not_d_model(monkeypatch, d_k):
+    """A training pass is three times the forward's matrix products (each product's
+    backward is two of its size), and those follow the shapes of Table 3's row (B)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench
+    import gpu_check
+    import machinery
+
+    cfg = machinery.get_config("copy", d_model=32, d_ff=64, h=4, N=1, d_k=d_k)
+    (b, s), (_, t), d, vocab = (3, 7), (3, 8), 32, 14
+    hk = 4 * (d_k or 8)
+    encoder = attention_flops(b, s, s, d, hk) + 2 * 2 * b * s * d * 64
+    decoder = attention_flops(b, t, t, d, hk) + attention_flops(b, t, s, d, hk)
+    decoder += 2 * 2 * b * t * d * 64
+    want = 3 * (encoder + cfg.decoder_layers * decoder + 2 * b * t * d * vocab)
+    assert bench.training_flops(cfg, [((b, s), (b, t))], vocab, vocab) == want
+    assert gpu_check.FlopCount(cfg, vocab, vocab)((b, s), (b, t)) == want
+    assert bench.training_flops(cfg, [((b, s), (b, t))] * 2, vocab, vocab) == 2 * want

@@ -178,3 +178,15 @@ def test_the_attention_kernel_probe_runs_tiny_on_a_cpu_and_finishes_every_part(
     assert len(trained) == 4
     assert all(steps[k]["timed_updates"] == 2 for k in trained)
     assert steps["beam_default"]["sentences"] == 8
+
+
+def test_the_checks_cpu_name_is_the_machinerys_copied():
+    """gpu_check.py carries a copy of the one CPU-name reader (it runs without the
+    package): both name this CPU alike, as runs do."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    from machinery.devices import cpu_name
+    from machinery.runs import machine_name
+
+    assert gpu_check.cpu_name() == cpu_name() == machine_name("cpu") != ""
