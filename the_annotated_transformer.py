@@ -14,8 +14,6 @@
 #     name: python3
 # ---
 
-# %%
-
 # %% [markdown]
 # # The Annotated Transformer, reproduced
 #
@@ -27,26 +25,13 @@
 # left out (mostly citation keys). Everything else — prose outside block quotes, code
 # and comments — is our commentary. Each code cell follows the paragraph it implements.
 #
-# * **Part 1 — the model (§3, §4).** Every component, in the paper's order and with the
-#   paper's names (`d_model`, `d_k`, `h`, `N`, `d_ff`, `P_drop`), ending in a model that
-#   runs.
-# * **Part 2 — training (§5).** Vocabulary (byte-pair encoding), batching by length, the
-#   optimizer and its schedule, label smoothing, one update step, and a loop that
-#   trains.
-# * **Part 3 — decoding and inference (§6.1).** Greedy decoding, a key/value cache, beam
-#   search with a length penalty, and BLEU.
-# * **Part 4 — real runs.** A synthetic copy task, German→English translation on
-#   Multi30k and IWSLT14, the variations of the paper's Table 3 at our scale, and what
-#   the trained model attends to.
-#
-# On a first reading, Parts 1–3 are the paper; [Part 4](#part-4) is where it runs.
-# The same file is a Python module (`the_annotated_transformer.py`, jupytext percent
-# format) and the command line (`train`, `translate`, `evaluate`); importing it defines
-# everything and runs nothing. What a real run needs around the model — data downloads,
-# checkpoints, several processes, the command line — lives in the package `machinery/`
-# beside this notebook, which builds on the definitions below and never repeats them.
-# Where the paper is silent or we depart from it, `REPRODUCTION_NOTES.md` says so once,
-# with the alternatives.
+# Part 1 is the model (§3, §4), Part 2 training (§5), Part 3 decoding and inference
+# (§6.1): on a first reading they are the paper, and use nothing but PyTorch and a few
+# text libraries. [Part 4](#part-4) is where it runs, with the package `machinery/`
+# beside this notebook (data, checkpoints, processes, the command line), which builds on
+# the definitions below and never repeats them. The file is also a Python module and the
+# command line; importing it runs nothing. Where the paper is silent or we depart from
+# it, `REPRODUCTION_NOTES.md` says so once, with the alternatives.
 #
 # > The dominant sequence transduction models are based on complex recurrent or
 # > convolutional neural networks that include an encoder and a decoder. The best
@@ -60,101 +45,97 @@
 # %% [markdown]
 # ## Prelude
 #
-# PyTorch for the model; sentencepiece, spaCy's tokenizers and sacreBLEU for the text;
-# matplotlib for the figures. There is no torchtext here: by its own README, its
-# development stopped at release 0.18 (built for torch 2.3 only), and the dataset URLs
-# it downloads from are dead. What we needed from it (a vocabulary, batching by length)
-# takes a few dozen lines below.
-#
-# `example` runs a cell's demonstration only when this file runs as the notebook, never
-# on import, and leaves none of its names behind. `NOTEBOOK_PROFILE` sizes the examples:
-# `full` (the default, what the stored outputs come from) or `smoke` (every example at
-# its smallest, which is how the tests execute the notebook).
+# PyTorch for the model; sentencepiece and sacreBLEU for the text; matplotlib for the
+# figures. `example` runs a cell's demonstration only when this file runs as the
+# notebook, never on import, and leaves none of its names behind.
 
 # %%
 from __future__ import annotations
 
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see the next cell
 import copy
 import dataclasses
 import itertools
 import math
-import os
 import random
 import sys
 from collections import Counter
-from pathlib import Path
-from types import MappingProxyType
-from typing import NamedTuple
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType, SimpleNamespace
+from typing import NamedTuple
 
 if __name__ == "__main__" and "ipykernel" not in sys.modules:
-    import signal  # Ctrl-C while torch loads: one line, not a traceback (our addition)
+    import signal  # Ctrl-C as torch loads: one line, not a traceback (our addition)
 
     signal.signal(
         signal.SIGINT, lambda *_: (print("interrupted", file=sys.stderr), os._exit(130))
     )
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.optim.lr_scheduler import LambdaLR
 
-ANNOTATED_TRANSFORMER_NOTEBOOK = True  # how the machinery finds these definitions
 IN_NOTEBOOK = __name__ == "__main__" and "ipykernel" in sys.modules
-PROFILE = os.environ.get("NOTEBOOK_PROFILE", "full") if IN_NOTEBOOK else "none"
-if IN_NOTEBOOK:
-    import matplotlib.pyplot as plt
-    from matplotlib_inline.backend_inline import set_matplotlib_formats
-
-    set_matplotlib_formats("retina")  # figures at 2×, so zooming shows more
-if PROFILE not in ("full", "smoke", "none"):
-    raise ValueError(f"NOTEBOOK_PROFILE must be full or smoke, not {PROFILE!r}")
 
 
 def example(demo: Callable[[], None]) -> None:
     """Run ``demo`` when this file runs as the notebook (our helper); never on import.
-
-    Used as a decorator, it returns None, so the demonstration's name and everything it
-    made are gone once the cell ends.
-    """
+    Used as a decorator, it returns None: the demonstration leaves no name behind."""
     if IN_NOTEBOOK:
         demo()
 
 
 # %% [markdown]
-# In a hosted notebook (Colab, Kaggle) the notebook arrives without the `machinery`
-# package beside it and without some of our packages. The next cell fetches the
-# repository (`PROJECT_URL`, the address `CITATION.cff` gives, or
-# `ANNOTATED_TRANSFORMER_REPO`) and installs what is missing or at another version,
-# keeping the host's own torch; without an address it stops with one line saying what
-# to set. Anywhere else it does nothing.
+# Set-up, which a first reading skips.
 
 # %%
-PROJECT_URL = (
-    ""  # the project's git address, as CITATION.cff's repository-code (a test)
-)
+# OMP_WAIT_POLICY=PASSIVE (above): idle OpenMP threads sleep instead of spinning, so a
+# run holds its speed beside other work. NOTEBOOK_PROFILE: full, or smoke (the tests).
+ANNOTATED_TRANSFORMER_NOTEBOOK = True  # how the package finds these definitions
+PROFILE = os.environ.get("NOTEBOOK_PROFILE", "full") if IN_NOTEBOOK else "none"
+if PROFILE not in ("full", "smoke", "none"):
+    raise ValueError(f"NOTEBOOK_PROFILE must be full or smoke, not {PROFILE!r}")
+if IN_NOTEBOOK:
+    import matplotlib.pyplot as plt
+    from IPython.display import Image, display
+    from matplotlib_inline.backend_inline import set_matplotlib_formats
+
+    set_matplotlib_formats("retina")  # figures at 2×, so zooming shows more
+
+    def show_image(path: str, alt: str) -> None:
+        """The project's PNG ``path`` as an output with ``alt`` text (hosted too)."""
+        png = next(Path(d, path) for d in ["", *sys.path] if Path(d, path).is_file())
+        display(Image(filename=str(png)), metadata={"image/png": {"alt": alt}})
+
+
+# A hosted notebook (Colab, Kaggle) fetches the project: PROJECT_URL (CITATION.cff's
+# repository-code, a test) or ANNOTATED_TRANSFORMER_REPO; re-run, it reuses the copy.
+PROJECT_URL = ""
 REPOSITORY = os.environ.get("ANNOTATED_TRANSFORMER_REPO", PROJECT_URL)
 HOSTED = "COLAB_RELEASE_TAG" in os.environ or "KAGGLE_KERNEL_RUN_TYPE" in os.environ
+CHECKOUT = Path("annotated-transformer")
 if HOSTED and not Path("machinery").is_dir():
-    if not REPOSITORY:
-        raise SystemExit(
-            "set ANNOTATED_TRANSFORMER_REPO to this project's git address, then run "
-            "the notebook again (machinery is not beside the notebook)"
-        )
     import subprocess
 
-    clone = ["git", "clone", "--depth=1", REPOSITORY, "annotated-transformer"]
-    subprocess.run(clone, check=True)
-    os.chdir("annotated-transformer")
+    ours = (CHECKOUT / "machinery" / "parts.py").is_file()
+    if CHECKOUT.exists() and not ours:
+        raise SystemExit(f"{CHECKOUT}/ is here but is not this project: move it away")
+    if not ours and not REPOSITORY:
+        raise SystemExit("set ANNOTATED_TRANSFORMER_REPO to this project's git address")
+    git = ["git", "clone", "-q", "--depth=1", "--", REPOSITORY, str(CHECKOUT)]
+    got = ours or subprocess.run(git, capture_output=True, text=True)
+    if not ours and got.returncode:
+        why = (got.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SystemExit(f"git clone {REPOSITORY} failed: {why}")
+    os.chdir(CHECKOUT)
     sys.path.insert(0, os.getcwd())
-
-import machinery  # noqa: E402  (after the hosted checkout above)
-from machinery import CORPORA, MODEL_PRESETS, ModelConfig  # noqa: E402
-from machinery import IncrementalDecoder  # noqa: E402  (the cache of Part 3)
-from machinery import TrainingDiverged  # noqa: E402
-
-if IN_NOTEBOOK:
-    machinery.hosted_setup()  # in Colab or Kaggle: installs what is missing
+    # what is missing or at another version, installed; the kernel's modules passed
+    if subprocess.run([sys.executable, "machinery/hosted.py", *sys.modules]).returncode:
+        raise SystemExit("installing the packages the notebook needs failed (above)")
 
 
 # %% [markdown]
@@ -182,7 +163,7 @@ def _():
     alt = (
         "Figure 1, redrawn: the Transformer, encoder on the left, decoder on the right"
     )
-    machinery.show_image("figures/figure1_transformer.png", alt)
+    show_image("figures/figure1_transformer.png", alt)
 
 
 # %% [markdown]
@@ -294,7 +275,7 @@ class Encoder(nn.Module):
 # \sigma^2 = \frac{1}{d}\sum_j (x_j - \mu)^2 .$$
 #
 # `layer_norm_formula` writes exactly this; the model uses `nn.LayerNorm`, and a test
-# shows the two agree.
+# checks that the two agree (the cell below shows it).
 #
 # Where does dropout go? §5.4 (quoted in Part 2) answers: "to the output of each
 # sub-layer, before it is added to the sub-layer input and normalized". So the paper's
@@ -354,6 +335,13 @@ class EncoderLayer(nn.Module):
         """(batch, src_len, d_model) → same shape."""
         x = self.sublayer[0](x, lambda y: self.self_attn(y, y, y, mask))
         return self.sublayer[1](x, self.feed_forward)
+
+
+@example
+def _():
+    x, norm = torch.randn(4, 7, 16), nn.LayerNorm(16)
+    diff = (layer_norm_formula(x, norm.weight, norm.bias) - norm(x)).abs().max()
+    print(f"max |layer_norm_formula(x) − nn.LayerNorm(x)| = {diff:.1e}")
 
 
 # %% [markdown]
@@ -463,7 +451,7 @@ def _():
 @example
 def _():
     alt = "Figure 2, redrawn: scaled dot-product attention and multi-head attention"
-    machinery.show_image("figures/figure2_attention.png", alt)
+    show_image("figures/figure2_attention.png", alt)
 
 
 # %% [markdown]
@@ -593,7 +581,7 @@ class MultiHeadedAttention(nn.Module):
 
     ``w_q``, ``w_k``, ``w_v`` hold $W^Q_i, W^K_i, W^V_i$ for all heads side by side;
     ``w_o`` is $W^O$. The forward pass keeps no attention weights (nothing stays alive
-    after it); Part 4's ``machinery.attention_maps`` recomputes them for plotting.
+    after it); Part 4 recomputes them for its plots of attention.
     """
 
     def __init__(self, h: int, d_model: int, dropout: float = 0.1, d_k: int = 0):
@@ -769,8 +757,9 @@ class Embeddings(nn.Module):
 #
 # The linear function is a rotation: for each frequency $\omega_i$ the pair $(\sin
 # \omega_i pos, \cos \omega_i pos)$ is turned by the angle $\omega_i k$, whatever $pos$
-# is. A test fits that linear map on some positions and checks it on others. §5.4 adds
-# dropout to the sum of embeddings and encodings, so it lives here.
+# is. A test fits that linear map on some positions and checks it on others (so does
+# the cell below). §5.4 adds dropout to the sum of embeddings and encodings, so it lives
+# here.
 
 
 # %%
@@ -821,6 +810,15 @@ def _():
     plt.show()
 
 
+@example
+def _():
+    pe, k = PositionalEncoding(16, 0.0).pe[0].double(), 7  # (max_len, 16), offset k
+    M = torch.linalg.lstsq(pe[:50], pe[k : 50 + k]).solution  # PE_pos+k = PE_pos M
+    err = (pe[1000:1100] @ M - pe[1000 + k : 1100 + k]).abs().max()
+    print(f"PE(pos+{k}) from PE(pos) by one matrix fitted on 50 positions: off by")
+    print(f"at most {err:.1e} on positions 1000-1099")
+
+
 # %% [markdown]
 # > We also experimented with using learned positional embeddings […] instead, and found
 # > that the two versions produced nearly identical results (see Table […] row (E)). We
@@ -829,14 +827,10 @@ def _():
 #
 # — §3.5
 #
-# The learned alternative is one matrix of `max_len` rows, one trainable vector per
-# position, added exactly where the sinusoid is added and with the same `offset`
-# argument, so the rest of the model — the incremental decoder, beam search, checkpoints
-# — does not know which of the two it holds. The model's `positional` setting chooses
-# (`"sinusoid"`, the paper's choice, by default; the full model below reads it); Part
-# 4's Table 3 trains both on Multi30k to see whether "nearly identical" holds at our
-# scale. Like every matrix of the model it starts from `make_model`'s Glorot/Xavier
-# initialisation (the paper does not say how its learned positions started).
+# The learned alternative is one trainable vector per position, added where the sinusoid
+# is, with the same `offset` argument, so the rest of the model does not know which it
+# holds. `positional` chooses (`"sinusoid"` by default); Part 4's Table 3 trains both.
+# It starts from `make_model`'s Glorot/Xavier initialisation (the paper does not say).
 
 
 # %%
@@ -873,20 +867,17 @@ POSITIONAL = MappingProxyType(
 # %% [markdown]
 # ## Aside: the fused attention path
 #
-# `FastMultiHeadedAttention` computes the function of §3.2.2 with the same parameters
-# (checkpoints move freely between the two), but does the three projections of
-# self-attention as one matrix product and calls PyTorch's
-# `scaled_dot_product_attention`, which picks a fused kernel where the device has one
-# (such a kernel need not hold the len_q × len_k matrix of weights). A test shows both
-# give the same numbers. Which is faster depends on the device, so `attention="auto"`
-# times both on the run's own device before it starts (`make bench` has figures).
+# `FastMultiHeadedAttention` computes §3.2.2 with the same parameters, but does the
+# three projections of self-attention as one matrix product and calls PyTorch's
+# `scaled_dot_product_attention`, a fused kernel where the device has one. Which is
+# faster depends on the device: `attention="auto"` times both before a run starts.
 
 
 # %%
 class FastMultiHeadedAttention(MultiHeadedAttention):
     r"""Multi-head attention — §3.2.2, fused projections and PyTorch's SDPA kernel.
 
-    The parameters and function of :class:`MultiHeadedAttention` (a test compares them).
+    The parameters and function of :class:`MultiHeadedAttention`.
     """
 
     def forward(self, query, key, value, mask=None):
@@ -914,14 +905,61 @@ class FastMultiHeadedAttention(MultiHeadedAttention):
 # ## The full model
 #
 # §3's Figure 1, assembled. The model's sizes carry the paper's names and live in one
-# frozen dataclass, `ModelConfig` (in `machinery/config.py`, since a training run's
-# settings extend it there): `N`, `d_model`, `d_ff`, `h`, `d_k` (0: $d_{model}/h$, as
-# §3.2.2; Table 3's row (B) sets it smaller), `P_drop`, `positional` (`"sinusoid"` or
-# `"learned"`), `attention` (`"readable"`, `"fast"`, or `"auto"`: decided per device),
-# and a few departures that no paper preset uses (`norm_first`, `ffn_dropout`,
+# frozen dataclass, `ModelConfig`: `N`, `d_model`, `d_ff`, `h`, `d_k` (0: $d_{model}/h$,
+# as §3.2.2; Table 3's row (B) sets it smaller), `P_drop`, `positional` and `attention`,
+# and a few departures no paper preset uses (`norm_first`, `ffn_dropout`,
 # `attn_dropout`, `N_dec`). `MODEL_PRESETS` holds Table 3's `base` and `big` models and
-# a `tiny` one for tests.
-#
+# a `tiny` one for tests; a training run's settings (Part 2) extend it.
+
+
+# %%
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model's settings — §3 and Table 3 (the base model by default).
+
+    Fields whose metadata says ``same_weights`` change the computation, not the
+    parameters, so they may differ between a checkpoint and the model loading it.
+    """
+
+    N: int = 6  # layers per stack (§3.1)
+    d_model: int = 512
+    d_ff: int = 2048
+    h: int = 8
+    d_k: int = 0  # per-head query/key size; 0: d_model / h (§3.2.2); d_v = d_model / h
+    P_drop: float = field(default=0.1, metadata={"same_weights": True})  # §5.4
+    norm_first: bool = False  # False: post-norm as in §3.1; True: pre-norm (departure)
+    # dropout inside the FFN and on attention weights (neither is in the paper)
+    ffn_dropout: float = field(default=0.0, metadata={"same_weights": True})
+    attn_dropout: float = field(default=0.0, metadata={"same_weights": True})
+    tie_weights: bool = True  # §3.4 weight sharing
+    shared_vocab: bool = True  # one vocabulary for both languages (§3.4, §5.1)
+    # "readable" (§3.2.2), "fast" (the aside after §3.5) or "auto" (decided per device)
+    attention: str = field(default="auto", metadata={"same_weights": True})
+    max_len: int = 5000  # longest sequence the positional encoding covers
+    positional: str = "sinusoid"  # "sinusoid" (§3.5) or "learned" (Table 3, row E)
+    N_dec: int = 0  # decoder layers where they differ from N (not in §3.1); 0: N
+
+    @property
+    def head_size(self) -> int:
+        """d_k of every head: ``d_k`` when set, else d_model / h = d_v (§3.2.2)."""
+        return self.d_k or self.d_model // self.h
+
+    @property
+    def decoder_layers(self) -> int:
+        """The decoder's depth: N, as in §3.1, unless ``N_dec`` sets another."""
+        return self.N_dec or self.N
+
+
+MODEL_PRESETS = MappingProxyType(
+    {
+        "base": ModelConfig(),  # Table 3, base
+        "big": ModelConfig(d_model=1024, d_ff=4096, h=16, P_drop=0.3),  # Table 3, big
+        "tiny": ModelConfig(N=2, d_model=32, d_ff=64, h=4, max_len=512),  # for tests
+    }
+)
+
+
+# %% [markdown]
 # `make_model` assembles the stacks from the parts above: $N$ layers in each, as in
 # §3.1. Parameters are initialised with Glorot/Xavier uniform, a choice the paper does
 # not state (see the reproduction notes). Weight sharing (§3.4) is done by making the
@@ -932,8 +970,9 @@ class FastMultiHeadedAttention(MultiHeadedAttention):
 def make_model(
     src_vocab: int, tgt_vocab: int, config: ModelConfig | None = None, **overrides
 ) -> EncoderDecoder:
-    r"""Build the Transformer of §3 (Figure 1) from a ``ModelConfig`` (or a training
-    ``Config``); ``overrides`` replace its fields (``make_model(11, 11, N=2)``).
+    r"""Build the Transformer of §3 (Figure 1) from a :class:`ModelConfig` (or a run's
+    settings, which extend it); ``overrides`` replace its fields (``make_model(11, 11,
+    N=2)``).
 
     With ``tie_weights`` the target embedding and the pre-softmax projection share one
     matrix (§3.4); with ``shared_vocab`` too, the source embedding shares it
@@ -1024,13 +1063,10 @@ def _():
 # | convolutional | $O(k \cdot n \cdot d^2)$ | $O(1)$ | $O(\log_k(n))$ |
 # | self-attention (restricted) | $O(r \cdot n \cdot d)$ | $O(1)$ | $O(n/r)$ |
 #
-# In our words: self-attention connects every pair of positions in a single step, so the
-# path between any two words is one layer long and all positions are computed at once;
-# an RNN must walk the sequence, one step per token. The price is the $n^2$ term:
-# attention costs less than a recurrent layer only while $n < d$, which holds for
-# sentences (tens of tokens) against $d_{\text{model}} = 512$. What Table 1 counts in
-# attention's favour — $O(1)$ sequential operations instead of $O(n)$ — pays off on
-# parallel hardware, which computes all positions of a layer at once.
+# In our words: self-attention connects every pair of positions in one step, where an
+# RNN walks the sequence token by token. The price is the $n^2$ term: attention costs
+# less than a recurrent layer only while $n < d$, true for sentences (tens of tokens)
+# against $d_{\text{model}} = 512$.
 
 
 # %% [markdown]
@@ -1065,8 +1101,8 @@ def _():
 #
 # Everything the program knows about a data set — its files, where they are published
 # and their checksums, how its text is tokenized and scored — is one record in
-# `machinery/data.py`, and `machinery.load_dataset` finds, downloads, reads and numbers
-# it. This part needs only what it does with the text: a vocabulary, then batches.
+# `machinery/data.py`, which finds, downloads, reads and numbers it. This part needs
+# only what it does with the text: a vocabulary, then batches.
 
 
 # %% [markdown]
@@ -1089,8 +1125,7 @@ BOS, EOS, PAD, UNK = range(4)  # ids of the specials in every Vocab
 # expects (`stoi`, `itos`), maps a token list with `vocab(tokens)`, and sends unknown
 # tokens to `<unk>`. It is built from the **training split only** (counting tokens that
 # occur at least `min_freq` times), shared between the two languages by default so that
-# §3.4's three-way weight sharing applies, and cached on disk under a key made from the
-# training files' contents and the settings.
+# §3.4's three-way weight sharing applies.
 
 
 # %%
@@ -1149,7 +1184,7 @@ class Vocab:
 # the next piece (`▁`), so decoding the pieces gives the sentence back exactly. Its ids
 # match `Vocab`'s: the four specials first, so `<unk>` is used only for a character
 # never seen in training. Like the vocabulary, it is trained on the **training split
-# only** and cached; `Config.vocab = "words"` keeps the word-level vocabulary.
+# only**.
 
 
 # %%
@@ -1272,9 +1307,7 @@ class Batch:
 # length (a stable sort, so equal lengths stay shuffled), cut the sorted list into
 # batches holding at most `batch_tokens` tokens on either side *including padding*, and
 # shuffle the order of the batches. Everything random comes from a generator seeded with
-# (seed, epoch), so the batches of an epoch can be recomputed exactly — that is what
-# lets training resume in the middle of an epoch. In a distributed run the machinery
-# deals these batches out: process $r$ of $W$ takes batches $r, r+W, …$.
+# (seed, epoch), so the batches of an epoch can be recomputed exactly.
 
 
 # %%
@@ -1282,8 +1315,8 @@ def length_batches(
     lengths, batch_tokens, seed=0, epoch=0, shuffle=True
 ) -> list[list[int]]:
     """Index batches of similar-length pairs, given each pair's (source, target)
-    lengths: at most ``batch_tokens`` tokens, padding included, on either side — §5.1.
-    Several processes deal these out among themselves (``machinery`` does)."""
+    lengths: at most ``batch_tokens`` tokens, padding included, on either side
+    (§5.1)."""
     rng = random.Random(f"{seed}-{epoch}")
     order = list(range(len(lengths)))
     if shuffle:
@@ -1326,10 +1359,7 @@ def make_batch(pairs: Sequence[tuple[list, list]], idx: Sequence[int]) -> Batch:
 # $d_{\text{model}}=256$ model for 15 epochs (about 3,200 updates of ~2,500 tokens),
 # on a CPU; Part 4 shows that run and the minutes it took. The code is the same on a
 # GPU (`--device cuda`), where `auto` measures whether bf16 pays and several processes
-# make the paper's batch sizes practical. A run's settings are one frozen `Config`
-# (`machinery/config.py`), which extends `ModelConfig` with the data, schedule and
-# checkpoint fields; named presets hold the runs of Part 4, and the command line changes
-# any field with `--field value`.
+# make the paper's batch sizes practical.
 
 
 # %% [markdown]
@@ -1372,10 +1402,8 @@ def make_optimizer(model: nn.Module, cfg) -> tuple[torch.optim.Optimizer, Lambda
     uses ``rate(k)``. ``cfg`` is a run's ``Config`` (its d_model, lr_factor, warmup,
     betas, adam_eps, weight_decay).
 
-    Adam's fused kernel (one pass over all parameters per step; the same steps as the
-    per-tensor loop up to rounding, a test checks it) where the parameters' device has
-    one. With ``cfg.weight_decay`` > 0 (our addition, for the IWSLT recipe) it is AdamW:
-    the decay is decoupled from the gradient, as fairseq's Adam applies it.
+    Adam's fused kernel where the device has one: the same steps up to rounding, in one
+    pass. With ``cfg.weight_decay`` > 0 (our addition, for IWSLT) it is AdamW.
     """
     params = list(model.parameters())
     fused = all(p.device.type in ("cpu", "cuda") for p in params)  # one kernel for all
@@ -1416,7 +1444,8 @@ def _():
 #
 # Both places are already in the model: `SublayerConnection` drops the sub-layer's
 # output before the residual sum, and `PositionalEncoding` drops the sum of embedding
-# and encoding. A test checks that those are the only dropout layers active by default.
+# and encoding. A test checks that those are the only dropout layers active by default
+# (shown below the loss).
 #
 # > During training, we employed label smoothing of value $\epsilon_{ls}=0.1$ […]. This
 # > hurts perplexity, as the model learns to be more unsure, but improves accuracy and
@@ -1429,10 +1458,10 @@ def _():
 # (1-\epsilon_{ls})\,\delta_{k,y} + \epsilon_{ls}/K$. The training loss, `loss_sum`,
 # is the cross-entropy $H(q, p)$ summed over the non-padding positions, written out from
 # the generator's log-probabilities; it is what `F.cross_entropy(...,
-# label_smoothing=ε)` computes (a test checks value and gradient). Its least value over
-# all models is $H(q)$, reached at $p = q$, and its gradient with respect to
-# $\log p$ is $-q$: `smoothed_target` reads $q$ off the loss that way, so there is one
-# definition of label smoothing here.
+# label_smoothing=ε)` computes (a test checks value and gradient; the cell below, the
+# value). Its least value over all models is $H(q)$, reached at $p = q$, and its
+# gradient with respect to $\log p$ is $-q$: `smoothed_target` reads $q$ off the loss
+# that way, so there is one definition of label smoothing here.
 
 
 # %%
@@ -1461,6 +1490,21 @@ def smoothed_target(K: int, y: int, eps_ls: float) -> torch.Tensor:
     log_p = torch.zeros(1, K, requires_grad=True)
     loss_sum(log_p, torch.tensor([y]), eps_ls, pad=-1).backward()  # no position padded
     return -log_p.grad[0]
+
+
+@example
+def _():
+    logits, y = torch.randn(6, 14), torch.randint(0, 14, (6,))
+    ours = loss_sum(logits.log_softmax(-1), y, 0.1, pad=-1)
+    theirs = F.cross_entropy(logits, y, label_smoothing=0.1, reduction="sum")
+    print(f"|loss_sum − F.cross_entropy(label_smoothing=0.1)| = {ours - theirs:.1e}")
+    model = make_model(11, 11, MODEL_PRESETS["tiny"])  # P_drop = 0.1, the defaults
+    active = {
+        ".".join(part for part in name.split(".") if not part.isdigit())
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Dropout) and m.p > 0
+    }
+    print("dropout active in:", ", ".join(sorted(active)))
 
 
 # %% [markdown]
@@ -1529,7 +1573,7 @@ def train_step(
     """One update on ``batch`` — §5.3, §5.4: (loss per target token, rate used)."""
     loss = batch_loss(model, batch, eps_ls)
     if not math.isfinite(loss.item()):
-        raise TrainingDiverged(f"loss is {loss.item()}")
+        raise FloatingPointError(f"loss is {loss.item()}: training diverged")
     (loss / batch.ntokens).backward()
     lr = optimizer.param_groups[0]["lr"]  # Eq. 3 at this update's number
     optimizer.step()
@@ -1595,12 +1639,25 @@ def train_loop(model: EncoderDecoder, pairs: list, cfg) -> list[float]:
 # %%
 if IN_NOTEBOOK:
     torch.manual_seed(0)
-    copy_cfg = machinery.get_config("copy", epochs=2 if PROFILE == "smoke" else 20)
+    # the copy task's settings (Part 4 trains the same): a small model, no dropout
+    copy_sizes = ModelConfig(N=2, d_model=64, d_ff=128, h=4, P_drop=0.0)
+    copy_cfg = SimpleNamespace(
+        **dataclasses.asdict(copy_sizes),
+        warmup=200,  # Eq. 3's warm-up, short for a short run
+        lr_factor=1.0,  # Eq. 3 as it stands; β1, β2, ε of §5.3; ε_ls of §5.4
+        betas=(0.9, 0.98),
+        adam_eps=1e-9,
+        weight_decay=0.0,
+        eps_ls=0.1,
+        batch_tokens=1280,  # ~100 pairs of 12 tokens per batch
+        epochs=2 if PROFILE == "smoke" else 20,
+        seed=1,
+    )
     copy_vocab = Vocab(list(SPECIALS) + [str(i) for i in range(1, 11)])
     copy_rng = random.Random(copy_cfg.seed)
     copy_train, copy_test = copy_task(1600, copy_rng), copy_task(100, copy_rng)
     K = len(copy_vocab)  # 14
-    copy_model = make_model(K, K, copy_cfg, attention="readable")
+    copy_model = make_model(K, K, copy_sizes, attention="readable")
     losses = train_loop(copy_model, copy_train, copy_cfg)
     print("loss per token, epoch by epoch:", " ".join(f"{x:.2f}" for x in losses))
     q = smoothed_target(K, 4, copy_cfg.eps_ls)  # any true symbol: the same entropy
@@ -1728,7 +1785,7 @@ def greedy_decode(
 @example
 def _():
     torch.manual_seed(1)
-    untrained = make_model(len(copy_vocab), len(copy_vocab), copy_cfg)
+    untrained = make_model(len(copy_vocab), len(copy_vocab), copy_sizes)
     src = torch.tensor([s for s, _ in copy_test[:3]])  # (3, 12)
     mask = padding_mask(src, PAD)  # (3, 1, 12)
     for name, model in (("untrained", untrained), ("trained", copy_model)):
@@ -1752,16 +1809,76 @@ def _():
 # $\mathbf{z}W^K_i$ and $\mathbf{z}W^V_i$ of the encoder output, which never change and
 # are computed once.
 #
-# `IncrementalDecoder` (in `machinery/decoding.py`, to keep this part short) holds that
-# state. Each `step` embeds one new token (its
+# `IncrementalDecoder` holds that state. Each `step` embeds one new token (its
 # positional encoding is that of position $t$, hence the `offset` argument of
 # `PositionalEncoding`), passes it through every layer's three sub-layers using the
 # layer's own modules (`SublayerConnection`, so post-norm and pre-norm both work), and
 # returns the log probabilities of the next token. Attention goes through the layer's
-# `attend` method, so the readable class uses `attention()` and the fast class uses
-# PyTorch's fused kernel. A step costs $O(t)$ instead of the $O(t^2)$ of recomputing the
-# prefix. `reorder` picks rows of the cache, which beam search (§6.1, below) needs when
-# hypotheses are replaced.
+# `attend` method, so the readable class uses `attention()` and the fast class PyTorch's
+# fused kernel. A step costs $O(t)$ instead of the $O(t^2)$ of recomputing the prefix.
+# `reorder` picks rows of the cache, which beam search (below) needs when hypotheses are
+# replaced.
+
+
+# %%
+class IncrementalDecoder:
+    r"""Key/value-cached decoding for :class:`EncoderDecoder` — §3 auto-regression,
+    §3.2.3 masking.
+
+    Holds each decoder layer's self-attention keys and values for the tokens fed so far,
+    and the encoder-decoder keys and values of ``memory`` (computed once). ``step``
+    feeds one token per row and returns the next token's log-probabilities, equal (up to
+    rounding) to ``model.generator(model.decode(...))[:, -1]`` on the whole prefix.
+    """
+
+    def __init__(self, model, memory, src_mask):
+        self.model = model
+        self.src_mask = src_mask  # (batch, 1, src_len)
+        layers = model.decoder.layers
+        # per layer: (k, v), (batch, h, src_len, d_k|d_v)
+        self.cross = [x.src_attn.project_kv(memory, memory) for x in layers]
+        # per layer: (k, v), (batch, h, t, d_k|d_v)
+        self.self_kv: list = [None] * len(model.decoder.layers)
+        self.length = 0  # positions fed so far
+
+    def step(self, tokens):
+        """tokens (batch,) at position ``self.length`` → log-probs (batch, vocab)."""
+        embed, posenc = self.model.tgt_embed
+        x = embed(tokens.unsqueeze(1))  # (batch, 1, d_model)
+        x = posenc(x, offset=self.length)
+        for i, layer in enumerate(self.model.decoder.layers):
+            x = layer.sublayer[0](
+                x, lambda y, i=i, a=layer.self_attn: self._self_attn(i, a, y)
+            )
+            x = layer.sublayer[1](
+                x, lambda y, i=i, a=layer.src_attn: self._src_attn(i, a, y)
+            )
+            x = layer.sublayer[2](x, layer.feed_forward)
+        self.length += 1
+        return self.model.generator(self.model.decoder.norm(x)[:, 0])  # (batch, vocab)
+
+    def _self_attn(self, i: int, a, y):
+        """The newest position attends to every position so far (no mask needed)."""
+        q, (k, v) = a.project_q(y), a.project_kv(y, y)  # (batch, h, 1, d_k|d_v)
+        if self.self_kv[i] is not None:
+            k = torch.cat([self.self_kv[i][0], k], dim=2)  # (batch, h, t + 1, d_k)
+            v = torch.cat([self.self_kv[i][1], v], dim=2)  # (batch, h, t + 1, d_v)
+        self.self_kv[i] = (k, v)
+        return a.combine(q, k, v)
+
+    def _src_attn(self, i: int, a, y):
+        """Encoder-decoder attention of the newest position (``memory`` cached)."""
+        k, v = self.cross[i]
+        return a.combine(a.project_q(y), k, v, self.src_mask)
+
+    def reorder(self, index):
+        """Keep rows ``index`` (new_batch,) of the self-attention cache; ``index`` maps
+        each row to a row of the same sentence (beam search), whose source is the
+        same."""
+        self.self_kv = [
+            (k.index_select(0, index), v.index_select(0, index))
+            for k, v in self.self_kv
+        ]
 
 
 # %% [markdown]
@@ -1769,25 +1886,28 @@ def _():
 # `greedy_decode(..., decoder=IncrementalDecoder)`: one call to `step` per token instead
 # of a full decoder pass. A test checks that both produce exactly the same tokens, in
 # float64 and float32, with padded sources in the batch, for the readable and the fast
-# attention class, post-norm and pre-norm. What the cache saves grows with the output:
-# for $T$ tokens the full recompute does $1 + 2 + … + T$ position-steps of decoder work,
-# the cache $T$ (`make bench` times both).
+# attention class, post-norm and pre-norm; here, the copy model's test set both ways:
+
+
+# %%
+@example
+def _():
+    src = torch.tensor([s for s, _ in copy_test])  # (100, 12)
+    mask = padding_mask(src, PAD)
+    full = greedy_decode(copy_model.eval(), src, mask, 12, BOS, EOS, pad=PAD)
+    cached = greedy_decode(copy_model, src, mask, 12, BOS, EOS, PAD, IncrementalDecoder)
+    print(f"cached == recomputed: {torch.equal(cached, full)} ({len(src)} sentences)")
 
 
 # %% [markdown]
 # ### Decoding and score
 #
-# §6.1 translates with beam search (beam size 4, length penalty $\alpha = 0.6$, citing
-# Wu et al. 2016), sets the maximum output length to the input length + 50, and
-# terminates early when possible (our summary of §6.1, not a quotation). The pieces, in
-# order: the length limit, the length penalty, and beam search.
-#
 # **The length limit, precisely.** For a source sentence of $n$ tokens (not counting
 # `<s>`, `</s>` and padding), at most $n + $ `max_decode_extra` tokens are generated
-# after `<s>`, a final `</s>` included; tests check this exactly for greedy, cached
-# greedy and beam search. The positional encoding covers `max_len` positions, so the
-# limit is min($n + 50$, `max_len` − 1); a longer source cannot be encoded at all, and
-# the command line skips such lines, naming them, and translates the rest.
+# after `<s>`, a final `</s>` included, by greedy, cached greedy and beam search alike.
+# The positional encoding covers `max_len` positions, so the limit is min($n + 50$,
+# `max_len` − 1); a longer source cannot be encoded at all, and the command line skips
+# such lines, naming them, and translates the rest.
 #
 # **Special tokens.** No decoder ever emits `<s>` or `<blank>` (their scores are set to
 # $-\infty$). `<unk>` is an ordinary token to the decoder: the model may produce it, and
@@ -1944,31 +2064,63 @@ def _():
 
 
 # %% [markdown]
-# To decode a whole test set, `machinery.translate` sorts the sentences by length into
-# batches (so a batch wastes little padding), decodes each greedily or with the beam
-# above — with the key/value cache — and returns token lists cut at `</s>`, in the
-# order they came; the result does not depend on the batching (a test checks it).
+# ### Checkpoint averaging
 #
-# Then ids become text and sacreBLEU scores it, each data set as its record says. BPE
-# pieces are joined back by sentencepiece; a word-level vocabulary's Multi30k output is
-# detokenized with sacremoses. Multi30k is scored against the raw, cased references with
-# sacreBLEU's default tokenizer; IWSLT14 stays tokenized and lowercased and is scored
-# against the prepared references with `tokenize="none"`, the way published IWSLT14
-# numbers are computed (sacreBLEU's warning that the text looks tokenized is switched
-# off there, since it is meant to be).
+# §6.1 translates with one model made by averaging checkpoints (in our words): the last
+# 5 of a base run, written 10 minutes apart, and the last 20 of a big one. The average
+# is taken weight by weight. Part 4's runs keep their last checkpoints and
+# average them this way before the test score (`average_last` in a run's settings).
+
+
+# %%
+def average_weights(states: Iterable[dict]) -> dict:
+    """The element-wise mean of models' ``state_dict``s — §6.1's checkpoint averaging.
+
+    Summed in float64 one model at a time (only one is held besides the sum); tensors
+    that are not floating point (none in our model) are taken from the first.
+    """
+    total, dtypes, n = {}, {}, 0
+    for state in states:
+        if n and state.keys() != total.keys():
+            raise ValueError("averaging needs models of the same parameters")
+        for name, t in state.items():
+            if not n:
+                dtypes[name] = t.dtype
+                total[name] = t.double() if t.is_floating_point() else t.clone()
+            elif t.is_floating_point():
+                total[name] += t.double()
+        n += 1
+    if not n:
+        raise ValueError("no models to average")
+    return {
+        k: (t / n).to(dtypes[k]) if t.is_floating_point() else t
+        for k, t in total.items()
+    }
+
+
+# %% [markdown]
+# ### BLEU
+#
+# Decoded ids become text and sacreBLEU scores it, as the data set's record (Part 2)
+# says: BPE pieces are joined back by sentencepiece, Multi30k is scored against its
+# raw, cased references with sacreBLEU's default tokenizer, and IWSLT14 stays tokenized
+# and lowercased and is scored with `tokenize="none"`, the way published IWSLT14 numbers
+# are computed (sacreBLEU's warning that the text looks tokenized is switched off).
 
 
 # %%
 def detokenize(
-    tokens_list: Sequence[list[str]], dataset: str, subwords: Subwords | None = None
+    tokens_list: Sequence[list[str]], record, subwords: Subwords | None = None
 ) -> list[str]:
-    """Token lists → strings in the form of ``dataset``'s references (its record)."""
+    """Token lists → strings in the form of the references, as the data set's
+    ``record`` says: ``record.detokenize`` is "moses" (for language ``record.tgt``) or
+    "join" (spaces between tokens); BPE pieces are joined by ``subwords``."""
     if subwords is not None:
         return subwords.decode(tokens_list)
-    if CORPORA[dataset].detokenize == "moses":
+    if record.detokenize == "moses":
         from sacremoses import MosesDetokenizer
 
-        md = MosesDetokenizer(lang=CORPORA[dataset].tgt)
+        md = MosesDetokenizer(lang=record.tgt)
         return [md.detokenize(t) for t in tokens_list]
     return [" ".join(t) for t in tokens_list]
 
@@ -1981,11 +2133,12 @@ class Bleu(NamedTuple):
     signature: str  # how it was computed (tokenizer, smoothing, version)
 
 
-def bleu(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> Bleu:
-    """Corpus BLEU (§6.1's metric) by sacreBLEU, as ``dataset``'s record says."""
+def bleu(hypotheses: Sequence[str], references: Sequence[str], record) -> Bleu:
+    """Corpus BLEU (§6.1's metric) by sacreBLEU with the data set's tokenizer,
+    ``record.bleu_tokenize``: "13a" (sacreBLEU's default) or "none" (tokenized text)."""
     import sacrebleu
 
-    tokenize = CORPORA[dataset].bleu_tokenize
+    tokenize = record.bleu_tokenize
     metric = sacrebleu.BLEU(tokenize=tokenize, force=tokenize == "none")
     result = metric.corpus_score(list(hypotheses), [list(references)])
     return Bleu(result.score, str(result), str(metric.get_signature()))
@@ -2012,6 +2165,8 @@ def bleu(hypotheses: Sequence[str], references: Sequence[str], dataset: str) -> 
 # updates of each.
 
 # %%
+import machinery  # the package around the model: its runs, from here on
+
 if IN_NOTEBOOK:
     from IPython.display import Image, Markdown, display
 

@@ -2,8 +2,9 @@
 production training loop, the command line, hosted-notebook setup and figures.
 
 It builds on the notebook's own parts (`the_annotated_transformer.py`), which
-`notebook()` finds at call time; nothing here defines the model, batching, loss,
-update step or decoders a second time.
+`notebook()` finds; nothing here defines the model, its settings, batching, loss,
+update step, decoders or checkpoint averaging a second time. The few of them the
+package's users reach as ``machinery.<name>`` are the notebook's, looked up there.
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ from __future__ import annotations
 from .config import (  # noqa: F401
     ATTENTION_PATHS,
     Config,
-    MODEL_PRESETS,
-    ModelConfig,
     POSITIONAL_KINDS,
     PRECISIONS,
     PRESETS,
@@ -47,7 +46,6 @@ from .datafiles import (  # noqa: F401
     read_stream,
     split_lines,
 )
-from .decoding import IncrementalDecoder  # noqa: F401
 from .project import colab_url, project_url  # noqa: F401
 from .runs import recipe_differences, results_table, run_or_load  # noqa: F401
 from .table3view import read_table3  # noqa: F401
@@ -178,3 +176,19 @@ from .parts import (  # noqa: F401
 from .translation import (  # noqa: F401
     translate,
 )
+
+
+# the notebook's definitions that the package's users reach through it (Parts 1 and 3)
+FROM_THE_NOTEBOOK = (
+    "ModelConfig",
+    "MODEL_PRESETS",
+    "IncrementalDecoder",
+    "average_weights",
+)
+
+
+def __getattr__(name: str):
+    """``machinery.ModelConfig`` and the others of FROM_THE_NOTEBOOK: the notebook's."""
+    if name in FROM_THE_NOTEBOOK:
+        return getattr(notebook(), name)
+    raise AttributeError(f"module 'machinery' has no attribute {name!r}")

@@ -1,22 +1,25 @@
 """Configuration: the model's sizes, a training run's settings, their checks and
 presets.
 
-`ModelConfig` holds the model's settings with the paper's names (§3, Table 3); `Config`
-extends it with everything a training run needs. Both are frozen dataclasses; the
-command line replaces fields with ``--field value``. Every setting is checked when a
-`Config` is made, so a run that could not work stops before it loads any data.
+The notebook's `ModelConfig` (Part 1) holds the model's settings with the paper's
+names (§3, Table 3); `Config` extends it with everything a training run needs. Both
+are frozen dataclasses; the command line replaces fields with ``--field value``.
+Every setting is checked when a `Config` is made, so a run that could not work stops
+before it loads any data.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 from typing import Optional
 
 import torch
+
+from .parts import notebook
 
 # field metadata: changes the computation, not the weights
 SAME_WEIGHTS = MappingProxyType({"same_weights": True})
@@ -25,58 +28,15 @@ ATTENTION_PATHS = ("auto", "readable", "fast")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
-@dataclass(frozen=True)
-class ModelConfig:
-    """The model's settings — §3 and Table 3 (base model by default); names as in the
-    paper.
-
-    Fields marked ``SAME_WEIGHTS`` can differ between a checkpoint and the model loading
-    it.
-    """
-
-    N: int = 6  # layers per stack (§3.1)
-    d_model: int = 512
-    d_ff: int = 2048
-    h: int = 8
-    d_k: int = 0  # per-head query/key size; 0: d_model / h (§3.2.2); d_v = d_model / h
-    P_drop: float = field(default=0.1, metadata=SAME_WEIGHTS)  # residual dropout, §5.4
-    norm_first: bool = False  # False: post-norm as in §3.1; True: pre-norm (departure)
-    # dropout inside the FFN and on attention weights (neither is in the paper)
-    ffn_dropout: float = field(default=0.0, metadata=SAME_WEIGHTS)
-    attn_dropout: float = field(default=0.0, metadata=SAME_WEIGHTS)
-    tie_weights: bool = True  # §3.4 weight sharing
-    shared_vocab: bool = True  # one vocabulary for both languages (§3.4, §5.1)
-    # "readable" (§3.2.2), "fast" (the aside after §3.5) or "auto" (decided per device)
-    attention: str = field(default="auto", metadata=SAME_WEIGHTS)
-    max_len: int = 5000  # longest sequence the positional encoding covers
-    positional: str = "sinusoid"  # "sinusoid" (§3.5) or "learned" (Table 3, row E)
-    N_dec: int = 0  # decoder layers where they differ from N (not in §3.1); 0: N
-
-    @property
-    def head_size(self) -> int:
-        """d_k of every head: ``d_k`` when set, else d_model / h = d_v (§3.2.2)."""
-        return self.d_k or self.d_model // self.h
-
-    @property
-    def decoder_layers(self) -> int:
-        """The decoder's depth: N, as in §3.1, unless ``N_dec`` sets another."""
-        return self.N_dec or self.N
-
-
-MODEL_PRESETS = MappingProxyType(
-    {
-        "base": ModelConfig(),
-        "big": ModelConfig(d_model=1024, d_ff=4096, h=16, P_drop=0.3),
-        "tiny": ModelConfig(N=2, d_model=32, d_ff=64, h=4, max_len=512),
-    }
-)
+# The model's settings and the paper's models are the notebook's (Part 1).
+_nb = notebook()
 
 
 def weight_fields() -> tuple:
     """The ModelConfig fields that decide the parameters (a checkpoint must agree)."""
     return tuple(
         f.name
-        for f in dataclasses.fields(ModelConfig)
+        for f in dataclasses.fields(_nb.ModelConfig)
         if not f.metadata.get("same_weights")
     )
 
@@ -256,9 +216,10 @@ def device_problem(name: str) -> Optional[str]:
 
 
 @dataclass(frozen=True)
-class Config(ModelConfig):
-    """A training run: the model (:class:`ModelConfig`) plus data, optimisation and
-    machinery settings. Each field is explained where the notebook or package uses it.
+class Config(_nb.ModelConfig):
+    """A training run: the model (the notebook's ``ModelConfig``) plus data,
+    optimisation and machinery settings. Each field is explained where the notebook or
+    package uses it.
     """
 
     # --- data (§5.1) ---
@@ -323,7 +284,7 @@ class Config(ModelConfig):
 
 def _model(name: str) -> dict:
     """The fields of model preset ``name``, to build a training preset on."""
-    return dataclasses.asdict(MODEL_PRESETS[name])
+    return dataclasses.asdict(_nb.MODEL_PRESETS[name])
 
 
 # fairseq's transformer_iwslt_de_en recipe: peak lr 5e-4 at update 4,000 (Eq. 3 times

@@ -83,10 +83,10 @@ def evaluate_test(
     t0 = time.time()
     greedy_hyps = nb.detokenize(
         translate(model, sources, data.tgt_vocab, cfg, device, progress=progress),
-        data.name,
+        CORPORA[data.name],
         data.subwords,
     )
-    score_greedy = nb.bleu(greedy_hyps, refs, data.name).score
+    score_greedy = nb.bleu(greedy_hyps, refs, CORPORA[data.name]).score
     log(
         f"test BLEU ({kind}, sacreBLEU, greedy, {len(test):,} sentences): "
         f"{score_greedy:.2f}"
@@ -102,8 +102,8 @@ def evaluate_test(
         beam_size=cfg.beam_size,
         alpha=cfg.length_penalty_alpha,
     )
-    hyps = nb.detokenize(tokens, data.name, data.subwords)
-    score = nb.bleu(hyps, refs, data.name).score
+    hyps = nb.detokenize(tokens, CORPORA[data.name], data.subwords)
+    score = nb.bleu(hyps, refs, CORPORA[data.name]).score
     unk_share = sum(t == nb.SPECIALS[nb.UNK] for toks in tokens for t in toks) / max(
         sum(map(len, tokens)), 1
     )

@@ -7,6 +7,10 @@ built for its GPU), not all of ours, and some of ours at other versions.
 package imports) and `hosted_setup` installs those at the pinned versions, with the
 host's torch pinned as it is so that nothing replaces it. Outside a hosted notebook both
 do nothing. The tests check the decisions with the environment faked.
+
+The notebook's set-up cell runs this file as a script, before the package is imported
+(``python machinery/hosted.py`` and the names of the kernel's imported modules): a
+failed install is one line and a non-zero exit.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 from types import MappingProxyType
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -89,9 +93,12 @@ def installed_version(name: str) -> Optional[str]:
         return None
 
 
-def hosted_setup(plan: dict | None = None, log: Callable = print) -> None:
+def hosted_setup(
+    plan: dict | None = None, log: Callable = print, loaded: Sequence[str] = ()
+) -> None:
     """Carry out a :func:`hosted_setup_plan` (by default this process's): pip, with the
-    installed torch kept. Outside a hosted notebook it does nothing."""
+    installed torch kept. Outside a hosted notebook it does nothing. ``loaded`` names
+    the modules the notebook's kernel has imported (this process's too are counted)."""
     if plan is None:
         plan = hosted_setup_plan(os.environ, sys.modules, installed_version)
     if not plan["install"]:
@@ -103,11 +110,17 @@ def hosted_setup(plan: dict | None = None, log: Callable = print) -> None:
     log(f"installing {', '.join(said)}; torch {torch.__version__} kept")
     pip = [sys.executable, "-m", "pip", "install", "--quiet", "-c", str(pins)]
     subprocess.run([*pip, *plan["install"]], check=True)
-    loaded = [
-        r.split("==")[0] for r in plan["install"] if r.split("==")[0] in sys.modules
-    ]
+    imported = {*sys.modules, *loaded}
+    loaded = [r.split("==")[0] for r in plan["install"] if r.split("==")[0] in imported]
     if loaded:
         log(
             f"{', '.join(loaded)} were imported before: restart the runtime and run "
             "the notebook again to use the installed versions"
         )
+
+
+if __name__ == "__main__":
+    try:
+        hosted_setup(loaded=sys.argv[1:])
+    except (OSError, subprocess.CalledProcessError) as e:
+        sys.exit(f"installing the notebook's packages failed: {e}")

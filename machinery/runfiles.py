@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .config import ModelConfig, weight_fields
+from .config import weight_fields
 from .devices import rng_state, unwrap
 from .parts import notebook
 
@@ -420,7 +420,8 @@ def check_fits(
             "was copied or renamed; move it out of the run directory"
         )
     if cfg is not None:
-        saved = {f.name: f.default for f in dataclasses.fields(ModelConfig)} | state[
+        model_fields = dataclasses.fields(notebook().ModelConfig)
+        saved = {f.name: f.default for f in model_fields} | state[
             "config"
         ]  # older: defaults
         now = {k: getattr(cfg, k) for k in weight_fields()}
@@ -590,37 +591,30 @@ def misnamed_message(paths: Sequence[Path]) -> str:
 
 
 def average_checkpoints(paths: Sequence[Path]) -> dict:
-    """Element-wise mean of the models in ``paths`` (§6.1 averages the last 5)."""
+    """The model averaged over the checkpoints at ``paths`` (§6.1 averages the last 5):
+    each is loaded and checked to hold the same model and vocabulary, then the
+    notebook's ``average_weights`` takes the mean."""
     if not paths:
         raise CheckpointError("no checkpoints to average")
-    avg, vocab = None, None
-    for p in paths:
-        state = load_checkpoint(p)
-        model_state = state["model"]
-        if avg is None:
-            avg = {
-                k: v.double().clone() if v.is_floating_point() else v.clone()
-                for k, v in model_state.items()
-            }
-            vocab = state["vocab"]
-        else:
+    first = load_checkpoint(paths[0])
+
+    def checked():
+        for p in paths:
+            state = first if p == paths[0] else load_checkpoint(p)
+            model_state, avg = state["model"], first["model"]
             if (
                 model_state.keys() != avg.keys()
                 or any(v.shape != avg[k].shape for k, v in model_state.items())
-                or state["vocab"] != vocab
+                or state["vocab"] != first["vocab"]
             ):
                 raise CheckpointError(
                     f"{p} holds a different model or vocabulary than {paths[0]}, so "
                     "the two cannot be averaged; use one checkpoint (--checkpoint, or "
                     "--average_last 1)"
                 )
-            for k, v in model_state.items():
-                if v.is_floating_point():
-                    avg[k] += v.double()
-    return {
-        k: (v / len(paths)).float() if v.is_floating_point() else v
-        for k, v in avg.items()
-    }
+            yield model_state
+
+    return notebook().average_weights(checked())
 
 
 # ### Checkpoint and metrics bookkeeping; resuming

@@ -651,11 +651,12 @@ def test_translate_decodes_the_model_it_is_given_in_eval_mode():
 
 
 def test_bleu_of_exact_copies_is_100():
+    copy = machinery.CORPORA["copy"]
     refs = ["1 2 3 4 5 6", "7 8 9 10 1 2"]
     assert tat.bleu(
-        tat.detokenize([r.split() for r in refs], "copy"), refs, "copy"
+        tat.detokenize([r.split() for r in refs], copy), refs, copy
     ).score == pytest.approx(100.0)
-    assert tat.bleu(["1 2 3", "4 5 6"], refs, "copy").score < 50
+    assert tat.bleu(["1 2 3", "4 5 6"], refs, copy).score < 50
 
 
 def test_tokenized_iwslt_scoring_does_not_warn_about_tokenized_text(caplog):
@@ -663,11 +664,11 @@ def test_tokenized_iwslt_scoring_does_not_warn_about_tokenized_text(caplog):
     # 100 lines ending in " ." that the text looks tokenized.
     lines = [f"this is line {i} ." for i in range(120)]
     with caplog.at_level("WARNING", logger="sacrebleu"):
-        result = tat.bleu(lines, lines, "iwslt14")
+        result = tat.bleu(lines, lines, machinery.CORPORA["iwslt14"])
         assert result.score == pytest.approx(100.0) and "tok:none" in result.signature
     assert not [r for r in caplog.records if "detokenize" in r.getMessage()]
     with caplog.at_level(
         "WARNING", logger="sacrebleu"
     ):  # the same text scored as Multi30k does warn
-        tat.bleu(lines, lines, "multi30k")
+        tat.bleu(lines, lines, machinery.CORPORA["multi30k"])
     assert [r for r in caplog.records if "detokenize" in r.getMessage()]

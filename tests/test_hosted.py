@@ -154,19 +154,20 @@ def test_without_a_plan_it_plans_for_this_process_and_a_colab_one_installs(monke
 NOTEBOOK = ROOT / "the_annotated_transformer.py"
 
 
-def cells_up_to_import_machinery() -> str:
+def prelude_cells() -> str:
     """The notebook's code cells (jupytext's ``# %%`` cells, markdown left out) up to
-    and including the line ``import machinery``."""
-    code, cell = [], None
+    and including the Prelude's set-up cell, the one that runs ``git clone``."""
+    code, cell, setup = [], None, False
     for line in NOTEBOOK.read_text(encoding="utf-8").splitlines():
         if line.startswith("# %%"):
+            if setup:
+                return "\n".join(code) + "\n"
             cell = "markdown" if "[markdown]" in line else "code"
             continue
         if cell == "code":
             code.append(line)
-            if line.split("#")[0].strip() == "import machinery":
-                return "\n".join(code) + "\n"
-    raise AssertionError("the notebook has no `import machinery` line")
+            setup = setup or '"git", "clone"' in line
+    raise AssertionError("the notebook has no set-up cell that runs git clone")
 
 
 # run as a Jupyter kernel would: the notebook's code as __main__, with ipykernel loaded
@@ -175,16 +176,17 @@ import sys, types
 sys.modules.setdefault("ipykernel", types.ModuleType("ipykernel"))
 namespace = {"__name__": "__main__"}
 exec(compile(open(sys.argv[1]).read(), "notebook cells", "exec"), namespace)
-print("machinery from", namespace["machinery"].__file__)
+import machinery  # as Part 4 does
+print("machinery from", machinery.__file__)
 """
 
 
-def run_hosted(tmp_path, address=None):
+def run_hosted(tmp_path, address=None, kernel_exists=False):
     """The first cells in ``tmp_path/kernel`` (no machinery there), COLAB_RELEASE_TAG
     set, ``ANNOTATED_TRANSFORMER_REPO`` = ``address`` when given."""
     kernel = tmp_path / "kernel"
-    kernel.mkdir()
-    (tmp_path / "cells.py").write_text(cells_up_to_import_machinery())
+    kernel.mkdir(exist_ok=kernel_exists)
+    (tmp_path / "cells.py").write_text(prelude_cells())
     (tmp_path / "driver.py").write_text(DRIVER)
     env = {
         k: v
@@ -217,8 +219,9 @@ def test_a_hosted_notebook_without_an_address_stops_at_its_first_cell_in_one_lin
     assert not (tmp_path / "kernel" / "annotated-transformer").exists()
 
 
-def test_a_hosted_notebook_fetches_the_project_from_the_address_set(tmp_path):
-    # the project as its repository would hold it: the package and the notebook
+def project_origin(tmp_path) -> Path:
+    """A bare repository holding the project as its repository would: the package and
+    the notebook."""
     source = tmp_path / "project"
     source.mkdir()
     for name in ("machinery", "the_annotated_transformer.py", "CITATION.cff"):
@@ -230,12 +233,64 @@ def test_a_hosted_notebook_fetches_the_project_from_the_address_set(tmp_path):
     origin = tmp_path / "origin.git"
     clone = ["git", "clone", "-q", "--bare", str(source), str(origin)]
     subprocess.run(clone, check=True)
+    return origin
+
+
+def test_a_hosted_notebook_fetches_the_project_from_the_address_set(tmp_path):
+    origin = project_origin(tmp_path)
     proc = run_hosted(tmp_path, address=origin.as_uri())
     assert proc.returncode == 0, proc.stderr[-3000:]
     checkout = tmp_path / "kernel" / "annotated-transformer"
     assert (checkout / "machinery" / "__init__.py").is_file()
     where = proc.stdout.strip().splitlines()[-1]
     assert where == f"machinery from {checkout / 'machinery' / '__init__.py'}", where
+
+
+def test_run_again_after_a_restart_the_hosted_notebook_reuses_its_checkout(tmp_path):
+    # the notebook tells users to restart the runtime and run it again: the checkout
+    # of the first run is there, and is used, with no address and nothing fetched
+    origin = project_origin(tmp_path)
+    assert run_hosted(tmp_path, address=origin.as_uri()).returncode == 0
+    subprocess.run(["rm", "-rf", str(origin)], check=True)  # nothing to fetch now
+    proc = run_hosted(tmp_path, kernel_exists=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    checkout = tmp_path / "kernel" / "annotated-transformer"
+    assert proc.stdout.strip().splitlines()[-1] == (
+        f"machinery from {checkout / 'machinery' / '__init__.py'}"
+    )
+
+
+def test_an_annotated_transformer_folder_that_is_not_this_project_is_refused(tmp_path):
+    (tmp_path / "kernel" / "annotated-transformer").mkdir(parents=True)
+    (tmp_path / "kernel" / "annotated-transformer" / "notes.txt").write_text("mine")
+    proc = run_hosted(
+        tmp_path, address="https://example.invalid/x.git", kernel_exists=True
+    )
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-2000:]
+    assert "not this project" in lines[0]
+    assert (
+        tmp_path / "kernel" / "annotated-transformer" / "notes.txt"
+    ).read_text() == "mine"
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "file:///nowhere/at/all.git",  # a repository that is not there
+        "ext::sh -c touch% pwned",  # a transport git refuses
+        "--upload-pack=touch pwned",  # an option, were it not after `--`
+    ],
+)
+def test_a_failed_clone_is_one_line_and_an_address_is_never_an_option(
+    tmp_path, address
+):
+    proc = run_hosted(tmp_path, address=address)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-2000:]
+    assert lines[0].startswith("git clone ") and "failed" in lines[0], lines
+    assert "Traceback" not in proc.stderr
+    assert not list(tmp_path.rglob("pwned"))  # nothing ran
 
 
 def test_the_notebooks_project_address_is_the_one_citation_cff_names():

@@ -498,12 +498,24 @@ def test_part_4s_first_cell_deletes_nothing_a_reader_made(tmp_path, monkeypatch)
     assert mine.read_bytes() == b"weights"
 
 
+def module_scope(tree: ast.AST):
+    """The nodes of ``tree`` in its module's own scope: not inside a class or function
+    body (decorators and defaults, evaluated in the module, included)."""
+    for node in ast.iter_child_nodes(tree):
+        yield node
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            for part in [*node.decorator_list, *getattr(node, "bases", [])]:
+                yield from ast.walk(part)
+            continue
+        yield from module_scope(node)
+
+
 def test_no_cell_rebinds_a_name_an_earlier_cell_defined_as_a_function():
     sources = [c.source for c in jupytext.read(PY).cells if c.cell_type == "code"]
     defined, clashes = {}, []
     for i, src in enumerate(sources):
         tree = ast.parse(src)
-        for node in ast.walk(tree):
+        for node in module_scope(tree):  # a class's field `attention` binds no global
             if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                 if node.id in defined and defined[node.id] < i:
                     clashes.append((i, node.id))
@@ -680,3 +692,97 @@ def test_the_readmes_presets_table_is_what_the_presets_set():
             if m := re.search(r"BPE ([\d,]+)", row):
                 assert cfg.bpe_size == int(m[1].replace(",", "")), name
     assert checked >= 12
+
+
+def before_part_4() -> list:
+    """The notebook's cells before Part 4 (the Prelude and Parts 1–3)."""
+    all_cells = jupytext.read(PY).cells
+    part_4 = next(
+        i for i, c in enumerate(all_cells) if "\n# Part 4 — " in f"\n{c.source}"
+    )
+    return all_cells[:part_4]
+
+
+def package_names_used(sources: list[str], package_names: set[str]) -> list[str]:
+    """``machinery.<name>`` anywhere in ``sources`` (prose too), and every name of the
+    package (``package_names``) that a code cell reads or imports."""
+    found = [m.group(0) for s in sources for m in re.finditer(r"machinery\.\w+", s)]
+    for source in sources:
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:  # a markdown cell
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name) and node.id in package_names:
+                found.append(node.id)
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                modules = [a.name for a in node.names] + [getattr(node, "module", "")]
+                found += [m for m in modules if m and m.split(".")[0] == "machinery"]
+    return found
+
+
+def bound_names(sources: list[str]) -> set[str]:
+    """Every name the code ``sources`` bind anywhere: assigned, defined, an argument."""
+    names = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.arg):
+                names.add(node.arg)
+    return names
+
+
+def test_parts_1_to_3_use_nothing_of_the_package():
+    # Parts 1–3 are the paper, readable without the package: no `machinery.` name and
+    # no name the package exports (that the notebook does not define itself) before
+    # Part 4, in code or prose; a path such as machinery/data.py may be named
+    import machinery
+
+    ours = top_level_names(PY.read_text())
+    package = {n for n in dir(machinery) if not n.startswith("_")} - ours
+    package -= {"annotations", "notebook"}  # `from __future__ import annotations`
+    sources = [c.source for c in before_part_4()]
+    code = [c.source for c in before_part_4() if c.cell_type == "code"]
+    package -= bound_names(code)  # its own arguments and helpers (`config`, say)
+    assert not package_names_used(sources, package)
+    # the check finds each kind of use
+    assert package_names_used(["x = machinery.CORPORA"], package) == [
+        "machinery.CORPORA"
+    ]
+    assert package_names_used(["run_or_load(cfg)"], package) == ["run_or_load"]
+    assert package_names_used(["import machinery"], package) == ["machinery"]
+    assert package_names_used(["See `machinery/data.py`."], package) == []
+
+
+TEST_CLAIM = re.compile(r"\btests? (?:checks?|shows?|fits?|compares?)\b", re.I)
+
+
+def unshown_claims(cells) -> list[str]:
+    """Sentences of markdown cells that say a test checks something where the next
+    code cell shows nothing: it must run a demonstration that prints (``@example``)."""
+    missing = []
+    for i, cell in enumerate(cells):
+        if cell.cell_type != "markdown":
+            continue
+        prose = " ".join(
+            line.lstrip("#> ").strip() for line in cell.source.splitlines()
+        )
+        claims = [s for s in re.split(r"(?<=[.:])\s+", prose) if TEST_CLAIM.search(s)]
+        nxt = next((c for c in cells[i + 1 :] if c.cell_type == "code"), None)
+        shown = nxt is not None and "@example" in nxt.source and "print(" in nxt.source
+        missing += [] if shown else claims
+    return missing
+
+
+def test_every_sentence_saying_a_test_checks_is_followed_by_a_cell_that_shows_it():
+    # Prelude and Parts 1–3: the claim is shown, not told (the cell's stored output is
+    # the measured difference once the notebook is re-run)
+    assert not unshown_claims(before_part_4())
+    md, code = nbformat.v4.new_markdown_cell, nbformat.v4.new_code_cell
+    told = [md("A test checks that the two agree."), code("x = 1")]
+    assert unshown_claims(told) == ["A test checks that the two agree."]
+    shown = code("@example\ndef _():\n    print(1)")
+    assert unshown_claims([told[0], shown]) == []

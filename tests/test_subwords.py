@@ -218,7 +218,9 @@ def test_the_checkpoint_carries_the_bpe_model_and_translates_alone(bpe_run):
         + [EOS]
     )
     out = machinery.translate(model, [ids], subwords.vocab, saved, torch.device("cpu"))
-    assert isinstance(tat.detokenize(out, "multi30k", subwords)[0], str)
+    assert isinstance(
+        tat.detokenize(out, machinery.CORPORA["multi30k"], subwords)[0], str
+    )
 
 
 def test_a_checkpoint_with_another_bpe_model_is_refused(bpe_run, tmp_path):
