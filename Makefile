@@ -22,7 +22,7 @@ export MALLOC_TRIM_THRESHOLD_ ?= 17179869184
 # runtime reads it when it starts; a value already in the environment wins.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install test sync notebook lab html train translate evaluate bench gpu-check table3 clean help
+.PHONY: install test sync notebook lab html train translate evaluate export bench gpu-check table3 clean help
 
 help:
 	@echo "make install            create .venv and install requirements.txt"
@@ -32,8 +32,9 @@ help:
 	@echo "make lab                open the notebook in JupyterLab (from .venv)"
 	@echo "make html               build the notebook as an offline web page, site/index.html"
 	@echo "make train [CONFIG=..]  train a preset (default: iwslt14-small with CUDA, else iwslt14-sample); ARGS='--field value ...'"
-	@echo "make translate ARGS='\"Ein Satz.\"'  translate with the run in RUN (default runs/CONFIG)"
-	@echo "make evaluate [ARGS='--src F --ref F']  BLEU of the run in RUN (default: the test split)"
+	@echo "make translate TEXT='Ein Satz.'  translate with the shipped model (or RUN=dir, CONFIG=name)"
+	@echo "make evaluate [ARGS='--src F --ref F']  its BLEU (default: the test split)"
+	@echo "make export CONFIG=name [ARGS=--score]  the run in RUN as a model folder in models/"
 	@echo "make bench              performance side by side (a few minutes); ARGS=--quick for seconds"
 	@echo "make gpu-check ARGS='--data DIR'  the ten-minute check on one CUDA GPU (JSON in build/gpu-check/); a CPU runs it tiny"
 	@echo "make table3             the Table 3 runs (benchmarks/table3.py); ARGS='...'"
@@ -75,11 +76,19 @@ html: $(STAMP)
 train: $(STAMP)
 	$(PY) $(SRC) train --config $(CONFIG) $(ARGS)
 
+# translate and evaluate use the run named by RUN or CONFIG on the command line, else
+# the shipped model (models/multi30k-small); TEXT="..." is one sentence to translate.
+MODEL_FROM = $(if $(filter command line,$(origin RUN) $(origin CONFIG)),--run_dir $(RUN))
+
 translate: $(STAMP)
-	$(PY) $(SRC) translate --run_dir $(RUN) $(ARGS)
+	$(PY) $(SRC) translate $(MODEL_FROM) $(if $(TEXT),"$$TEXT") $(ARGS)
 
 evaluate: $(STAMP)
-	$(PY) $(SRC) evaluate --run_dir $(RUN) $(ARGS)
+	$(PY) $(SRC) evaluate $(MODEL_FROM) $(ARGS)
+
+# The run in RUN as a model folder, models/<run>; ARGS=--score records its test BLEU.
+export: $(STAMP)
+	$(PY) $(SRC) export --run_dir $(RUN) $(ARGS)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench.py $(ARGS)

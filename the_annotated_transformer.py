@@ -2217,8 +2217,8 @@ if IN_NOTEBOOK:
 # (`lr_factor`) with 1,000 warm-up steps, gradients clipped at norm 1, 8,000 joint BPE
 # pieces with three-way weight sharing, 15 epochs. Its run directory is the command
 # line's (`make train CONFIG=multi30k-small` writes `runs/multi30k-small`); without one,
-# the summary in `results/` of the run the README reports is loaded. Its scores: test
-# BLEU, greedy and by beam search (§6.1), of the checkpoints it averages.
+# the model exported from the run the README reports (`models/multi30k-small`) is
+# loaded. Its test BLEU, greedy and by beam search (§6.1), then three test sentences.
 
 # %%
 if IN_NOTEBOOK:
@@ -2236,8 +2236,8 @@ if IN_NOTEBOOK:
         f"test BLEU ({scored}): beam {m30k_run['bleu']:.2f}, greedy "
         f"{m30k_run['bleu_greedy']:.2f} ({m30k_run['bleu_kind']})"
     )
-    for ex in m30k_run["examples"][:3]:
-        print(f"  {ex['source']}\n→ {ex['output']}\n  ({ex['reference']})")
+    m30k_trained = machinery.runs.trained_model(m30k_run)  # the weights scored above
+    print(machinery.runs.live_examples(m30k_trained, m30k_data, m30k_run["examples"]))
     alt = "Training and validation loss of the Multi30k run against the update number."
     display(Image(filename=m30k_run["curve"]), metadata={"image/png": {"alt": alt}})
 
@@ -2320,18 +2320,13 @@ if IN_NOTEBOOK:
 # labels, so an overview shows every layer and head small, then for each kind the head
 # whose rows are most concentrated (lowest mean entropy, our choice) is drawn large. In
 # the encoder-decoder map each row is an output token and each column a source token.
-# The maps need a run's checkpoints (else the last of Table 3's base run stands in).
+# The maps need the model's weights (a run's checkpoints, or the shipped model).
 
 # %%
 if IN_NOTEBOOK:
-    viz = make_model(len(m30k_data.src_vocab), len(m30k_data.tgt_vocab), m30k_cfg)
-    for run, n in ((m30k_run["run_dir"], max(m30k_avg, 1)), ("runs/table3/base", 1)):
-        if paths := machinery.checkpoint_paths(Path(run))[-n:]:
-            break
-    said = f"maps from {', '.join(p.name for p in paths)} in {run}"
-    print(said if paths else "no checkpoints here: `make train` makes them")
-if IN_NOTEBOOK and paths:
-    viz.load_state_dict(machinery.average_checkpoints(paths))
+    viz = m30k_trained and m30k_trained.model  # the model that translated above
+    print(f"maps from {m30k_trained.where}" if viz else "no model here: `make train`")
+if IN_NOTEBOOK and viz:
     src_ids = m30k_data.splits["test"][1][0]
     src = torch.tensor([src_ids])  # (1, src_len)
     limit = max_output_tokens(src, m30k_cfg.max_decode_extra)  # (1,): §6.1's n + 50

@@ -153,26 +153,35 @@ def read_summary(path: Path) -> tuple[Optional[dict], str]:
         return None, f"it cannot be read ({first_line(e)})"
 
 
+def shown(path) -> str:
+    """``path`` as a reader would type it: relative to the working directory where it
+    lies inside it."""
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def shipped_summary(folder: Path, cfg: Config, recorded=None) -> tuple[dict, str]:
     """(a summary of the shipped model in ``folder``, as run_or_load returns it, or
     {}, why it is set aside; "" when it is not of this recipe or not there)."""
-    from .export import read_meta, score_line
+    from .export import check_folder, read_meta, score_line
 
     if not (Path(folder) / "model.json").is_file():
         return {}, ""
     try:
-        meta = read_meta(folder)
+        saved = read_meta(folder).get("config")
+        if (
+            not isinstance(saved, dict)
+            or recipe_differences(saved, cfg)
+            or any(n not in saved for n in (*weight_fields(), *RECIPE_FIELDS))
+        ):
+            return {}, ""  # a model of another recipe: not a stand-in for this one
+        meta = check_folder(folder)  # the weights and BPE model too
     except CheckpointError as e:
         return {}, first_line(e)
-    saved = meta.get("config")
-    if (
-        not isinstance(saved, dict)
-        or recipe_differences(saved, cfg)
-        or any(n not in saved for n in (*weight_fields(), *RECIPE_FIELDS))
-    ):
-        return {}, ""  # a model of another recipe: not a stand-in for this one
     source, score = meta.get("source", {}), meta.get("score", {})
-    summary = {**source, "config": saved, "model": str(folder)}
+    summary = {**source, "config": saved, "model": shown(folder)}
     if score:  # the file's own score, as `evaluate` measures it
         summary |= {
             "bleu": score["bleu"],
@@ -243,7 +252,7 @@ def run_or_load(
     else:
         foreign = False
     if not checkpoints:
-        folder = Path(shipped) if shipped is not None else SHIPPED
+        folder = shown(shipped if shipped is not None else SHIPPED)
         summary, why = shipped_summary(folder, cfg, recorded)
         if why:
             log(f"set aside the model {folder}: {why}")
@@ -317,3 +326,73 @@ def results_table(ours: Sequence[tuple]) -> str:
             f"| {run['train_minutes']:.0f} min | {run['bleu']:.1f} |"
         )
     return "\n".join(lines)
+
+
+# Part 4 decodes with the model a summary stands for: the run directory's last
+# checkpoints averaged as the run averaged them, or the shipped model folder; a
+# recorded summary has no weights.
+
+
+@dataclasses.dataclass
+class Trained:
+    """A trained model ready to decode (§6.1) and where its weights came from."""
+
+    model: object
+    cfg: Config
+    src_vocab: object
+    tgt_vocab: object
+    subwords: object
+    where: str
+
+
+def trained_model(summary: dict) -> Optional[Trained]:
+    """The model ``summary`` (from :func:`run_or_load`) was scored with, or None where
+    only a recorded summary is here."""
+    from .export import load_model
+    from .inference import load_for_inference
+
+    if summary.get("model"):
+        model, cfg, src, tgt, subwords, _ = load_model(Path(summary["model"]))
+        return Trained(model, cfg, src, tgt, subwords, f"the model {summary['model']}")
+    run_dir = Path(summary.get("run_dir") or "")
+    average = max(int(summary["config"].get("average_last") or 1), 1)
+    paths = checkpoint_paths(run_dir)[-average:] if summary.get("run_dir") else []
+    if not paths:
+        return None
+    model, cfg, src, tgt, subwords = load_for_inference(
+        run_dir=run_dir, average_last=average
+    )
+    names = ", ".join(p.name for p in paths)
+    return Trained(model, cfg, src, tgt, subwords, f"{names} in {run_dir}")
+
+
+def live_examples(
+    trained: Optional[Trained], data, recorded: Sequence[dict] = (), n: int = 3
+) -> str:
+    """The first ``n`` test sentences of ``data`` translated now by ``trained``: the
+    source, the beam search output (§6.1), the greedy one and the reference, as text;
+    without a model, the ``recorded`` examples of its summary."""
+    from .inference import translate_lines
+
+    if trained is None:
+        return "\n".join(
+            f"  {e['source']}\n→ {e['output']}\n  ({e['reference']})"
+            for e in recorded[:n]
+        )
+    pieces = [data.src_vocab.lookup_tokens(s[1:-1]) for s, _ in data.splits["test"]]
+    sources = (
+        data.subwords.decode(pieces[:n])
+        if data.subwords
+        else [" ".join(p) for p in pieces[:n]]
+    )
+    t = trained
+    beam, greedy = (
+        translate_lines(
+            sources, t.model, t.cfg, t.src_vocab, t.tgt_vocab, t.subwords, "cpu", k, a
+        )[0]
+        for k, a in ((t.cfg.beam_size, t.cfg.length_penalty_alpha), (1, 0.0))
+    )
+    return "\n".join(
+        f"  {s}\n→ {b} (beam {t.cfg.beam_size})\n→ {g} (greedy)\n  ({r})"
+        for s, b, g, r in zip(sources, beam, greedy, data.test_refs)
+    )
