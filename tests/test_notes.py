@@ -177,3 +177,18 @@ def test_an_inline_quote_is_checked_piece_by_piece_in_the_section_it_cites():
         "A summary. (§5)",
         "made up (§5.4)",
     ]
+
+
+def test_the_readme_begins_with_its_commands_under_the_findings():
+    # a newcomer reads the commands first: Quick start within the first 25 lines,
+    # right after the findings, naming the four commands, the data mirror and time
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    start = lines.index("## Quick start")
+    assert start < 25 and lines[start - 2] == "<!-- /findings -->", start
+    end = next(i for i in range(start + 1, len(lines)) if lines[i].startswith("## "))
+    quick = "\n".join(lines[start:end])
+    for command in ("make install", "make lab", "make test", "make train CONFIG="):
+        assert command in quick, command
+    assert "DATA_MIRROR" in quick and "skip" in quick
+    assert re.search(r"\d+(\.\d+)? min", quick)  # how long the headline run takes
+    assert "64 MiB" not in "\n".join(lines)  # the GPU carry list is benchmarks' own
