@@ -859,6 +859,76 @@ def test_table_3_is_an_html_table_beside_the_papers_and_its_code_folded(fresh, w
     assert page.evaluate("document.documentElement.scrollWidth") <= width
 
 
+TABLE_3 = """(() => {
+    const h = [...document.querySelectorAll('main h2')]
+        .find(e => e.textContent.startsWith('Table 3'));
+    const table = h && [...h.closest('section').querySelectorAll('.output table')]
+        .find(t => /paper/i.test(t.querySelector('tr').textContent));
+    if (!table) return null;
+    table.scrollIntoView();
+    const box = (e) => e.getBoundingClientRect();
+    const rows = [...table.querySelectorAll('tr')].filter(r => r.querySelector('td'));
+    return {
+        scroll: [table.scrollWidth, table.clientWidth],
+        page: document.documentElement.scrollWidth,
+        lineHeight: parseFloat(getComputedStyle(rows[0].querySelector('td'))
+            .lineHeight) || 1.3 * parseFloat(getComputedStyle(table).fontSize),
+        fontPx: parseFloat(getComputedStyle(rows[0].querySelector('td')).fontSize),
+        rows: rows.map(r => ({
+            height: box(r).height,
+            cells: [...r.querySelectorAll('td')].map(c => ({
+                label: c.dataset.label || '', text: c.textContent.trim(),
+                shown: getComputedStyle(c).display !== 'none',
+                left: box(c).left, right: box(c).right, height: box(c).height,
+                lines: (() => { const r = document.createRange();
+                    r.selectNodeContents(c);
+                    return new Set([...r.getClientRects()]
+                        .map(x => Math.round(x.top))).size; })(),
+                numeric: /^[-+−]?[0-9.,]+[MkK%]?( ± [0-9.,]+)?$/.test(
+                    c.textContent.trim()),
+                wraps: getComputedStyle(c).whiteSpace !== 'nowrap',
+                labelShown: getComputedStyle(c, '::before').content
+                    .includes(c.dataset.label || '~')}))}))};
+})()"""
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_table_3_fits_rows_on_one_line_wide_and_as_cards_on_a_phone(fresh, width):
+    page = fresh(width).page
+    page.wait_for_timeout(300)  # page.js fits the table after load
+    table = page.evaluate(TABLE_3)
+    assert table is not None, "no Table 3 with the paper's columns"
+    assert table["page"] <= width
+    assert table["scroll"][0] <= table["scroll"][1] + 1, "Table 3 scrolls sideways"
+    assert table["fontPx"] >= 11
+    one_line = 1.9 * table["lineHeight"]
+    if width >= 1100:  # beside the contents: a number never breaks, and a row is one
+        # line unless a cell of long words had to wrap for the table to fit
+        for row in table["rows"]:
+            assert all(c["lines"] <= 1 for c in row["cells"] if c["numeric"]), row
+            if not any(c["wraps"] for c in row["cells"]):
+                assert row["height"] <= one_line, row["cells"][0]["text"]
+        two = [r["cells"][0]["text"] for r in table["rows"] if r["height"] > one_line]
+        print(
+            f"\n{width} px: Table 3 {table['scroll'][1]} px wide, "
+            f"{len(table['rows']) - len(two)} of {len(table['rows'])} rows on one "
+            f"line at {table['fontPx']:.1f} px (two lines: {', '.join(two) or '-'})"
+        )
+        return
+    # a phone: a card per row; its name, Δ, the paper's numbers and the verdict are
+    # on screen with their column's name beside them
+    for row in table["rows"]:
+        name, *rest = row["cells"]
+        assert 0 <= name["left"] and name["right"] <= width and name["text"]
+        wanted = [
+            c for c in rest if re.search(r"Δ|paper|verdict", c["label"]) and c["text"]
+        ]
+        assert any("Δ" in c["label"] for c in wanted) or name["text"] == "base"
+        for cell in wanted:
+            assert cell["shown"] and cell["labelShown"], cell
+            assert 0 <= cell["left"] and cell["right"] <= width, cell
+
+
 def test_plumbing_is_folded_and_the_papers_code_is_not(wide):
     folds = wide.page.evaluate("""[...document.querySelectorAll(
         'main details.code-fold')].map(d => [d.dataset.why, d.open,

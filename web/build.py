@@ -1893,6 +1893,7 @@ def arrange(html: str, about: dict | None = None) -> str:
             else:
                 a.unwrap()
     add_next_links(soup, main)
+    label_table_cells(main)
     contents_nav(soup, headings)
     entries = search_index(main) + index_code(main)
     index = script_json(entries)
@@ -1910,6 +1911,44 @@ def arrange(html: str, about: dict | None = None) -> str:
     )
     soup.head.find("meta", charset=True).insert_after(policy)
     return str(soup)
+
+
+MANY_COLUMNS = 5  # a table of more columns is a card per row on a phone
+# A cell of a wide table stays on one line unless it is words longer than WRAP_OVER
+# characters (a number with its ± never breaks)
+WRAP_OVER = 12
+NUMERIC = re.compile(r"[-+−–]?[\d.,]+\s?[%MkKB]?(\s?±\s?[\d.,]+)?\s?[%MkKB]?")
+
+
+def label_table_cells(main) -> int:
+    """Each body cell of an output's table gets ``data-label``, its column's header
+    (so that on a phone page.css can show a row as a card of "label: value" lines),
+    and the class ``wrap`` where it is long words (:data:`WRAP_OVER`); a table of
+    ``MANY_COLUMNS`` or more columns gets the class ``many-columns``.
+    Returns how many tables were labelled."""
+    count = 0
+    for table in main.select(".output table"):
+        rows = table.find_all("tr")
+        head = next((r for r in rows if r.find("th") and not r.find("td")), None)
+        if head is None:
+            continue
+        labels = [
+            re.sub(r"\s+", " ", c.get_text()).strip()
+            for c in head.find_all(["th", "td"])
+        ]
+        for row in rows:
+            if row is head:
+                continue
+            for label, cell in zip(labels, row.find_all(["td", "th"])):
+                if label:
+                    cell["data-label"] = label
+                text = cell.get_text().strip()
+                if len(text) > WRAP_OVER and not NUMERIC.fullmatch(text):
+                    cell["class"] = cell.get("class", []) + ["wrap"]
+        if len(labels) >= MANY_COLUMNS:
+            table["class"] = table.get("class", []) + ["many-columns"]
+        count += 1
+    return count
 
 
 def code_css() -> str:

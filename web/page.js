@@ -260,6 +260,35 @@
     }
   });
 
+  // A table of many columns that is wider than the article, on a screen wide enough
+  // to show it as a table (not as cards), steps its text down (never under 11.5 px)
+  // until its rows fit on one line; failing that, its cells of long words wrap too.
+  const TABLE_SIZES = [0.84, 0.8, 0.76, 0.72];
+  function fitTables() {
+    $$("main table.many-columns").forEach(function (table) {
+      table.classList.remove("wrap-cells");
+      table.style.fontSize = "";
+      if (window.innerWidth < 600) {
+        return;
+      }
+      for (const wrap of [false, true]) {
+        table.classList.toggle("wrap-cells", wrap);
+        for (const size of TABLE_SIZES) {
+          table.style.fontSize = size + "rem";
+          if (table.scrollWidth <= table.clientWidth + 1) {
+            return;
+          }
+        }
+      }
+    });
+  }
+  fitTables();
+  window.addEventListener("resize", function () {
+    clearTimeout(fitTables.timer);
+    fitTables.timer = setTimeout(fitTables, 150);
+  });
+  $$("details").forEach((d) => d.addEventListener("toggle", fitTables));
+
   // Whatever scrolls sideways (formulas, figures, tables, code, the attention map)
   // fades at the edge where more is hidden.
   const SCROLLERS = "main :is(.katex-display, figure.plot, .ae-map, table, pre, " +
