@@ -1628,3 +1628,11 @@ def test_screenshots_for_a_person(fresh, explorer_site):
     figure.locator("rect[data-q]").nth(8).hover()
     figure.screenshot(path=str(SHOTS / "attention-explorer.png"))
     shutil.copyfile(SHOTS / "top-1280.png", SHOTS / "web_page.png")  # for figures/
+
+
+def test_on_a_phone_the_contents_take_the_focus_when_they_open(fresh):
+    page = fresh(390).page
+    page.click(".toc-button")
+    assert page.evaluate("!!document.activeElement.closest('nav.toc')")
+    page.keyboard.press("Escape")
+    assert page.evaluate("document.activeElement.matches('.toc-button')")
