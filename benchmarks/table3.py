@@ -45,17 +45,15 @@ row trained with another, or on another thread count than its own.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
-import fcntl
 import json
 import math
 import os
-import re
 import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -63,10 +61,22 @@ from typing import Optional
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import table3_stats as stats  # noqa: E402
+from table3_engines import (  # noqa: E402
+    EngineError,
+    make_engine,
+    probe_token,
+    usable_cores,
+)
 from table3_figures import draw, draw_curves  # noqa: E402
-PROGRAM = ROOT / "the_annotated_transformer.py"
-SOURCE_CHECK = ROOT / "benchmarks" / "source_use.py"
-UNSUPPORTED = "not supported by this version"
+from table3_work import (  # noqa: E402
+    RowJob,
+    command,
+    newest_checkpoint,
+    program_options,
+    relative,
+    write_json,
+)
 
 # The base of each table: the preset's values of the fields Table 3 varies (§6.2).
 BASE = {
@@ -153,9 +163,9 @@ SMOKE_BUDGET = {
     "max_eval_sentences": 20,
 }
 # What a row must have run with for the file to hold it (besides its own fields).
-BUDGET_CHECKED = ("epochs", "warmup", "lr_factor", "batch_tokens", "precision")
-SEEDS = {"base": (1, 2, 3), "A": (1, 2), "B": (1, 2), "D": (1, 2), "E": (1, 2)}
-SEEDS_C = (1, 2)  # (C) runs last; its seed 2 only where seed 1 is not `settled`
+# The seeds every variation runs; a third only where the test asks for it
+# (`decide`), a learning-rate control's second never by the rule.
+SEEDS = {"base": (1, 2, 3), "variation": (1, 2), "control": (1,)}
 
 
 def variations(base: dict, lr_factor: float) -> list[tuple]:
@@ -229,19 +239,25 @@ def row_threads(row: dict, base: dict, budget: dict) -> int:
 
 def table3_rows(base: dict, lr_factor: float = BUDGET["lr_factor"]) -> list[dict]:
     """The training runs of §6.2, Table 3 as field overrides of ``base``, in the order
-    they run: the base's seeds; (A), (B), (D) and (E) with seed 1, then seed 2; (C)
-    (the costlier sizes) with seed 1, then seed 2. ``variation`` names the row its
-    seeds average into."""
+    they run: the base's three seeds; every variation of the paper with seeds 1 and 2
+    ((A), (B), (D), (E), then the (C) sizes); then the runs made only where they are
+    needed (``if_needed``): a third seed of a variation whose test lies near its
+    threshold, and a learning-rate control's second seed (``control``: it answers
+    what Eq. 3's rate does, and is tested against no paper row). ``variation`` names
+    the row its seeds average into."""
     plain = variations(base, lr_factor)
-    first = [v for v in plain if v[1] not in "C"]
-    sized = [v for v in plain if v[1] == "C"]
+    ordered = [plain[0]] + [v for v in plain[1:] if v[1] != "C"]
+    ordered += [v for v in plain if v[1] == "C"]
     runs = []
-    for name, group, fields, paper in plain[:1]:
-        for seed in SEEDS["base"]:
-            runs.append((name, group, fields, paper, seed))
-    for block, seeds in ((first[1:], (1, 2)), (sized, SEEDS_C)):
-        for seed in seeds:
-            runs += [(n, g, f, p, seed) for n, g, f, p in block]
+    for seed in SEEDS["base"]:
+        runs.append((*plain[0], seed, False))
+    for seed in (1, 2, 3):
+        for name, group, fields, paper in ordered[1:]:
+            control = is_control(name)
+            if control and seed == 3:
+                continue
+            if_needed = seed == 3 or (control and seed == 2)
+            runs.append((name, group, fields, paper, seed, if_needed))
     return [
         {
             "name": n if seed == 1 else f"{n}-seed{seed}",
@@ -250,9 +266,17 @@ def table3_rows(base: dict, lr_factor: float = BUDGET["lr_factor"]) -> list[dict
             "seed": seed,
             "fields": f | ({"seed": seed} if seed != 1 else {}),
             "paper_row": p,
+            "control": is_control(n),
+            "if_needed": if_needed,
         }
-        for n, g, f, p, seed in runs
+        for n, g, f, p, seed, if_needed in runs
     ]
+
+
+def is_control(variation: str) -> bool:
+    """Whether a variation is a learning-rate control (C-d128-lr, C-d512-lr): Eq. 3's
+    d_model^-0.5 held apart from the width, a row the paper does not have."""
+    return variation.endswith("-lr")
 
 
 def paper_values(label: str) -> dict:
@@ -265,25 +289,6 @@ def paper_values(label: str) -> dict:
         "params_million": params,
         "source": "paper, Table 3 (§6.2), newstest2013 EN→DE",
     }
-
-
-def program_options(python: str, program: Path) -> set[str]:
-    """The field names ``train --help`` accepts (§6.2, Table 3's rows change them)."""
-    done = subprocess.run(
-        [python, str(program), "train", "--help"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        print(
-            f"error: `{program.name} train --help` failed (exit {done.returncode}): "
-            f"{last_line(done.stderr)}",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
-    out = done.stdout
-    return {m.replace("-", "_") for m in re.findall(r"--([A-Za-z_][\w-]*)", out)}
 
 
 def row_overrides(row: dict, base: dict, options: set[str]) -> tuple[dict, str]:
@@ -305,126 +310,6 @@ def row_overrides(row: dict, base: dict, options: set[str]) -> tuple[dict, str]:
     return fields, note
 
 
-def relative(path: Path) -> Path:
-    """``path`` relative to the repository root where it lies inside it (the runs of
-    Table 3, §6.2, are started there), so that the results name no machine's folders."""
-    path = path.absolute()
-    return path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-
-
-def command(python: str, preset: str, run_dir: Path, overrides: dict) -> list[str]:
-    """The ``train`` command line of one Table 3 (§6.2) row."""
-    args = [
-        python,
-        PROGRAM.name,
-        "train",
-        "--config",
-        preset,
-        "--run_dir",
-        str(run_dir),
-    ]
-    for key, value in overrides.items():
-        args += [f"--{key}", str(value)]
-    return args
-
-
-def saved_settings(run_dir: Path) -> Optional[dict]:
-    """The config a run directory was trained with (results.json, else the newest
-    checkpoint's ``config``), or None if it holds neither — to resume a Table 3
-    (§6.2) row only with its own settings."""
-    results = run_dir / "results.json"
-    if results.is_file():
-        return json.loads(results.read_text())["config"]
-    checkpoints = newest_checkpoint(run_dir)
-    if checkpoints is None:
-        return None
-    import torch
-
-    return torch.load(checkpoints, map_location="cpu", weights_only=True)["config"]
-
-
-def newest_checkpoint(run_dir: Path) -> Optional[Path]:
-    """The newest ``checkpoint-<step>.pt`` of a run directory (the program's names)."""
-    found = [
-        (int(m.group(1)), p)
-        for p in run_dir.glob("checkpoint-*.pt")
-        if (m := re.fullmatch(r"checkpoint-(\d+)\.pt", p.name))
-    ]
-    return max(found)[1] if found else None
-
-
-def count_parameters(checkpoint: Path) -> int:
-    """Parameters of a row (Table 3's last column, §6.2): the sum of numel over the
-    checkpoint's model state dict, a tensor shared by several names (§3.4's tied
-    embeddings and pre-softmax weights) counted once."""
-    import torch
-
-    state = torch.load(checkpoint, map_location="cpu", weights_only=True)["model"]
-    seen = {}
-    for tensor in state.values():
-        key = (
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
-            tuple(tensor.shape),
-        )
-        seen[key] = tensor.numel()
-    return sum(seen.values())
-
-
-def valid_curve(metrics: Path) -> list[dict]:
-    """Validation perplexity after every epoch, from a run's metrics.jsonl (records
-    with ``valid_loss``, nats per target token, no smoothing): Table 3's PPL column
-    (§6.2) as it moved, so that "learns faster" and "ends better" can be told apart."""
-    curve = []
-    for line in metrics.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if "valid_loss" in record:
-            curve = [c for c in curve if c["epoch"] != record.get("epoch")]
-            curve.append(
-                {
-                    "epoch": record.get("epoch"),
-                    "step": record.get("step"),
-                    "valid_ppl": math.exp(min(record["valid_loss"], 50)),
-                }
-            )
-    return curve
-
-
-def cpu_name() -> str:
-    """The CPU's model name from /proc/cpuinfo, with its family, model and stepping
-    (one name can cover several chips), for the record of a Table 3 (§6.2) run."""
-    try:
-        info = dict(
-            line.split(":", 1)
-            for line in Path("/proc/cpuinfo").read_text().split("\n\n")[0].splitlines()
-            if ":" in line
-        )
-    except OSError:
-        info = {}
-    info = {k.strip(): v.strip() for k, v in info.items()}
-    if "model name" in info:
-        detail = ", ".join(
-            f"{k} {info[k]}" for k in ("cpu family", "model", "stepping") if k in info
-        )
-        return info["model name"] + (f" ({detail})" if detail else "")
-    import platform
-
-    return platform.processor() or "unknown CPU"
-
-
-def device_name(device: str) -> str:
-    """The name of the chip a row trained on: the GPU's, else the CPU's."""
-    if device.startswith("cuda"):
-        import torch
-
-        index = int(device.split(":")[1]) if ":" in device else 0
-        return torch.cuda.get_device_name(index)
-    return cpu_name()
-
-
 def commit() -> str:
     """The commit the program was at when a row started (``+changes`` when the tree
     had uncommitted changes), for the provenance of a Table 3 (§6.2) row."""
@@ -443,164 +328,29 @@ def commit() -> str:
     return (head or "unknown") + ("+changes" if dirty else "")
 
 
-def head_size(settings: dict) -> int:
-    """d_k as the program uses it: ``d_k``, or d_model/h where it is 0 (§3.2.2)."""
-    return settings.get("d_k") or settings["d_model"] // settings["h"]
-
-
-def differences(expected: dict, config: dict) -> dict:
-    """The settings a run's config does not share with what was asked of it (d_k 0
-    and d_model/h are one value): a row of Table 3 (§6.2) the file must not hold."""
-    out = {}
-    for key, value in expected.items():
-        if key not in config:
-            continue
-        ran = config[key]
-        if key == "d_k":
-            value, ran = head_size(expected | {"d_k": value}), head_size(config)
-        if ran != value:
-            out[key] = {"asked": value, "ran": ran}
-    return out
-
-
-def valid_bleu(python: str, run_dir: Path, budget: dict, child: "Child") -> dict:
-    """BLEU (beam 4, §6.1) of a row's last checkpoint on the validation split — the
-    development-set column of Table 3 (§6.2) — through ``evaluate``; kept in the run
-    directory so that collecting the row again does not decode again."""
-    kept = run_dir / "valid_bleu.json"
-    checkpoint = newest_checkpoint(run_dir)
-    if kept.is_file():
-        found = json.loads(kept.read_text())
-        if found.get("checkpoint") == checkpoint.name:
-            return found
-    args = [python, PROGRAM.name, "evaluate", "--checkpoint", str(relative(checkpoint))]
-    args += ["--split", "valid", "--beam", "4"]
-    if budget.get("max_eval_sentences"):
-        args += ["--first", str(budget["max_eval_sentences"])]
-    code, out, err = child.capture(args, budget["threads"])
-    match = re.search(r"BLEU\S*\s*=\s*([\d.]+)", out)
-    if code != 0 or not match:
-        raise RuntimeError(f"evaluate --split valid failed: {last_line(err or out)}")
-    found = {
-        "checkpoint": checkpoint.name,
-        "valid_bleu": float(match.group(1)),
-        "signature": out.strip().splitlines()[-1],
-        "command": " ".join(["python", *args[1:]]),
-    }
-    write_json(kept, found)
-    return found
-
-
-def source_check(python: str, run_dir: Path, budget: dict, child: "Child") -> dict:
-    """Whether a row's last checkpoint reads its source: its validation loss with each
-    pair's own source and with another pair's (``benchmarks/source_use.py``), kept in
-    the run directory so that collecting the row again does not measure again."""
-    kept = run_dir / "source_use.json"
-    checkpoint = newest_checkpoint(run_dir)
-
-    def record() -> Optional[dict]:
-        if not kept.is_file():
-            return None
-        records = json.loads(kept.read_text())["records"]
-        return next(
-            (r for r in records if Path(r["checkpoint"]).name == checkpoint.name), None
-        )
-
-    if record() is None:
-        args = [python, str(relative(SOURCE_CHECK)), str(relative(run_dir))]
-        args += ["--out", str(relative(kept)), "--threads", str(budget["threads"])]
-        code, out, err = child.capture(args, budget["threads"])
-        if code != 0:
-            raise RuntimeError(f"the source check failed: {last_line(err or out)}")
-    found = record()
-    if found is None:
-        raise RuntimeError(f"the source check did not measure {checkpoint}")
-    return {"source_gap": found["gap"]}
-
-
-def collect(row: dict, run_dir: Path, budget: dict, python: str, child) -> dict:
-    """One finished row of Table 3 (§6.2) from the files its run wrote: validation
-    perplexity (and its curve) and BLEU, test BLEU (beam 4 and greedy), parameters,
-    time, and what it ran with (the provenance the file's budget is checked on)."""
-    results = json.loads((run_dir / "results.json").read_text())
-    curve = valid_curve(run_dir / "metrics.jsonl")
-    checkpoint = newest_checkpoint(run_dir)
-    config = results.get("config", {})
-    asked = {k: budget[k] for k in BUDGET_CHECKED if k in budget}
-    differ = differences({**asked, **row["base"], **row["fields"]}, config)
-    scored = valid_bleu(python, run_dir, budget, child)
-    reads = source_check(python, run_dir, budget, child)
-    return {
-        "status": "done",
-        "params": count_parameters(checkpoint) if checkpoint else None,
-        "valid_ppl": curve[-1]["valid_ppl"] if curve else None,
-        "valid_bleu": scored["valid_bleu"],
-        **reads,
-        "bleu": results.get("bleu"),
-        "bleu_greedy": results.get("bleu_greedy"),
-        "bleu_kind": results.get("bleu_kind"),
-        "test_sentences": results.get("test_sentences"),
-        "train_minutes": results.get("train_minutes"),
-        "total_minutes": results.get("total_minutes"),
-        "provenance": {
-            "updates": results.get("steps"),
-            "warmup": config.get("warmup"),
-            "lr_factor": config.get("lr_factor"),
-            "batch_tokens": config.get("batch_tokens"),
-            "epochs": config.get("epochs"),
-            "seed": config.get("seed"),
-            "precision": results.get("precision"),
-            "attention": results.get("attention"),
-            "threads": budget["threads"],
-            "device": results.get("device"),
-            # the run names its chip (older runs do not: read it here)
-            "device_name": results.get("machine")
-            or device_name(str(results.get("device", "cpu"))),
-            "commit": row.get("commit"),
-            "valid_bleu_command": scored["command"],
-        },
-        "curve": curve,
-        **({"settings_differ": differ} if differ else {}),
-    }
-
-
-def write_json(path: Path, data: dict) -> None:
-    """Write the Table 3 (§6.2) results atomically: a temporary file, then a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".part", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-# The noise rule, stated once (the notebook and the audit quote it from the JSON).
+# The test, stated once (the notebook, the page and the audit quote it from the JSON;
+# benchmarks/table3_stats.py holds its arithmetic).
 RULE = (
-    "A variation's mean validation BLEU differs from the base's when the difference "
-    "is larger than twice the pooled standard deviation of validation BLEU over the "
-    "seeds of every row that has two or more; it then agrees with the paper when it "
-    "has the sign of the paper's own difference (its dev BLEU minus the base's 25.8) "
-    "and disagrees otherwise. Within twice that deviation it can't tell. A paper's "
-    "difference of at most 0.1 (one step of its table's rounding) is read as no "
-    "change: a variation within twice that deviation then agrees, one beyond it "
-    "disagrees. A (C) variation (the costlier "
-    "sizes) runs its second seed only where its first lies within twice that deviation "
-    "of the base's mean. A run whose validation loss rises by less than 1 nat per "
-    "target token when each pair is given another pair's source has not learnt to "
-    "read its source: it failed to train, is shown apart, and enters neither its "
-    "row's mean nor the pooled deviation; a row none of whose seeds trained shows "
-    'their scores and reads "fails to train", and while no seed of the base has '
-    'trained every row reads "base fails to train".'
+    "Every run that trained is one observation of a two-way model, y = variation + "
+    "seed + noise, fitted by least squares over all rows (rows of one seed see the "
+    "same batches, so seeds are compared with seeds); y is validation BLEU, or the "
+    "log of validation perplexity. A variation's difference from the base is tested "
+    "with t on the model's residual degrees of freedom, its standard error set by the "
+    "seeds both rows have; Holm's correction holds the family-wise error rate of the "
+    "paper's variations at 5% for each measure. A difference the test finds agrees "
+    "with the paper when it has the sign of the paper's own difference (its dev "
+    "score minus the base's; within one step of the paper's rounding, 0.1 BLEU or "
+    "0.01 perplexity, the paper saw no change) and disagrees otherwise; a difference "
+    "it does not find is reported as no difference detected, with the smallest true "
+    "difference the test would detect with probability 0.8. A variation one of whose "
+    "seeds failed to train or was still learning when its schedule ended is not "
+    "counted as agreeing. The learning-rate controls are compared with the same width "
+    "at Eq. 3's own rate and get no verdict against the paper. A third seed runs "
+    "where a test's difference lies within 20% of its threshold. A run whose "
+    "validation loss rises by less than 1 nat per target token when each pair is "
+    "given another pair's source has not learnt to read its source: it failed to "
+    "train, is shown apart, and enters no test."
 )
-# The paper's Table 3 gives BLEU to 0.1: a difference of one step of that rounding
-# (E's 25.7, "nearly identical results", against the base's 25.8) is no change.
-PAPER_NO_CHANGE = 0.1
 # Below this gap (nats per target token) a run's decoder is a language model of the
 # target side, not a translation model (benchmarks/source_use.py measures it).
 SOURCE_GAP_MIN = 1.0
@@ -621,96 +371,84 @@ def spread(values: list[float]) -> dict:
     return {"mean": mean, "sd": sd, "min": min(values), "max": max(values), "n": n}
 
 
-def pooled_sd(groups: list[list[float]]) -> Optional[float]:
-    """The pooled sample standard deviation of several rows' seeds (rows with one seed
-    add nothing); None when no row has two."""
-    dof = sum(len(g) - 1 for g in groups if len(g) > 1)
-    if dof == 0:
-        return None
-    squares = sum(
-        sum((v - sum(g) / len(g)) ** 2 for v in g) for g in groups if len(g) > 1
-    )
-    return math.sqrt(squares / dof)
-
-
-def verdict(ours: float, noise: Optional[float], paper: float) -> str:
-    """The noise rule (RULE): "agrees", "disagrees" or "can't tell" for a variation
-    whose mean differs from the base's by ``ours``, given the pooled seed deviation
-    ``noise`` and the paper's own difference ``paper`` (dev BLEU, Table 3), read as no
-    change where it is at most ``PAPER_NO_CHANGE``."""
-    if noise is None:
-        return "can't tell"
-    none = round(abs(paper), 6) <= PAPER_NO_CHANGE  # 25.7 - 25.8 is -0.100000000001
-    if abs(ours) <= 2 * noise:
-        return "agrees" if none else "can't tell"
-    if none:
-        return "disagrees"
-    return "agrees" if (ours > 0) == (paper > 0) else "disagrees"
-
-
-def settled(entry: dict, noise: Optional[float]) -> bool:
-    """Whether a variation of Table 3 (§6.2) has the seeds the design asks of it: the
-    base three, an (A), (B), (D) or (E) variation two (trained or failed), a (C)
-    variation two, or one that trained and whose difference from the base's mean is
-    already beyond the rule's 2·s (one that failed says nothing of the size)."""
-    if len(entry["seeds"]) >= len(SEEDS.get(entry["group"], SEEDS_C)):
-        return True
-    diff = entry.get("diff_valid_bleu")
-    if entry["group"] != "C" or len(entry["failed_seeds"]) == len(entry["seeds"]):
-        return False  # a seed that failed to train says nothing of the setting's size
-    return None not in (noise, diff) and abs(diff) > 2 * noise
-
-
-def needless(row: dict, data: dict) -> Optional[str]:
-    """Why a (C) row's second seed need not run, from the file's finished rows: its
-    first seed already lies beyond 2·s of the base (the rule's noise); else None."""
-    if row["group"] != "C" or row["seed"] == SEEDS_C[0]:
-        return None
-    entry = next(
-        (s for s in summarise(data) if s["variation"] == row["variation"]), None
-    )
-    if entry is None or not entry["settled"]:  # seed 1 not run, or inside 2·s
-        return None
-    return (
-        f"{row['variation']}'s seed {entry['seeds'][0]} lies "
-        f"{entry['diff_valid_bleu']:+.2f} BLEU from the base's mean, beyond 2·s = "
-        f"{2 * noise_of(data)['sd']:.2f}: one seed settles it"
-    )
-
-
 def seeds_by_variation(data: dict) -> dict[str, list[dict]]:
     """The finished rows of a Table 3 (§6.2) file, grouped by the variation whose seeds
     they are."""
     by: dict[str, list[dict]] = {}
     for r in data["rows"]:
-        if r["status"] == "done":
+        if finished(r):
             by.setdefault(r.get("variation", r["name"]), []).append(r)
     return by
 
 
-def noise_of(data: dict) -> dict:
-    """The noise rule's yardstick for a Table 3 (§6.2) file: the pooled seed standard
-    deviation of validation BLEU and how many rows (with ≥ 2 seeds) it pools."""
-    groups = trained_bleu(seeds_by_variation(data))
-    return {"sd": pooled_sd(groups), "rows": sum(len(g) > 1 for g in groups)}
+def controlled(variation: str) -> str:
+    """The variation a learning-rate control holds Eq. 3's rate apart from."""
+    return variation.removesuffix("-lr")
 
 
-def trained_bleu(by: dict[str, list[dict]]) -> list[list[float]]:
-    """Per variation, the validation BLEU of its seeds that trained: what the noise
-    rule pools."""
-    return [[r["valid_bleu"] for r in rs if trained(r)] for rs in by.values()]
+def tests_of(data: dict) -> dict[str, dict]:
+    """Both measures' tests (table3_stats.test_table) over the file's trained runs:
+    {"bleu": {variation: test}, "ppl": {...}}."""
+    runs = {
+        v: [(r.get("seed", 1), r) for r in rs if trained(r)]
+        for v, rs in seeds_by_variation(data).items()
+    }
+    runs = {v: rs for v, rs in runs.items() if rs}
+    paper = {
+        v: rs[0][1]["paper"]
+        for v, rs in runs.items()
+        if v != "base" and not is_control(v)
+    }
+    controls = {v: controlled(v) for v in runs if is_control(v)}
+    return {m: stats.test_table(runs, paper, controls, m) for m in stats.MEASURES}
+
+
+def qualifiers(rows: list[dict]) -> list[str]:
+    """What a reader must know beside a variation's verdict: one seed, a seed still
+    learning when its schedule ended, a seed that failed to train."""
+    from machinery.table3view import still_learning
+
+    out = []
+    ok = [r for r in rows if trained(r)]
+    if len(ok) == 1:
+        out.append("one seed")
+    if any(still_learning(r.get("curve") or []) for r in ok):
+        out.append("still learning at the end of its schedule")
+    if len(ok) < len(rows):
+        out.append("a seed failed to train")
+    return out
+
+
+def verdict_words(test: dict, quals: list[str], measure: str) -> tuple[str, str]:
+    """(the words a reader sees, the category counted): "agrees", "disagrees" or
+    "no difference detected (the test would see ≥ X)", with the qualifiers; a
+    variation still learning or with a failed seed is counted as "not counted"
+    where it would agree."""
+    word = test["word"]
+    if word == "no difference detected":
+        x = (
+            f"{test['detectable']:.2f} BLEU"
+            if measure == "bleu"
+            else f"{test['detectable_pct']:.1f}% perplexity"
+        )
+        word = f"no difference detected (the test would see ≥ {x})"
+    said = word + (f" ({'; '.join(quals)})" if quals else "")
+    counted = test["word"]
+    blocking = {"still learning at the end of its schedule", "a seed failed to train"}
+    if counted == "agrees" and blocking & set(quals):
+        counted = "not counted"
+    return said, counted
 
 
 def summarise(data: dict) -> list[dict]:
     """Per variation of Table 3 (§6.2): its seeds' mean and spread of validation
-    perplexity and BLEU and of test BLEU (over the seeds that trained), the seeds that
-    failed to train, its difference from the base, and the noise rule's verdict
-    against the paper's row."""
+    perplexity and BLEU and of test BLEU (over the seeds that trained), the seeds
+    that failed to train, and, for both measures, the test against the base (Δ, 95%
+    interval, p, Holm's level, the detectable difference) with its verdict against
+    the paper's row, or for a learning-rate control its difference from the same
+    width at Eq. 3's rate."""
     by = seeds_by_variation(data)
-    noise = noise_of(data)["sd"]
-    base_ok = [r for r in by.get("base", []) if trained(r)]
-    base = base_ok or by.get("base")  # its failed seeds: the differences are shown
-    base_bleu = spread([r["valid_bleu"] for r in base])["mean"] if base else None
+    tests = tests_of(data)
     out = []
     for name, rs in by.items():
         first, ok = rs[0], [r for r in rs if trained(r)]
@@ -719,6 +457,7 @@ def summarise(data: dict) -> list[dict]:
         entry = {
             "variation": name,
             "group": first["group"],
+            "control": is_control(name),
             "seeds": sorted(r.get("seed", 1) for r in rs),
             "failed_seeds": sorted(r.get("seed", 1) for r in rs if not trained(r)),
             "params": first["params"],
@@ -727,24 +466,60 @@ def summarise(data: dict) -> list[dict]:
             "test_bleu": spread([r["bleu"] for r in counted]),
             "source_gap": spread(gaps) if gaps else None,
             "paper": first["paper"],
+            "paper_row": first["paper"]["row"],
         }
-        if name != "base" and base_bleu is not None:
-            ours = entry["valid_bleu"]["mean"] - base_bleu
-            theirs = round(first["paper"]["bleu_dev"] - PAPER["base"][1], 2)
+        if name != "base":
+            quals = qualifiers(rs)
+            entry["qualifiers"] = quals
+            entry["tests"] = {m: tests[m][name] for m in tests if name in tests[m]}
             if not ok:
-                said = "fails to train"
-            elif not base_ok:
-                said = "base fails to train"
-            else:
-                said = verdict(ours, noise, theirs)
-            entry |= {
-                "diff_valid_bleu": ours,
-                "paper_diff_bleu": theirs,
-                "verdict": said,
-            }
-        entry["settled"] = settled(entry, noise)
+                entry["verdict"] = {m: "fails to train" for m in stats.MEASURES}
+                entry["counted"] = {m: "not counted" for m in stats.MEASURES}
+            elif entry["control"]:
+                entry["verdict"] = {m: "control" for m in stats.MEASURES}
+            elif entry["tests"]:
+                words = {
+                    m: verdict_words(t, quals, m) for m, t in entry["tests"].items()
+                }
+                entry["verdict"] = {m: w[0] for m, w in words.items()}
+                entry["counted"] = {m: w[1] for m, w in words.items()}
         out.append(entry)
     return out
+
+
+def required_done(data: dict, base: dict, budget: dict) -> bool:
+    """Whether every run the plan always makes has finished: the third seeds wait for
+    this, since Holm's levels depend on every variation's test."""
+    done = {r["name"] for r in data["rows"] if finished(r)}
+    rows = table3_rows(base, budget["lr_factor"])
+    return all(r["name"] in done for r in rows if not r["if_needed"])
+
+
+def decide(row: dict, data: dict, base: dict, budget: dict) -> tuple[str, str]:
+    """Whether a run of the plan is to be made now: ("run", ""), ("skip", why) or
+    ("wait", why). A run the plan always makes runs; a learning-rate control's second
+    seed is never needed; a third seed waits for every other run, then runs where
+    either measure's test lies within 20% of its threshold."""
+    if not row["if_needed"]:
+        return "run", ""
+    if row["control"]:
+        return "skip", (
+            "a learning-rate control: one seed shows what the rate does, and it is "
+            "tested against no paper row"
+        )
+    if not required_done(data, base, budget):
+        return "wait", "a third seed is decided once every other run has finished"
+    entry = next(
+        (s for s in summarise(data) if s["variation"] == row["variation"]), None
+    )
+    near = [
+        f"{m} |Δ| {abs(t['delta']):.3g} against a threshold of {t['threshold']:.3g}"
+        for m, t in (entry or {}).get("tests", {}).items()
+        if t.get("near_threshold")
+    ]
+    if near:
+        return "run", ""
+    return "skip", "both tests lie beyond 20% of their thresholds"
 
 
 def finished(row: dict) -> bool:
@@ -770,246 +545,6 @@ def select(rows: list[dict], wanted: Optional[str]) -> list[dict]:
     return [r for r in rows if {r["name"], r["group"], r["variation"]} & set(names)]
 
 
-def child_env(threads: int) -> dict:
-    """The environment of a row's processes: ``threads`` threads for PyTorch's CPU
-    kernels, the same for every row of Table 3 (§6.2), and glibc's settings for
-    reusing freed memory (those `make` sets) where the caller set none of its own."""
-    from machinery.devices import GLIBC_MALLOC_SETTINGS
-
-    env = {**GLIBC_MALLOC_SETTINGS, **os.environ}
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
-        env[name] = str(threads)
-    return env
-
-
-def rows_held(runs: Path) -> list[str]:
-    """The rows whose lock in ``runs`` is held now (this process's own included),
-    whichever runner trains them: a held lock is one `locked` cannot take within its
-    grace."""
-    held = []
-    for path in sorted(runs.glob("*.lock")):
-        with locked(path, wait=False) as free:
-            if not free:
-                held.append(path.stem)
-    return held
-
-
-def rows_training(runs: Path) -> int:
-    """How many rows train in ``runs`` now (this process's own included)."""
-    return len(rows_held(runs))
-
-
-def alone_problem(name: str, held: list[str], wide: set[str]) -> Optional[str]:
-    """Why row ``name`` cannot start while the rows ``held`` train, or None: a row of
-    ``wide`` (wider than the base, on more threads) takes the machine's cores alone,
-    so it waits for every other row, and every other row waits for it."""
-    others = [n for n in held if n != name]
-    if name in wide and others:
-        verb = "is" if len(others) == 1 else "are"
-        return (
-            f"it trains alone on its threads, and {', '.join(others)} {verb} training"
-        )
-    if busy := [n for n in others if n in wide]:
-        return f"{busy[0]} is training alone on its threads"
-    return None
-
-
-class LoadWatch:
-    """While a row trains, look every ``every`` seconds at how many rows train at once
-    (`rows_training`) and at the 1-minute load average: the load its minutes were
-    measured under, which another runner or any other work adds to."""
-
-    def __init__(self, runs: Path, every: float = 30.0):
-        self.runs, self.every = runs, every
-        self.rows, self.loads = [], []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-
-    def _watch(self) -> None:
-        while True:
-            self.rows.append(rows_training(self.runs))
-            self.loads.append(os.getloadavg()[0])
-            if self._stop.wait(self.every):
-                return
-
-    def __enter__(self) -> "LoadWatch":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def record(self) -> dict:
-        """``concurrent_rows``: the most rows seen training at once (at least this
-        one); ``load_average``: the mean of the load averages seen."""
-        return {
-            "concurrent_rows": max([1, *self.rows]),
-            "load_average": round(sum(self.loads) / len(self.loads), 2),
-        }
-
-
-class Child:
-    """The one training process of a Table 3 (§6.2) row; SIGINT/SIGTERM/SIGHUP sent to
-    this script are handed on to it once (it saves a checkpoint and stops)."""
-
-    def __init__(self):
-        self.proc: Optional[subprocess.Popen] = None
-        self.stopped: Optional[int] = None
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, self._forward)
-
-    def _forward(self, signum, frame) -> None:
-        self.stopped = signum
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM if signum == signal.SIGHUP else signum)
-
-    def run(self, args: list[str], threads: int) -> tuple[int, str]:
-        """Run ``args`` to its end, output passed on: (exit status, stderr tail)."""
-        self.proc = subprocess.Popen(
-            args,
-            cwd=ROOT,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            env=child_env(threads),
-        )
-        tail = b""
-        while chunk := os.read(self.proc.stderr.fileno(), 65536):
-            sys.stderr.buffer.write(chunk)
-            sys.stderr.flush()
-            tail = (tail + chunk)[-8192:]
-        code = self.proc.wait()
-        self.proc = None
-        return code, tail.decode("utf-8", "replace")
-
-    def capture(self, args: list[str], threads: int) -> tuple[int, str, str]:
-        """Run ``args`` to its end: (exit status, stdout, stderr)."""
-        self.proc = subprocess.Popen(
-            args,
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            env=child_env(threads),
-            text=True,
-        )
-        out, err = self.proc.communicate()
-        code, self.proc = self.proc.returncode, None
-        return code, out, err
-
-
-def rejected(stderr: str, fields: dict) -> Optional[str]:
-    """The program's one-line refusal of one of ``fields`` (an unknown option or a
-    setting it rules out), or None — a Table 3 (§6.2) row this version cannot run."""
-    for line in reversed(stderr.replace("\r", "\n").splitlines()):
-        if ": error:" in line:
-            if any(re.search(rf"(--)?\b{re.escape(k)}\b", line) for k in fields):
-                return line.strip()
-            return None
-    return None
-
-
-def last_line(stderr: str) -> str:
-    """The last non-empty line a failed run printed (its one-line error)."""
-    lines = [s.strip() for s in stderr.replace("\r", "\n").splitlines() if s.strip()]
-    return lines[-1] if lines else "(no message)"
-
-
-def log(message: str) -> None:
-    """One line of this script's own progress, timestamped, to stdout."""
-    print(f"[table3 {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    """The options of the Table 3 (§6.2) runner."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--rows",
-        default=None,
-        help="comma-separated row names, variations or groups (base, A–E); default all",
-    )
-    p.add_argument(
-        "--jobs",
-        type=int,
-        default=1,
-        help="rows trained at once, each in its own worker with one thread "
-        "(default 1; 2 on two cores); a row wider than the base trains alone, on "
-        "two threads: a worker leaves it for later while another row trains, and "
-        "the job trains the rows so left at its end, one after another",
-    )
-    p.add_argument(
-        "--smoke",
-        action="store_true",
-        help="a few rows of the tiny copy preset, a few updates each, in a "
-        "temporary folder (for the tests; under a minute)",
-    )
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=None,
-        help="results JSON (default results/table3.json; the figures are "
-        "written next to it as .png and -curves.png)",
-    )
-    p.add_argument(
-        "--runs",
-        type=Path,
-        default=None,
-        help="folder of the rows' run directories (default runs/table3; "
-        "--smoke: next to --out)",
-    )
-    p.add_argument(
-        "--python",
-        default=sys.executable,
-        help="the interpreter that runs the program (default this one)",
-    )
-    p.add_argument(
-        "--epochs",
-        type=int,
-        default=None,
-        help="epochs per row (default: the preset's own schedule; a file holds "
-        "one budget)",
-    )
-    p.add_argument(
-        "--refresh",
-        action="store_true",
-        help="rewrite the file's summary, noise rule and figures from its rows "
-        "with this version of the runner, and train nothing",
-    )
-    p.add_argument(
-        "--status",
-        action="store_true",
-        help="print how far every row has got (done, its update, to run) and train "
-        "nothing",
-    )
-    args = p.parse_args(argv)
-    args.argv = list(argv)  # what a --jobs worker is started with
-    if args.epochs is not None and args.epochs < 1:
-        p.error("--epochs must be at least 1")
-    if args.jobs < 1:
-        p.error("--jobs must be at least 1")
-    return args
-
-
-SMOKE_ROWS = ("base", "base-seed2", "A-h1", "B-dk4", "E-learned")
-
-
-def main(argv: list[str]) -> int:
-    """Train the selected rows of Table 3 (§6.2) and record them."""
-    args = parse_args(argv)
-    if args.smoke:
-        with tempfile.TemporaryDirectory(prefix="table3-smoke-") as tmp:
-            out = args.out or Path(tmp) / "table3.json"
-            runs = args.runs or out.parent / "table3-runs"
-            code = run_table(args, SMOKE_BASE, SMOKE_BUDGET, out, runs, smoke=True)
-            if args.out is None:
-                for r in json.loads(out.read_text())["rows"]:
-                    log(f"smoke row {r['name']}: {r['status']}")
-            return code
-    out = args.out or ROOT / "results" / "table3.json"
-    runs = args.runs or ROOT / "runs" / "table3"
-    return run_table(args, BASE, BUDGET, out, runs, smoke=False)
-
-
 def budget_record(budget: dict) -> dict:
     """What one Table 3 (§6.2) file's rows share, as the file records it."""
     return dict(budget) | {
@@ -1029,35 +564,11 @@ def same_budget(a: dict, b: dict) -> bool:
     return keep(a) == keep(b)
 
 
-@contextlib.contextmanager
-def locked(path: Path, wait: bool = True, grace: float = 0.5):
-    """Hold an exclusive lock on ``path`` (made if missing): yields whether it was got.
-    Without ``wait``, False when another process holds it for longer than ``grace``
-    seconds: a row's lock is held for the hours it trains, while a runner that looks
-    which rows train (`rows_held`) holds each lock for an instant, which must not make
-    a runner that asks for that row in the same instant pass it by."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
-        give_up = time.monotonic() + grace
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-                break
-            except BlockingIOError:
-                if time.monotonic() >= give_up:
-                    yield False
-                    return
-                time.sleep(0.02)
-        try:
-            yield True
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def plan_of(base: dict, budget: dict) -> list[dict]:
     """Every variation of Table 3 (§6.2) the file will hold, in run order, with its
-    changed fields, its seeds and the paper's row: what the table shows before its
-    rows have finished."""
+    changed fields, the seeds it always runs (``seeds``), those it runs only where the
+    test asks (``seeds_if_needed``) and the paper's row: what the table shows before
+    its rows have finished."""
     plan: dict[str, dict] = {}
     for r in table3_rows(base, budget["lr_factor"]):
         entry = plan.setdefault(
@@ -1065,12 +576,14 @@ def plan_of(base: dict, budget: dict) -> list[dict]:
             {
                 "variation": r["variation"],
                 "group": r["group"],
+                "control": r["control"],
                 "fields": {k: v for k, v in r["fields"].items() if k != "seed"},
                 "seeds": [],
+                "seeds_if_needed": [],
                 "paper": paper_values(r["paper_row"]),
             },
         )
-        entry["seeds"].append(r["seed"])
+        entry["seeds_if_needed" if r["if_needed"] else "seeds"].append(r["seed"])
     return list(plan.values())
 
 
@@ -1095,42 +608,115 @@ def fresh_table(base: dict, budget: dict, smoke: bool) -> dict:
     }
 
 
+class TableError(Exception):
+    """A results file or an option the driver cannot use, said in one line."""
+
+
+NUMBERS = ("valid_bleu", "valid_ppl", "bleu", "source_gap", "bleu_greedy", "params")
+
+
+def number(value) -> bool:
+    """Whether ``value`` is a finite number (a bool is not one)."""
+    return (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+    )
+
+
+def table_problem(data, groups: set[str]) -> Optional[str]:
+    """Why ``data`` is not a Table 3 (§6.2) file this driver can use, or None: it
+    must be an object whose ``rows`` is a list of records, each named, of a known
+    group, and a finished one with a finite number for every score it has."""
+    if not isinstance(data, dict):
+        return "it is not a JSON object"
+    if not isinstance(data.get("budget", {}), dict):
+        return '"budget" is not an object'
+    rows = data.get("rows", [])
+    if not isinstance(rows, list):
+        return '"rows" is not a list'
+    for i, r in enumerate(rows):
+        if not isinstance(r, dict) or not isinstance(r.get("name"), str):
+            return f"row {i + 1} is not a record with a name"
+        if r.get("group") not in groups:
+            return f"row {r['name']} has an unknown group {r.get('group')!r}"
+        if r.get("status") != "done":
+            continue
+        for key in NUMBERS:
+            if (key in r or key in ("valid_bleu", "valid_ppl")) and not (
+                key == "source_gap" and r.get(key) is None
+            ):
+                if not number(r.get(key)):
+                    return f"row {r['name']}: {key} is {r.get(key)!r}, not a number"
+        if not isinstance(r.get("provenance"), dict):
+            return f"row {r['name']} has no provenance"
+    return None
+
+
+def checked_out(path: Path) -> Path:
+    """``--out`` as the system resolves it (a symlink followed, then ``..``), refused
+    in one line where no file can be written there."""
+    resolved = Path(os.path.realpath(path))
+    if resolved.is_dir():
+        raise TableError(f"--out {path} is a directory; give a .json file's path")
+    parent = resolved.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise TableError(f"--out {path}: {parent} is a file, not a folder")
+    return resolved
+
+
 def read_table(out: Path, base: dict, budget: dict, smoke: bool) -> dict:
-    """The Table 3 (§6.2) file at ``out`` (a fresh one if there is none); SystemExit(2)
-    if it holds another budget."""
-    if not out.is_file():
+    """The Table 3 (§6.2) file at ``out`` (a fresh one if there is none); TableError
+    where it cannot be read, is not a Table 3 file, or holds rows trained with
+    another budget (a file without finished rows takes the budget asked for)."""
+    if not out.exists():
         return fresh_table(base, budget, smoke)
-    data = json.loads(out.read_text())
+    try:
+        data = json.loads(out.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not JSON"
+        raise TableError(
+            f"{out} cannot be read as a Table 3 file ({why}); it is left as it is: "
+            "give another --out, or restore it"
+        ) from None
+    groups = {"base", *GROUPS}
+    if problem := table_problem(data, groups):
+        raise TableError(
+            f"{out} is not a Table 3 file this driver can use: {problem}; it is left "
+            "as it is"
+        )
+    if not any(finished(r) for r in data.get("rows", [])):
+        data["budget"] = budget_record(budget)  # nothing trained: the budget asked
     if not same_budget(data.get("budget", {}), budget_record(budget)):
         was, now = (
             {k: v for k, v in b.items() if k != "note"}
             for b in (data.get("budget", {}), budget)
         )
-        print(
-            f"error: {out} holds rows trained with budget {was}, not {now}; one "
-            "file holds one budget: give another --out or the same budget",
-            file=sys.stderr,
+        raise TableError(
+            f"{out} holds rows trained with budget {was}, not {now}; one file holds "
+            "one budget: give another --out or the same budget"
         )
-        raise SystemExit(2)
     data["budget"]["note"] = budget_record(budget)["note"]  # its wording, kept current
-    return data
+    return fresh_table(base, budget, smoke) | data
 
 
-def merge(out: Path, record: dict, base: dict, budget: dict, smoke: bool, order):
-    """Add one row to the Table 3 (§6.2) file under its lock, refusing a row whose
-    recorded budget differs from the file's; returns the refusal, or None."""
-    with locked(out.with_name(out.name + ".lock")):
-        data = read_table(out, base, budget, smoke)
-        if finished(record):
-            problem = budget_problem(data, record, row_threads(record, base, budget))
-            if problem:
-                return problem
-            data["budget"].setdefault("updates", record["provenance"]["updates"])
-        data["rows"] = sorted(
-            [o for o in data["rows"] if o["name"] != record["name"]] + [record],
-            key=lambda r: order.index(r["name"]) if r["name"] in order else 10**6,
-        )
-        write_table(out, refreshed(data, base, budget))
+GROUPS = "ABCDE"
+
+
+def merge(data: dict, record: dict, base: dict, budget: dict, order) -> Optional[str]:
+    """Add one row's record to the table ``data`` (in place), refusing a finished row
+    whose recorded budget differs from the file's; returns the refusal, or None."""
+    if finished(record):
+        problem = budget_problem(data, record, row_threads(record, base, budget))
+        if problem:
+            return problem
+        data["budget"].setdefault("updates", record["provenance"]["updates"])
+    data["rows"] = sorted(
+        [o for o in data["rows"] if o["name"] != record["name"]] + [record],
+        key=lambda r: order.index(r["name"]) if r["name"] in order else 10**6,
+    )
     return None
 
 
@@ -1143,13 +729,15 @@ def write_table(out: Path, data: dict) -> None:
 
 def refreshed(data: dict, base: dict, budget: dict) -> dict:
     """A Table 3 (§6.2) file's rows with everything derived from them rewritten by
-    this version of the runner: the summary, the noise, the plan and the rule."""
-    return data | {
+    this version of the driver: the summary (both measures' tests), the plan and the
+    rule."""
+    out = data | {
         "summary": summarise(data),
-        "noise": noise_of(data),
         "plan": plan_of(base, budget),
         "rule": RULE,
     }
+    out.pop("noise", None)  # the earlier rule's yardstick
+    return out
 
 
 def budget_problem(data: dict, record: dict, threads: int) -> Optional[str]:
@@ -1178,187 +766,6 @@ def budget_problem(data: dict, record: dict, threads: int) -> Optional[str]:
     return None
 
 
-def run_row(
-    row: dict,
-    base: dict,
-    budget: dict,
-    python: str,
-    runs: Path,
-    options: set[str],
-    child: Child,
-) -> Optional[dict]:
-    """Train one row of Table 3 (§6.2) through the command line (or collect the run
-    its directory already holds) and return its record; None if interrupted."""
-    run_dir = (runs / row["name"]).absolute()
-    overrides, note = row_overrides(row, base, options)
-    passed = {
-        k: v
-        for k, v in budget.items()
-        if k not in ("preset", "threads", "wide_threads")
-    } | overrides
-    budget = budget | {"threads": row_threads(row, base, budget)}  # this row's own
-    args = command(python, budget["preset"], relative(run_dir), passed)
-    record = {
-        "name": row["name"],
-        "variation": row["variation"],
-        "group": row["group"],
-        "seed": row["seed"],
-        "fields": row["fields"],
-        "passed": passed,
-        "run_dir": str(relative(run_dir)),
-        "command": f"OMP_NUM_THREADS={budget['threads']} "
-        + " ".join(["python", *args[1:]]),
-        "paper": paper_values(row["paper_row"]),
-    }
-    if note:
-        record["note"] = note
-    saved = saved_settings(run_dir) if run_dir.is_dir() else None
-    differ = differences(passed, saved) if saved is not None else {}
-    if differ:
-        what = "; ".join(f"{k}: {v['ran']!r} there, {v['asked']!r} now" for k, v in
-                         differ.items())  # fmt: skip
-        return record | {
-            "status": "failed",
-            "error": f"{run_dir} holds a run with other settings ({what}); move it "
-            "away to train this row",
-        }
-    started = {**row, "base": base, "commit": commit()}
-    if saved is not None and (run_dir / "results.json").is_file():
-        log(f"row {row['name']}: already trained in {run_dir}; collecting it")
-        return record | collect(started, run_dir, budget, python, child)
-    if run_dir.is_dir() and newest_checkpoint(run_dir) is not None:
-        record["resumed"] = (
-            "continued from the checkpoints in its run directory: "
-            "train_minutes counts the last stretch only"
-        )
-    code, stderr = child.run(args, budget["threads"])
-    if child.stopped is not None or code == 130:  # stopped here, or the run itself
-        child.stopped = child.stopped or signal.SIGTERM
-        log(
-            f"interrupted by signal {child.stopped} during row {row['name']} "
-            f"(exit {code}); run the same command again to continue it"
-        )
-        return None
-    refusal = rejected(stderr, overrides) if code == 2 else None
-    if refusal:
-        return record | {"status": UNSUPPORTED, "error": refusal}
-    if code != 0 or not (run_dir / "results.json").is_file():
-        return record | {
-            "status": "failed",
-            "exit_status": code,
-            "error": last_line(stderr),
-        }
-    return record | collect(started, run_dir, budget, python, child)
-
-
-def run_table(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool):
-    """Run the rows of Table 3 (§6.2) not yet in ``out``, ``--jobs`` at a time, each
-    row in the one worker that holds its lock; merge each into ``out`` (and redraw
-    its figures) as it ends. Returns the exit status (0 unless a row failed)."""
-    if args.epochs is not None:
-        budget = budget | {"epochs": args.epochs}
-    rows = table3_rows(base, budget["lr_factor"])
-    order = [r["name"] for r in rows]
-    wide = {r["name"] for r in rows if row_threads(r, base, budget) > budget["threads"]}
-    if smoke and not args.rows:
-        rows = [r for r in rows if r["name"] in SMOKE_ROWS]
-    rows = select(rows, args.rows)
-    with locked(out.with_name(out.name + ".lock")):
-        data = read_table(out, base, budget, smoke)  # refuses another budget first
-        if args.status:
-            print("\n".join(progress(data, rows, runs, wide)))
-            return 0
-        if not args.refresh and not out.is_file():
-            write_json(out, data)
-    if args.refresh:  # the source checks take minutes: measured outside the lock
-        measured = measure_sources(data, runs, budget, args.python)
-        with locked(out.with_name(out.name + ".lock")):
-            data = read_table(out, base, budget, smoke)  # rows may have joined
-            for r in data["rows"]:
-                r |= measured.get(r["name"], {})
-            write_table(out, refreshed(data, base, budget))
-        log(f"{out}: summary, noise and figures rewritten from its rows")
-        return 0
-    if args.jobs > 1:
-
-        def untried_wide() -> list[str]:
-            with locked(out.with_name(out.name + ".lock")):
-                return wide_left(read_table(out, base, budget, smoke), rows, wide)
-
-        return run_workers(args, out, runs, untried_wide)
-    options = program_options(args.python, PROGRAM)
-    child, failed, later = Child(), 0, []
-    held = {r["name"] for r in data["rows"] if finished(r)}
-    todo = [r for r in rows if r["name"] not in held]
-    log(
-        f"{len(rows) - len(todo)} of {len(rows)} row(s) already in {out}; "
-        f"{len(todo)} to run, {budget['epochs']} epoch(s) each"
-    )
-    for row in todo:
-        lock = runs / f"{row['name']}.lock"
-        with locked(lock, wait=False) as mine:
-            if not mine:
-                log(f"row {row['name']}: another worker holds it")
-                continue
-            data = read_table(out, base, budget, smoke)
-            if any(o["name"] == row["name"] and finished(o) for o in data["rows"]):
-                continue
-            why = needless(row, data)
-            if why:
-                log(f"row {row['name']}: not run: {why}")
-                continue
-            why = alone_problem(row["name"], rows_held(runs), wide)
-            if why:
-                log(f"row {row['name']}: not started: {why}")
-                later.append(row["name"])
-                continue
-            log(f"row {row['name']}: training")
-            t0 = time.time()
-            with LoadWatch(runs) as load:
-                record = run_row(row, base, budget, args.python, runs, options, child)
-            if record is None:
-                return 130
-            record["row_wall_minutes"] = (time.time() - t0) / 60
-            record |= load.record()
-            refusal = merge(out, record, base, budget, smoke, order)
-        if refusal:
-            failed += 1
-            log(f"row {row['name']} not added: {refusal}")
-        elif finished(record):
-            log(
-                f"row {row['name']} done in {record['row_wall_minutes']:.1f} min: "
-                f"valid BLEU {record['valid_bleu']:.2f}, valid ppl "
-                f"{record['valid_ppl']:.2f}, test BLEU {record['bleu']:.2f}"
-            )
-        else:
-            failed += record["status"] == "failed"
-            log(f"row {row['name']}: {record['status']}: {record['error']}")
-    if later:
-        log(
-            f"left for later: {', '.join(later)}; a row wider than the base trains "
-            f"alone: `--rows {','.join(later)}` once no other row trains"
-        )
-    log(f"results in {out}")
-    return 1 if failed else 0
-
-
-def measure_sources(data: dict, runs: Path, budget: dict, python: str) -> dict:
-    """The source check of each finished row recorded before it, by row name, where
-    the row's run directory still holds its last checkpoint (``--refresh``); a row
-    that cannot be checked is named (it counts as trained)."""
-    child, measured = Child(), {}
-    for r in data["rows"]:
-        run_dir = runs / r["name"]
-        if not finished(r) or "source_gap" in r:
-            continue
-        if newest_checkpoint(run_dir) is None:
-            log(f"row {r['name']}: no checkpoint in {run_dir}: no source check")
-            continue
-        measured[r["name"]] = source_check(python, run_dir, budget, child)
-        log(f"row {r['name']}: source gap {measured[r['name']]['source_gap']:.2f} nats")
-    return measured
-
-
 def last_update(run_dir: Path) -> int:
     """The newest update a row's run directory has logged or checkpointed (0 if none):
     how far an unfinished row has got."""
@@ -1373,96 +780,502 @@ def last_update(run_dir: Path) -> int:
     return max(steps)
 
 
-def progress(data: dict, rows: list[dict], runs: Path, wide=frozenset()) -> list[str]:
-    """One line per row of Table 3 (§6.2) in run order — done (with its scores), how
-    far it has got, not needed (one seed settles it) or to run (alone, if ``wide``
-    names it) — then the counts."""
+def needs_check(record: dict) -> bool:
+    """Whether a finished row was recorded from a tree with uncommitted changes and
+    has no epoch-1 check yet: it is trained again for one epoch at this commit, and
+    its epoch-1 validation perplexity compared with the record, digit for digit."""
+    provenance = record.get("provenance") or {}
+    return (
+        finished(record)
+        and str(provenance.get("commit", "")).endswith("+changes")
+        and "epoch1_check" not in provenance
+        and bool(record.get("curve"))
+    )
+
+
+def check_failed(record: dict) -> bool:
+    """Whether a row's epoch-1 check found another perplexity than its record: the
+    row is trained again."""
+    check = (record.get("provenance") or {}).get("epoch1_check") or {}
+    return check.get("match") is False
+
+
+def progress(data: dict, rows: list[dict], runs: Path, base, budget) -> list[str]:
+    """One line per run of Table 3 (§6.2) in run order — done (with its scores and
+    its epoch-1 check), how far it has got, not needed, waiting, or to run — then the
+    counts. Read from the file and the run directories only."""
     done = {r["name"]: r for r in data["rows"] if finished(r)}
     updates = (data.get("budget") or {}).get("updates")
-    counts = {"done": 0, "started": 0, "not needed": 0, "to run": 0}
+    counts = {"done": 0, "started": 0, "not needed": 0, "waiting": 0, "to run": 0}
     lines = []
     for row in rows:
         name = row["name"]
-        if name in done:
-            state = "done"
-            r = done[name]
+        if name in done and not check_failed(done[name]):
+            state, r = "done", done[name]
             stretch = " (its last stretch)" if r.get("resumed") else ""
             what = (
                 f"valid BLEU {r['valid_bleu']:.2f}, valid ppl {r['valid_ppl']:.2f}, "
-                f"{r['train_minutes']:.0f} min{stretch}"
+                f"{r.get('train_minutes') or 0:.0f} min{stretch}"
             )
+            if needs_check(r):
+                what += "; epoch-1 check to run"
+            elif (r["provenance"].get("epoch1_check") or {}).get("match"):
+                what += "; epoch-1 check passed"
         elif step := last_update(runs / name):
             state = "started"
             what = f"update {step:,}" + (f" of {updates:,}" if updates else "")
-        elif why := needless(row, data):
-            state, what = "not needed", why
         else:
-            state = "to run"
-            what = (
-                "alone, on more threads (wider than the base)" if name in wide else ""
-            )
+            verb, what = decide(row, data, base, budget)
+            state = {"run": "to run", "skip": "not needed", "wait": "waiting"}[verb]
         counts[state] += 1
         lines.append(f"{name:<16} {state:<10} {what}".rstrip())
     lines.append(
         f"{len(rows)} runs: " + ", ".join(f"{n} {state}" for state, n in counts.items())
     )
+    if hours := cpu_hours(data):
+        cores = usable_cores()
+        lines.append(
+            f"about {hours:.0f} CPU-hours for the whole table (from the rows trained "
+            f"in one stretch); on {cores} usable core(s) here about "
+            f"{hours / cores:.1f} h"
+        )
     return lines
 
 
-def wide_left(data: dict, rows: list[dict], wide: set[str]) -> list[str]:
-    """The rows of ``rows`` wider than the base (``wide``) that Table 3's file ``data``
-    (§6.2) holds no record of, finished or failed, and that still need a run."""
-    tried = {r["name"] for r in data["rows"]}
-    return [
-        r["name"]
-        for r in rows
-        if r["name"] in wide and r["name"] not in tried and not needless(r, data)
-    ]
+def cpu_hours(data: dict) -> Optional[float]:
+    """The whole table's training in CPU-hours, estimated from the file: the mean
+    CPU-minutes (training minutes × threads) of the rows trained in one stretch, per
+    variation (else over all such rows), times the runs the plan always makes."""
+    whole = [r for r in data["rows"] if finished(r) and not r.get("resumed")]
+    if not whole:
+        return None
+    per: dict[str, list[float]] = {}
+    for r in whole:
+        minutes = r.get("train_minutes") or 0
+        per.setdefault(r["variation"], []).append(minutes * r["provenance"]["threads"])
+    overall = sum(sum(v) for v in per.values()) / sum(len(v) for v in per.values())
+    total = 0.0
+    for entry in data.get("plan") or []:
+        seen = per.get(entry["variation"])
+        each = sum(seen) / len(seen) if seen else overall
+        total += each * len(entry["seeds"])
+    return total / 60
 
 
-def run_workers(args, out: Path, runs: Path, untried_wide) -> int:
-    """``--jobs N``: N copies of this script, each taking the next row no other holds
-    (one thread each); then, unless stopped by a signal, one more copy for the rows
-    wider than the base that every worker left for later (``untried_wide()`` names
-    them), which it trains alone, one after another. Signals are handed on; the worst
-    exit status is returned."""
-    base_args = [sys.executable, str(Path(__file__).resolve()), *strip_jobs(args.argv)]
-    base_args += ["--out", str(out), "--runs", str(runs)]
-    procs, stopped = [], []
-    for _ in range(args.jobs):
-        procs.append(subprocess.Popen(base_args, cwd=ROOT))
-        time.sleep(2)  # the first takes the first row's lock before the next looks
+def log(message: str) -> None:
+    """One line of the driver's own progress, timestamped, to stdout."""
+    print(f"[table3 {time.strftime('%H:%M:%S')}] {message}", flush=True)
 
-    def forward(signum, frame):
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The options of the Table 3 (§6.2) driver."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--rows",
+        default=None,
+        help="comma-separated row names, variations or groups (base, A–E); default all",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("local", "ray", "slurm"),
+        default="local",
+        help="where rows train: local (a pool of this machine's usable cores; the "
+        "default), ray (Ray tasks; --address joins a cluster) or slurm (SLURM jobs "
+        "through submitit)",
+    )
+    p.add_argument(
+        "--cpus",
+        type=int,
+        default=None,
+        help="local: the pool's CPUs (default: this process's usable cores); ray "
+        "without --address: the CPUs of the Ray started here",
+    )
+    p.add_argument(
+        "--address",
+        default=None,
+        help="ray: the cluster to join (the head's host:port, or 'auto')",
+    )
+    p.add_argument("--partition", default=None, help="slurm: the partition")
+    p.add_argument(
+        "--time_limit",
+        type=int,
+        default=240,
+        help="slurm: minutes a job may run before it saves and is requeued "
+        "(default 240)",
+    )
+    p.add_argument(
+        "--submitit_cluster",
+        choices=("local", "debug"),
+        default=None,
+        help=argparse.SUPPRESS,  # slurm through submitit's own local executor: tests
+    )
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a few rows of the tiny copy preset, a few updates each, in a "
+        "temporary folder (for the tests; under a minute)",
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="results JSON (default results/table3.json; the figures are "
+        "written next to it as .png and -curves.png)",
+    )
+    p.add_argument(
+        "--runs",
+        type=Path,
+        default=None,
+        help="folder of the rows' run directories (default runs/table3; "
+        "--smoke: next to --out); with ray or slurm, on storage every node sees",
+    )
+    p.add_argument(
+        "--python",
+        default=sys.executable,
+        help="the interpreter that runs the program (default this one)",
+    )
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="epochs per row (default: the preset's own schedule; a file holds "
+        "one budget)",
+    )
+    p.add_argument(
+        "--no_checks",
+        action="store_true",
+        help="skip the epoch-1 checks of rows recorded from a tree with "
+        "uncommitted changes",
+    )
+    p.add_argument(
+        "--refresh",
+        action="store_true",
+        help="rewrite the file's summary, tests and figures from its rows with this "
+        "version of the driver, and train nothing",
+    )
+    p.add_argument(
+        "--status",
+        action="store_true",
+        help="print how far every row has got (from the file and the run "
+        "directories, not the engine) and train nothing",
+    )
+    args = p.parse_args(argv)
+    if args.epochs is not None and args.epochs < 1:
+        p.error("--epochs must be at least 1")
+    if args.cpus is not None and args.cpus < 1:
+        p.error("--cpus must be at least 1")
+    if args.time_limit < 1:
+        p.error("--time_limit must be at least 1 minute")
+    if args.address and args.engine != "ray":
+        p.error("--address is for --engine ray")
+    return args
+
+
+SMOKE_ROWS = ("base", "base-seed2", "A-h1", "B-dk4", "E-learned")
+
+
+def main(argv: list[str]) -> int:
+    """Train the selected rows of Table 3 (§6.2) and record them."""
+    args = parse_args(argv)
+    try:
+        if args.smoke:
+            with tempfile.TemporaryDirectory(prefix="table3-smoke-") as tmp:
+                out = checked_out(args.out or Path(tmp) / "table3.json")
+                runs = args.runs or out.parent / "table3-runs"
+                code = drive(args, SMOKE_BASE, SMOKE_BUDGET, out, runs, smoke=True)
+                if args.out is None:
+                    for r in json.loads(out.read_text())["rows"]:
+                        log(f"smoke row {r['name']}: {r['status']}")
+                return code
+        out = checked_out(args.out or ROOT / "results" / "table3.json")
+        runs = args.runs or ROOT / "runs" / "table3"
+        return drive(args, BASE, BUDGET, out, runs, smoke=False)
+    except (TableError, EngineError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def job_for(row: dict, base: dict, budget: dict, args, runs: Path, options, head):
+    """The `RowJob` that trains ``row`` in its run directory."""
+    run_dir = (runs / row["name"]).absolute()
+    overrides, note = row_overrides(row, base, options)
+    passed = {
+        k: v
+        for k, v in budget.items()
+        if k not in ("preset", "threads", "wide_threads")
+    } | overrides
+    threads = row_threads(row, base, budget)
+    train = command(args.python, budget["preset"], relative(run_dir), passed)
+    record = {
+        "name": row["name"],
+        "variation": row["variation"],
+        "group": row["group"],
+        "seed": row["seed"],
+        "fields": row["fields"],
+        "passed": passed,
+        "run_dir": str(relative(run_dir)),
+        "command": f"OMP_NUM_THREADS={threads} " + " ".join(["python", *train[1:]]),
+        "paper": paper_values(row["paper_row"]),
+    } | ({"note": note} if note else {})
+    return RowJob(
+        kind="row",
+        record=record,
+        run_dir=str(run_dir),
+        train=train,
+        threads=threads,
+        python=args.python,
+        budget=budget,
+        started={**row, "base": base, "commit": head},
+        overrides=overrides,
+    )
+
+
+def check_job(record: dict, budget: dict, args, runs: Path) -> RowJob:
+    """The `RowJob` that trains a recorded row's first epoch again, as the row was
+    trained (its own options, threads and seed), into a run directory of its own."""
+    run_dir = (runs / "epoch1-checks" / record["name"]).absolute()
+    per_epoch = record["curve"][0]["step"]
+    passed = dict(record["passed"]) | {"max_steps": per_epoch, "max_eval_sentences": 1}
+    return RowJob(
+        kind="check",
+        record={"name": record["name"], "passed": passed},
+        run_dir=str(run_dir),
+        train=command(args.python, budget["preset"], relative(run_dir), passed),
+        threads=record["provenance"]["threads"],
+        python=args.python,
+        budget=budget,
+        started={},
+        overrides={},
+    )
+
+
+def drive(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool) -> int:
+    """The driver: decide the runs, hand them to the engine, merge each record into
+    ``out`` (the one process that writes it) as it arrives, then decide the runs that
+    wait on others, until none is left. Returns 0, 1 if a run failed, 130 if
+    stopped by a signal."""
+    if args.epochs is not None:
+        budget = budget | {"epochs": args.epochs}
+    rows = table3_rows(base, budget["lr_factor"])
+    order = [r["name"] for r in rows]
+    if smoke and not args.rows:
+        rows = [r for r in rows if r["name"] in SMOKE_ROWS]
+    rows = select(rows, args.rows)
+    data = read_table(out, base, budget, smoke)
+    if args.status:
+        print("\n".join(progress(data, rows, runs, base, budget)))
+        return 0
+    if args.refresh:
+        write_table(out, refreshed(data, base, budget))
+        log(f"{out}: summary, tests and figures rewritten from its rows")
+        return 0
+    head = commit()
+    if not smoke and head.endswith("+changes"):
+        raise TableError(
+            "the working tree has uncommitted changes: a Table 3 row is recorded "
+            "only from a commit (commit or stash them, then run again)"
+        )
+    options = program_options(args.python, "train")
+    engine = make_engine(args, runs)
+    stopped: list[int] = []
+
+    def stop(signum, frame):
+        if not stopped:
+            log(
+                f"{signal.Signals(signum).name}: stopping the rows (each saves a "
+                "checkpoint); run the same command again to continue"
+            )
         stopped.append(signum)
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signum)
+        engine.stop(signum)
 
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, forward)
-    codes = [p.wait() for p in procs]
-    if not stopped and (left := untried_wide()):
-        log(f"the rows wider than the base, alone now: {', '.join(left)}")
-        procs.append(subprocess.Popen(base_args + ["--rows", ",".join(left)], cwd=ROOT))
-        codes.append(procs[-1].wait())
-    return max(codes)
+    try:
+        if problem := shared_storage_problem(engine, runs):
+            raise TableError(problem)
+        write_table(out, refreshed(data, base, budget))
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, stop)
+        loop = Loop(args, engine, data, base, budget, out, runs, order, options, head)
+        return loop.run(rows, stopped)
+    finally:
+        engine.close()
 
 
-def strip_jobs(argv: list[str]) -> list[str]:
-    """``argv`` without ``--jobs N``/``--out``/``--runs`` (a worker gets its own)."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a in ("--jobs", "--out", "--runs"):
-            skip = True
-            continue
-        if a.startswith(("--jobs=", "--out=", "--runs=")):
-            continue
-        out.append(a)
-    return out
+def shared_storage_problem(engine, runs: Path) -> Optional[str]:
+    """Why the engine's tasks cannot see the run folder (a probe file the driver
+    writes there, read back by a task on each node), or None."""
+    runs.mkdir(parents=True, exist_ok=True)
+    probe = runs / f".driver-probe-{os.getpid()}"
+    token = probe_token()
+    probe.write_text(token)
+    try:
+        return engine.storage_problem(probe, token)
+    finally:
+        probe.unlink(missing_ok=True)
+
+
+class Loop:
+    """The driver's loop over one table (see `drive`): what it hands the engine,
+    what comes back, and the file it writes."""
+
+    def __init__(self, args, engine, data, base, budget, out, runs, order, options,
+                 head):  # fmt: skip
+        self.args, self.engine, self.data = args, engine, data
+        self.base, self.budget, self.out, self.runs = base, budget, out, runs
+        self.order, self.options, self.head = order, options, head
+        self.submitted: dict = {}
+        self.pending: list[dict] = []
+        self.rows: list[dict] = []
+
+    def write(self) -> None:
+        write_table(self.out, refreshed(self.data, self.base, self.budget))
+
+    def submit(self, job: RowJob) -> None:
+        self.submitted[self.engine.submit(job)] = job
+
+    def run(self, rows: list[dict], stopped: list[int]) -> int:
+        """Hand out the runs, merge what comes back; the exit status."""
+        self.rows = rows
+        done_names = finished_names(self.data)
+        self.pending = [r for r in rows if r["name"] not in done_names]
+        names = {r["name"] for r in rows}
+        checks = []
+        if not (self.args.no_checks or smoke_budget(self.budget)):
+            checks = [
+                r for r in self.data["rows"] if needs_check(r) and r["name"] in names
+            ]
+        log(
+            f"{len(rows) - len(self.pending)} of {len(rows)} run(s) already in "
+            f"{self.out}; {len(checks)} epoch-1 check(s) and up to "
+            f"{len(self.pending)} run(s) to make on the {self.engine.name} engine"
+        )
+        failed, said = 0, set()
+        for record in checks:
+            self.submit(check_job(record, self.budget, self.args, self.runs))
+        while not stopped:
+            for row in list(self.pending):
+                verb, why = decide(row, self.data, self.base, self.budget)
+                if verb == "skip":
+                    log(f"run {row['name']}: not needed: {why}")
+                    self.pending.remove(row)
+                elif verb == "run":
+                    if check_failed(record_of(self.data, row["name"]) or {}):
+                        set_aside(self.runs / row["name"])
+                    job = job_for(row, self.base, self.budget, self.args, self.runs,
+                                  self.options, self.head)  # fmt: skip
+                    log(
+                        f"run {row['name']}: handed to the {self.engine.name} engine "
+                        f"({job.threads} CPU(s))"
+                    )
+                    self.submit(job)
+                    self.pending.remove(row)
+                elif row["name"] not in said:
+                    said.add(row["name"])
+                    log(f"run {row['name']}: waits: {why}")
+            if not self.submitted:
+                break
+            done, _ = concurrent.futures.wait(
+                list(self.submitted), return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            for future in done:
+                failed += self.arrived(self.submitted.pop(future), future)
+        for future in concurrent.futures.as_completed(list(self.submitted)):
+            failed += self.arrived(self.submitted.pop(future), future)  # after a stop
+        if stopped:
+            return 130
+        log(f"results in {self.out}")
+        return 1 if failed else 0
+
+    def arrived(self, job: RowJob, future) -> int:
+        """Merge what one run returned into the file (written at once); 1 where it
+        failed, else 0."""
+        try:
+            record = future.result()
+        except Exception as e:  # noqa: BLE001 - an engine's failure, in one line
+            first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            log(f"run {job.name}: the engine gave up on it: {first[:300]}")
+            return 1
+        if record is None:  # stopped before it started
+            return 0
+        if record.get("status") == "interrupted":
+            log(
+                f"run {job.name}: stopped by {record.get('signal')}; its checkpoints "
+                "are kept: run the same command again to continue it"
+            )
+            return 0 if record.get("signal") in ("SIGINT", "SIGTERM", "SIGHUP") else 1
+        if job.kind == "check":
+            return self.checked(job, record)
+        refusal = merge(self.data, record, self.base, self.budget, self.order)
+        if refusal:
+            log(f"run {job.name} not added: {refusal}")
+            return 1
+        self.write()
+        if finished(record):
+            log(
+                f"run {job.name} done in {record['row_wall_minutes']:.1f} min on "
+                f"{record['ran_on'].get('host')}: valid BLEU "
+                f"{record['valid_bleu']:.2f}, valid ppl {record['valid_ppl']:.2f}, "
+                f"test BLEU {record['bleu']:.2f}"
+            )
+            return 0
+        log(f"run {job.name}: {record['status']}: {record.get('error')}")
+        return int(record["status"] == "failed")
+
+    def checked(self, job: RowJob, result: dict) -> int:
+        """Record an epoch-1 check in its row's provenance; a row it does not match
+        is queued to train again."""
+        if result.get("status") != "checked":
+            log(
+                f"epoch-1 check of {job.name}: {result.get('status')}: "
+                f"{result.get('error')}"
+            )
+            return 1
+        record = record_of(self.data, job.name)
+        recorded = record["curve"][0]["valid_ppl"]
+        match = result["epoch1_ppl"] == recorded
+        record["provenance"]["epoch1_check"] = {
+            "commit": self.head,
+            "recorded": recorded,
+            "measured": result["epoch1_ppl"],
+            "match": match,
+            "updates": job.record["passed"]["max_steps"],
+            "threads": job.threads,
+            "ran_on": result.get("ran_on"),
+            "minutes": result.get("row_wall_minutes"),
+        }
+        self.write()
+        verdict = "the same" if match else "DIFFERENT: the row trains again"
+        log(
+            f"epoch-1 check of {job.name}: {result['epoch1_ppl']!r} against the "
+            f"recorded {recorded!r}: {verdict}"
+        )
+        if not match:
+            row = next((r for r in self.rows if r["name"] == job.name), None)
+            if row is not None and row not in self.pending:
+                self.pending.append(row)
+        return 0
+
+
+def smoke_budget(budget: dict) -> bool:
+    """Whether ``budget`` is the smoke table's (no epoch-1 checks there)."""
+    return budget["preset"] == SMOKE_BUDGET["preset"]
+
+
+def finished_names(data: dict) -> set[str]:
+    """The runs the file holds as finished, less those whose epoch-1 check failed."""
+    return {r["name"] for r in data["rows"] if finished(r) and not check_failed(r)}
+
+
+def record_of(data: dict, name: str) -> Optional[dict]:
+    """The file's record of run ``name``, or None."""
+    return next((r for r in data["rows"] if r["name"] == name), None)
+
+
+def set_aside(run_dir: Path) -> None:
+    """Move a run directory whose epoch-1 check failed out of the way, so that the
+    row trains again from its start."""
+    if run_dir.exists():
+        stamp = int(time.time())
+        run_dir.rename(run_dir.with_name(f"{run_dir.name}.failed-check-{stamp}"))
 
 
 if __name__ == "__main__":

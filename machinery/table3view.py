@@ -35,6 +35,15 @@ FIGURES = (
 )
 
 
+def still_learning(curve: list[dict]) -> bool:
+    """Whether a run's validation perplexity fell below ``STILL_LEARNING`` times its
+    value three epochs before the end: its schedule ended while it still learned
+    (False where the curve is too short to say)."""
+    if len(curve) < 4:
+        return False
+    return curve[-1]["valid_ppl"] < STILL_LEARNING * curve[-4]["valid_ppl"]
+
+
 def _spread(stat: dict, digits: int = 2) -> str:
     """ "mean ± sd" of a summary statistic, or the one value where there is one seed."""
     if stat["sd"] is None:
@@ -209,10 +218,8 @@ class Table3:
         where none did (or its curve is too short to say)."""
         notes = []
         for seed, curve in self._curves(variation):
-            if len(curve) < 4:
-                continue
-            before, end = curve[-4], curve[-1]
-            if end["valid_ppl"] < STILL_LEARNING * before["valid_ppl"]:
+            if still_learning(curve):
+                before, end = curve[-4], curve[-1]
                 fell = 1 - end["valid_ppl"] / before["valid_ppl"]
                 notes.append(
                     f"seed {seed}'s validation perplexity still fell "
