@@ -209,6 +209,11 @@ def test_table(
                 "se": c["se"],
                 "dof": model["dof"],
             }
+            b = contrast(model, v)  # and from the base, at its own peak rate
+            reach = critical(0.05, model["dof"]) * b["se"]
+            base = {"delta": b["delta"], "p": b["p"], "se": b["se"]}
+            base["interval"] = [b["delta"] - reach, b["delta"] + reach]
+            entry["vs_base"] = base | shown(base, measure)
             out[v] = entry | shown(entry, measure)
     return out
 

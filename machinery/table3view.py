@@ -51,6 +51,18 @@ def _spread(stat: dict, digits: int = 2) -> str:
     return f"{stat['mean']:.{digits}f} ± {stat['sd']:.{digits}f}"
 
 
+def _p(p: float) -> str:
+    """A p-value as a table shows it."""
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _short(verdict: str) -> str:
+    """A verdict as the table's cell shows it: "no difference detected (the test
+    would see ≥ X)" as "none detected (≥ X)"; qualifiers kept."""
+    return verdict.replace("no difference detected (the test would see ", "none "
+                           "detected (").replace(" perplexity)", ")")  # fmt: skip
+
+
 def _changed(fields: dict) -> str:
     """A row's changed settings as the paper names them (seed aside)."""
     names = {"P_drop": "P_drop", "eps_ls": "ε_ls", "lr_factor": "lr_factor"}
@@ -73,21 +85,22 @@ class Table3:
 
     @property
     def budget_line(self) -> str:
-        """One line: the budget every row shares, how many runs have finished, how
-        many second seeds the rule made unneeded, and how many are left to run."""
+        """One line: the budget every row shares, how many runs have finished, and
+        how many of those the plan always makes are still to run (a third seed is
+        decided by the test once every other run has finished)."""
         b = self.data["budget"]
         if b is None:
             return f"no {self.data['missing']} here: `make table3` writes it"
         done = [r for r in self.data["rows"] if r.get("status") == "done"]
-        planned = {p["variation"]: len(p["seeds"]) for p in self.data.get("plan") or []}
-        skipped = sum(  # a settled variation with fewer seeds than planned
-            max(planned.get(s["variation"], 0) - len(s["seeds"]), 0)
-            for s in self.summary
-            if s.get("settled")
+        names = {r.get("variation", r["name"]): set() for r in done}
+        for r in done:
+            names[r.get("variation", r["name"])].add(r.get("seed", 1))
+        plan = self.data.get("plan") or []
+        left = sum(
+            len(set(p["seeds"]) - names.get(p["variation"], set())) for p in plan
         )
-        left = sum(planned.values()) - len(done) - skipped
         runs = f"{len(done)} run(s) finished" + (
-            f", {skipped} second seed(s) not needed by the rule" if skipped else ""
+            f", {left} still to run" if left > 0 else ""
         )
         updates = f"{b['updates']:,} updates" if b.get("updates") else "updates"
         wide = b.get("wide_threads", b["threads"])
@@ -97,8 +110,7 @@ class Table3:
         return (
             f"every row: {b['epochs']} epochs of {b['preset']} ({updates}, warm-up "
             f"{b['warmup']:,}), {b['precision']}, {b['attention']} attention, "
-            f"{b['threads']} thread(s){wider}, the last checkpoint scored; "
-            f"{runs}" + (f", {left} still to run" if left > 0 else "")
+            f"{b['threads']} thread(s){wider}, the last checkpoint scored; {runs}"
         )
 
     def _fields(self, variation: str) -> dict:
@@ -108,48 +120,65 @@ class Table3:
         return {}
 
     def markdown(self) -> str:
-        """The table: every variation the file plans, our columns (validation
-        perplexity and BLEU, test BLEU, parameters, seeds, the verdict) beside the
-        paper's (PPL, BLEU, parameters); a variation not finished yet shows its
-        paper's columns and "not yet run"."""
+        """The table: every variation the file plans, the paper's row it is read
+        against, our validation perplexity and BLEU, and for each measure the test's
+        difference from the base (95% interval), p and verdict, beside the paper's
+        own differences; a variation not finished yet shows the paper's and "not yet
+        run"."""
         head = (
-            "| row | changed | seeds | params | valid PPL | valid BLEU | test BLEU "
-            "| Δ valid BLEU | verdict | paper PPL | paper BLEU | paper params |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+            "| row | changed | paper row | seeds | valid PPL | valid BLEU "
+            "| Δ BLEU (95% CI) | p | BLEU verdict | Δ PPL (95% CI) | p | PPL verdict "
+            "| paper Δ BLEU, PPL |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
         )
         done = {s["variation"]: s for s in self.summary}
         plan = self.data.get("plan") or list(done.values())
         lines = []
         for entry in plan:
-            p, name = entry["paper"], entry["variation"]
-            paper = (
-                f"| {p['ppl_dev']} | {p['bleu_dev']} | {p['params_million'] or ''} |"
-            )
+            name, p = entry["variation"], entry["paper"]
             fields = entry.get("fields") or self._fields(name)
+            theirs = (
+                ""
+                if name == "base"
+                else f"{p['bleu_dev'] - 25.8:+.1f}, {p['ppl_dev'] - 4.92:+.2f}"
+            )
+            row = "—" if entry.get("control") else p["row"]
             s = done.get(name)
             if s is None:
                 lines.append(
-                    f"| {name} | {_changed(fields)} | 0 of {len(entry['seeds'])} "
-                    f"| | | not yet run | | | {paper}"
+                    f"| {name} | {_changed(fields)} | {row} | 0 of "
+                    f"{len(entry['seeds'])} | | | not yet run | | | | | | {theirs} |"
                 )
                 continue
-            delta = s.get("diff_valid_bleu")
-            delta = "" if delta is None else f"{delta:+.2f}"
-            seeds, verdict = len(s["seeds"]), s.get("verdict", "")
-            if not s.get("settled", False):  # more seeds to come: no verdict yet
-                seeds, verdict = f"{seeds} of {len(entry['seeds'])}", ""
+            seeds = f"{len(s['seeds']) - len(s.get('failed_seeds', []))}"
             if failed := s.get("failed_seeds"):
-                seeds = f"{seeds} ({len(failed)} failed to train)"
+                seeds += f" ({len(failed)} failed to train)"
+            cells = [self._test_cells(s, m) for m in ("bleu", "ppl")]
             lines.append(
-                f"| {name} | {_changed(fields)} | {seeds} "
-                f"| {s['params'] / 1e6:.2f}M | {_spread(s['valid_ppl'])} "
-                f"| {_spread(s['valid_bleu'])} | {_spread(s['test_bleu'])} "
-                f"| {delta} | {verdict} " + paper
+                f"| {name} | {_changed(fields)} | {row} | {seeds} "
+                f"| {_spread(s['valid_ppl'])} | {_spread(s['valid_bleu'])} "
+                f"| {' | '.join(cells)} | {theirs} |"
             )
-        note = f"\n\nRule: {self.data['rule']}" if self.data.get("rule") else ""
+        note = f"\n\nThe test: {self.data['rule']}" if self.data.get("rule") else ""
         if not lines:
             return "No Table 3 file here yet." + note
         return head + "\n".join(lines) + note
+
+    def _test_cells(self, s: dict, measure: str) -> str:
+        """Three cells of one measure's test: Δ (95% interval), p, and the verdict
+        (a control's Δ is from the same width at Eq. 3's rate)."""
+        t = (s.get("tests") or {}).get(measure)
+        if t is None:
+            verdict = (s.get("verdict") or {}).get(measure, "")
+            return f" | | {verdict}"
+        pct = measure == "ppl"
+        delta = t["delta_pct"] if pct else t["delta"]
+        low, high = t["interval_pct"] if pct else t["interval"]
+        unit = "%" if pct else ""
+        against = f"vs {t['against']}: " if "against" in t else ""
+        cell = f"{against}{delta:+.2f}{unit} ({low:+.2f}, {high:+.2f})"
+        verdict = _short((s.get("verdict") or {}).get(measure, ""))
+        return f"{cell} | {_p(t['p'])} | {verdict}"
 
     def figures(self) -> list[tuple[str, str]]:
         """(path, alt text) of the figures drawn from the file, where they exist."""
@@ -158,12 +187,6 @@ class Table3:
             for name, alt in FIGURES
             if (self.folder / name).is_file()
         ]
-
-    def noise(self) -> tuple[float | None, int]:
-        """(pooled seed standard deviation of validation BLEU, rows it pools): the
-        rule's yardstick, as the runner recorded it."""
-        noise = self.data.get("noise") or {}
-        return noise.get("sd"), noise.get("rows", 0)
 
     def _seeds(self, s: dict) -> str:
         """How many seeds a variation's numbers rest on, and each seed that failed to
@@ -229,86 +252,152 @@ class Table3:
                 )
         return "".join(f"; {n}" for n in notes)
 
-    def _rate_control(self, s: dict) -> str:
-        """For a learning-rate control (a row that also sets ``lr_factor``): its
-        validation BLEU against the same variation at Eq. 3's own rate, and whether
-        that gap lies beyond the rule's 2·s; "" for any other row."""
-        fields = self._fields(s["variation"])
-        if "lr_factor" not in fields:
-            return ""
-        width = {k: v for k, v in fields.items() if k != "lr_factor"}
-        plain = next(
-            (
-                o
-                for o in self.summary
-                if o is not s and self._fields(o["variation"]) == width
-            ),
-            None,
+    def _measure(self, s: dict, measure: str) -> str:
+        """One measure's result for a variation in words: Δ with its interval and
+        p, then the verdict in bold and the paper's own difference."""
+        t = (s.get("tests") or {}).get(measure)
+        verdict = (s.get("verdict") or {}).get(measure)
+        if t is None:
+            return f"**{verdict}**" if verdict else "no test yet"
+        if measure == "bleu":
+            said = (
+                f"BLEU {t['delta']:+.2f} ({t['interval'][0]:+.2f} to "
+                f"{t['interval'][1]:+.2f}), p {_p(t['p'])}"
+            )
+            theirs = f"the paper's {t['paper_delta']:+.1f}"
+        else:
+            low, high = t["interval_pct"]
+            said = (
+                f"perplexity {t['delta_pct']:+.1f}% ({low:+.1f}% to {high:+.1f}%), "
+                f"p {_p(t['p'])}"
+            )
+            theirs = f"the paper's {t['paper_delta']:+.2f}"
+        return f"{said}: **{verdict}** ({theirs})"
+
+    def _variation(self, s: dict) -> str:
+        """A variation's sentence: what changed and the paper row it is read
+        against, its seeds, both measures' results (and a word where they part),
+        then its seeds that over-fit or were still learning."""
+        name = s["variation"]
+        head = (
+            f"{_changed(self._fields(name))} ({name}, against the paper's "
+            f'"{s["paper_row"]}"; {self._seeds(s)}): '
         )
-        if plain is None:
-            return ""
-        gap = s["valid_bleu"]["mean"] - plain["valid_bleu"]["mean"]
-        sd, _ = self.noise()
-        beyond = (
-            "" if sd is None else f", {'beyond' if abs(gap) > 2 * sd else 'within'} 2·s"
-        )
+        said = "; ".join(self._measure(s, m) for m in ("bleu", "ppl"))
+        counted = s.get("counted") or {}
+        if (
+            counted.get("bleu") != counted.get("ppl")
+            and "not counted" not in counted.values()
+        ):
+            said += "; the two measures part here"
+        return head + said + self._overfits(name) + self._still_learning(name)
+
+    def _control(self, s: dict) -> str:
+        """A learning-rate control's sentence: what Eq. 3's rate does at its width
+        (against the same width at Eq. 3's own rate) and where it lies from the
+        base; no verdict against the paper."""
+        parts = []
+        for m, unit in (("bleu", ""), ("ppl", "%")):
+            t = (s.get("tests") or {}).get(m)
+            if t is None:
+                continue
+            key = "delta_pct" if m == "ppl" else "delta"
+            base = t["vs_base"]
+            parts.append(
+                f"{'BLEU' if m == 'bleu' else 'perplexity'} {t[key]:+.2f}{unit} "
+                f"against {t['against']} (p {_p(t['p'])}) and {base[key]:+.2f}{unit} "
+                f"against the base (p {_p(base['p'])})"
+            )
         return (
-            f"; at Eq. 3's own rate ({plain['variation']}) the same model scored "
-            f"{_spread(plain['valid_bleu'])} ({self._seeds(plain)}): the base's peak "
-            f"learning rate moves it by {gap:+.2f}{beyond}"
+            f"{_changed(self._fields(s['variation']))} ({s['variation']}, "
+            f"{self._seeds(s)}): " + "; ".join(parts)
         )
 
+    def counts(self, measure: str) -> dict[str, int]:
+        """How many of the paper's variations each word counts, for one measure:
+        agrees, disagrees, no difference detected, not counted."""
+        out = {"agrees": 0, "disagrees": 0, "no difference detected": 0}
+        out["not counted"] = 0
+        for s in self.summary:
+            word = (s.get("counted") or {}).get(measure)
+            if word in out:
+                out[word] += 1
+        return out
+
     def findings(self) -> str:
-        """One paragraph per row group: each finished variation's validation BLEU
-        against the base's, and the rule's verdict against the paper's difference once
-        the variation has its seeds ("seeds to come" before), a seed that over-fits
-        or was still learning at the end, and a learning-rate control's gap to the
-        same width at Eq. 3's rate; then the group's planned variations with no
-        finished run, named as not yet measured; a group with no finished row states
-        no finding."""
+        """The test in one sentence with its counts for both measures, then one
+        paragraph per row group: each variation's result for both measures against
+        the paper's row, the learning-rate controls apart (what the rate does, no
+        verdict), and "bigger models are better" read against them; a group with no
+        finished row states no finding."""
         base = next((s for s in self.summary if s["variation"] == "base"), None)
-        sd, pooled = self.noise()
-        out = [
-            f"The rule's yardstick: 2·s = {2 * sd:.2f} BLEU, s pooled over the seeds "
-            f"of {pooled} row(s)."
-            if sd is not None
-            else "No row has two seeds yet, so the rule can tell nothing yet."
-        ]
+        if base is None:
+            return "The base has not finished yet: no variation can be read."
+        out = []
+        for m, what in (("bleu", "validation BLEU"), ("ppl", "validation perplexity")):
+            c = self.counts(m)
+            total = sum(c.values())
+            if total:
+                out.append(
+                    f"By {what}, of {total} variations of the paper: "
+                    f"{c['agrees']} agree, {c['disagrees']} disagree, "
+                    f"{c['no difference detected']} show no difference the test can "
+                    f"detect, and {c['not counted']} agree but are not counted (a "
+                    "seed still learning at the end of its schedule, or one that "
+                    "failed to train)."
+                )
         for g in GROUPS:
             rows = [s for s in self.summary if s["group"] == g]
-            if not rows or base is None:
+            plain = [s for s in rows if not s.get("control")]
+            controls = [s for s in rows if s.get("control")]
+            if not rows:
                 out.append(f"**({g})** Not yet measured at the full budget.")
                 continue
-            parts = [
-                f"{_changed(self._fields(s['variation']))}: {_spread(s['valid_bleu'])} "
-                f"({self._seeds(s)}), "
-                f"{s['diff_valid_bleu']:+.2f} against the paper's "
-                f"{s['paper_diff_bleu']:+.1f}: "
-                + (f"**{s['verdict']}**" if s.get("settled") else "seeds to come")
-                + self._overfits(s["variation"])
-                + self._still_learning(s["variation"])
-                + self._rate_control(s)
-                for s in rows
-            ]
+            text = f"**({g})** " + "; ".join(self._variation(s) for s in plain) + "."
+            if controls:
+                text += (
+                    " Learning-rate controls (Eq. 3's peak held at the base's; no "
+                    "verdict against the paper): "
+                    + "; ".join(self._control(s) for s in controls)
+                    + ". "
+                    + self._bigger(controls)
+                )
             done = {s["variation"] for s in rows}
             pending = [
                 f"{_changed(e.get('fields') or {})} ({e['variation']})"
                 for e in self.data.get("plan") or []
                 if e.get("group") == g and e["variation"] not in done
             ]
-            later = (
-                f" Not yet measured at the full budget: {'; '.join(pending)}."
-                if pending
-                else ""
-            )
-            out.append(
-                f"**({g})** Validation BLEU against the base's "
-                f"{_spread(base['valid_bleu'])} ({self._seeds(base)}): "
-                + "; ".join(parts)
-                + "."
-                + later
-            )
+            if pending:
+                text += f" Not yet measured at the full budget: {'; '.join(pending)}."
+            out.append(text)
         return "\n\n".join(out)
+
+    def _bigger(self, controls: list[dict]) -> str:
+        """ "Bigger models are better" (§6.2) read against the controls: with the
+        peak rate held, does BLEU rise with d_model (p < 0.05, not corrected: the
+        controls are outside the family)?"""
+        said = []
+        for s in sorted(
+            controls, key=lambda s: self._fields(s["variation"])["d_model"]
+        ):
+            t = (s.get("tests") or {}).get("bleu")
+            if t is None:
+                continue
+            width = self._fields(s["variation"])["d_model"]
+            d, p = t["vs_base"]["delta"], t["vs_base"]["p"]
+            seen = "a difference" if p < 0.05 else "no difference"
+            said.append(
+                f"d_model={width} is {d:+.2f} BLEU from the base ({seen} at 5%)"
+            )
+        if not said:
+            return ""
+        smaller, larger = said[0], said[-1]
+        return (
+            f"Read at the base's peak rate, {smaller}"
+            + (f" and {larger}" if larger is not smaller else "")
+            + ': this is what "bigger models are better" meets at our scale.'
+        )
 
 
 def read_table3(path: str | Path) -> Table3:
