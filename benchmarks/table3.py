@@ -948,6 +948,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "uncommitted changes",
     )
     p.add_argument(
+        "--checks_only",
+        action="store_true",
+        help="run the epoch-1 checks and no new row",
+    )
+    p.add_argument(
         "--refresh",
         action="store_true",
         help="rewrite the file's summary, tests and figures from its rows with this "
@@ -968,6 +973,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--time_limit must be at least 1 minute")
     if args.address and args.engine != "ray":
         p.error("--address is for --engine ray")
+    if args.checks_only and args.no_checks:
+        p.error("--checks_only and --no_checks exclude each other")
     return args
 
 
@@ -1137,6 +1144,8 @@ class Loop:
         self.rows = rows
         done_names = finished_names(self.data)
         self.pending = [r for r in rows if r["name"] not in done_names]
+        if self.args.checks_only:
+            self.pending = []
         names = {r["name"] for r in rows}
         checks = []
         if not (self.args.no_checks or smoke_budget(self.budget)):
@@ -1197,9 +1206,10 @@ class Loop:
         if record is None:  # stopped before it started
             return 0
         if record.get("status") == "interrupted":
+            what = "epoch-1 check of" if job.kind == "check" else "run"
             log(
-                f"run {job.name}: stopped by {record.get('signal')}; its checkpoints "
-                "are kept: run the same command again to continue it"
+                f"{what} {job.name}: stopped by {record.get('signal')}; its "
+                "checkpoints are kept: run the same command again to continue it"
             )
             return 0 if record.get("signal") in ("SIGINT", "SIGTERM", "SIGHUP") else 1
         if job.kind == "check":
