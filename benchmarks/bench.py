@@ -22,6 +22,10 @@ Sections (each is a key of the JSON written to ``--out``):
    with a key/value cache and beam search when the module provides them.
 5. ``scaling``: time of one update (forward and backward) of one self-attention
    sub-layer and one feed-forward sub-layer as the sentence length grows (§4, Table 1).
+6. ``beside``: ms per training update quiet and beside one busy process, for each
+   OpenMP wait policy (the default, spinning, passive, a short spin), each in a process
+   of its own, side by side in one run; the goals are at most 1.5× beside one busy
+   process and, quiet, within 5% of the best policy.
 
 Writes ``bench.json`` and ``bench.png`` to ``--out`` (default ``runs/bench``) and prints
 a Markdown table.
@@ -36,6 +40,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import textwrap
 import time
@@ -49,11 +54,27 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+# before torch starts OpenMP: wait passively unless told (measuring processes are)
+if __name__ == "__main__" and "--beside-worker" not in sys.argv:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # devices.WAIT_POLICY
+# what OpenMP starts with when torch is imported below (later changes do not count)
+OPENMP_ENVIRONMENT = MappingProxyType(
+    {
+        k: os.environ.get(k)
+        for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")
+    }
+)
+
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 import machinery  # noqa: E402
-from machinery.devices import cpu_name, usable_cores  # noqa: E402
+from machinery.devices import (  # noqa: E402
+    WAIT_POLICY,
+    cpu_name,
+    quiet_environment,
+    usable_cores,
+)
 from machinery.runfiles import atomic_file, write_atomic  # noqa: E402
 import the_annotated_transformer as tat  # noqa: E402
 from profiling import counted_flops, meta_batch  # noqa: E402
@@ -89,6 +110,9 @@ class Settings:
     scaling_batch: int = 16  # sentences per update in the scaling measurement
     scaling_warmup: int = 2
     scaling_repeats: int = 5
+    beside_warmup: int = 3  # untimed updates in each measuring process
+    beside_updates: int = 20  # timed updates in each (the median is reported)
+    beside_repeats: int = 3  # rounds over every policy, quiet and beside
 
 
 MODES = MappingProxyType(
@@ -111,6 +135,9 @@ MODES = MappingProxyType(
             scaling_d_models=(256,),
             scaling_repeats=3,
             scaling_warmup=1,
+            beside_warmup=1,
+            beside_updates=5,
+            beside_repeats=1,
         ),
         "smoke": Settings(
             "smoke",
@@ -132,6 +159,9 @@ MODES = MappingProxyType(
             scaling_batch=4,
             scaling_repeats=2,
             scaling_warmup=1,
+            beside_warmup=1,
+            beside_updates=2,
+            beside_repeats=1,
         ),
     }
 )
@@ -884,6 +914,171 @@ def bench_scaling(st: Settings, log: Callable) -> dict:
     }
 
 
+# --------------------------------------------------------------------------- 6. beside
+
+
+# How OpenMP's idle threads wait decides how an update fares beside other work: a
+# spinning thread keeps its core while it waits, so beside a busy process the two take
+# turns and every parallel region waits for the thread that lost its turn. Each policy
+# is measured in its own process (the runtime reads it once, at start), quiet and then
+# beside one busy process (a pure-Python loop), policy after policy in rotating order,
+# so that the machine's slow phases hit all of them alike.
+
+BESIDE_POLICIES = MappingProxyType(
+    {
+        "default (unset)": {},
+        "ACTIVE": {"OMP_WAIT_POLICY": "ACTIVE"},
+        "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
+        "GOMP_SPINCOUNT=10000": {"GOMP_SPINCOUNT": "10000"},
+    }
+)
+BUSY_LOOP = "while True: pass"
+
+
+def policy_environment(policy: dict, environ=None) -> dict:
+    """The environment of a measuring process: ``environ`` (default: this process's)
+    without any wait policy or spin count, threads as the machinery sets them for the
+    processes it starts (``quiet_environment``), and ``policy``'s variables."""
+    base = {
+        k: v
+        for k, v in (os.environ if environ is None else environ).items()
+        if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+    }
+    env = quiet_environment(base)
+    env.pop("OMP_WAIT_POLICY")
+    return {**env, **policy}
+
+
+def beside_worker(spec: dict) -> dict:
+    """In a measuring process: ``spec["updates"]`` timed training updates (after
+    ``spec["warmup"]``) of the benchmark's model on one random batch of the shape
+    given; milliseconds per update (the median) and the environment it ran in."""
+    st = MODES[spec["mode"]]
+    cfg = machinery.get_config(
+        "multi30k-small", dataset=spec["dataset"], **dict(st.model_overrides)
+    )
+    torch.manual_seed(cfg.seed)
+    model = build_model(spec["path"], spec["src_vocab"], spec["tgt_vocab"], cfg)
+    optimizer = make_adam(model.train(), cfg)
+    (b, s), (_, t) = spec["src"], spec["tgt"]
+    batch = tat.Batch(
+        torch.randint(4, spec["src_vocab"], (b, s)),
+        torch.randint(4, spec["tgt_vocab"], (b, t + 1)),
+    )
+    times = call_times(
+        lambda: train_step(model, optimizer, batch, cfg, False),
+        spec["warmup"],
+        spec["updates"],
+    )
+    return {
+        "ms_per_update": 1e3 * statistics.median(times),
+        "threads": torch.get_num_threads(),
+        "environment": dict(OPENMP_ENVIRONMENT),
+    }
+
+
+def measure_in_process(spec: dict, env: dict) -> dict:
+    """:func:`beside_worker` in a process of its own, started with ``env``."""
+    result = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--beside-worker"],
+        input=json.dumps(spec),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1800,
+    )
+    if result.returncode != 0:
+        lines = result.stderr.strip().splitlines() or ["(no message)"]
+        raise RuntimeError(f"a measuring process failed: {lines[-1]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def bench_beside(
+    data: machinery.Dataset, cfg: machinery.Config, st: Settings, log: Callable
+) -> dict:
+    """Milliseconds per training update of the preset's attention path in float32,
+    quiet and beside one busy process, for each OpenMP wait policy, side by side."""
+    pairs = data.splits["train"]
+    lengths = [(len(s), len(t)) for s, t in pairs]
+    first = tat.length_batches(
+        lengths, st.batch_tokens or cfg.batch_tokens, seed=cfg.seed, epoch=0
+    )[0]
+    batch = tat.make_batch(pairs, first)
+    spec = {
+        "mode": st.mode,
+        "dataset": cfg.dataset,
+        "path": machinery.resolve_attention(cfg.attention, torch.device("cpu"))[0],
+        "src_vocab": len(data.src_vocab),
+        "tgt_vocab": len(data.tgt_vocab),
+        "src": list(batch.src.shape),
+        "tgt": list(batch.tgt.shape),
+        "warmup": st.beside_warmup,
+        "updates": st.beside_updates,
+    }
+    names = list(BESIDE_POLICIES)
+    runs: dict = {name: {"quiet": [], "beside one busy process": []} for name in names}
+    seen: dict = {}
+    for r in range(st.beside_repeats):
+        for name in rotated(names, r):
+            env = policy_environment(BESIDE_POLICIES[name])
+            for condition in ("quiet", "beside one busy process"):
+                busy = None
+                if condition != "quiet":
+                    busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP], env=env)
+                try:
+                    out = measure_in_process(spec, env)
+                finally:
+                    if busy is not None:
+                        busy.kill()
+                        busy.wait()
+                runs[name][condition].append(out["ms_per_update"])
+                seen[name] = {"threads": out["threads"], **out["environment"]}
+            log(f"beside other work: {name}, round {r + 1} done")
+    rows = []
+    for name in names:
+        quiet = statistics.median(runs[name]["quiet"])
+        busy = statistics.median(runs[name]["beside one busy process"])
+        rows.append(
+            {
+                "policy": name,
+                "machinery_default": BESIDE_POLICIES[name].get("OMP_WAIT_POLICY")
+                == WAIT_POLICY,
+                "quiet_ms": quiet,
+                "busy_ms": busy,
+                "slowdown": busy / quiet,
+                "runs_ms": runs[name],
+                "environment": seen[name],
+            }
+        )
+    best = min(r["quiet_ms"] for r in rows)
+    for row in rows:
+        row["quiet_vs_best"] = row["quiet_ms"] / best
+    return {"batch": {"src": spec["src"], "tgt": spec["tgt"]}, **spec, "rows": rows}
+
+
+def beside_lines(beside: dict) -> list[str]:
+    """The table's rows for the beside-other-work section, with the goals: beside one
+    busy process at most 1.5× quiet, and quiet within 5% of the best policy."""
+    lines = [
+        "",
+        f"Beside other work: ms per update ({beside['path']} path, float32, one "
+        f"batch of {beside['src'][0]} pairs, {beside['src'][1]}/{beside['tgt'][1]} "
+        "positions), each policy in a process of its own, quiet and beside one busy "
+        "process",
+        "",
+        "| OpenMP waiting | quiet | beside one busy process | slowdown (goal ≤ 1.5×) "
+        "| quiet vs the best (goal ≤ 1.05×) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in beside["rows"]:
+        mark = " (the machinery's default)" if r["machinery_default"] else ""
+        lines.append(
+            f"| {r['policy']}{mark} | {r['quiet_ms']:,.1f} ms | {r['busy_ms']:,.1f} ms "
+            f"| {r['slowdown']:.2f}× | {r['quiet_vs_best']:.2f}× |"
+        )
+    return lines
+
+
 # --------------------------------------------------------------------------- output
 
 
@@ -1128,6 +1323,8 @@ def table(report: dict) -> str:
         f"batched greedy outputs ran to the length limit ({dec['max_len']}) without "
         "emitting </s>."
     )
+    if "beside" in report:
+        lines += beside_lines(report["beside"])
     return "\n".join(lines)
 
 
@@ -1144,6 +1341,9 @@ def display_command(argv: Sequence[str]) -> str:
 def main(argv: Sequence[str]) -> int:
     """Run every measurement, print the table, write JSON and PNG; returns the exit
     status."""
+    if list(argv[1:]) == ["--beside-worker"]:  # a measuring process of section 6
+        print(json.dumps(beside_worker(json.loads(sys.stdin.read()))))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument(
@@ -1234,16 +1434,18 @@ def main(argv: Sequence[str]) -> int:
         "settings": dataclasses.asdict(st),
         "machine": machine,
     }
-    log("1/5 training throughput")
+    log("1/6 training throughput")
     report["training"] = bench_training(data, cfg, st, machine["bf16_native"], log)
-    log("2/5 matmul peak")
+    log("2/6 matmul peak")
     report["flops"] = bench_flops(report["training"], st, machine["bf16_native"])
-    log("3/5 padding")
+    log("3/6 padding")
     report["padding"] = bench_padding(data, cfg, st.batch_tokens or cfg.batch_tokens)
-    log("4/5 decoding")
+    log("4/6 decoding")
     report["decoding"] = bench_decoding(data, cfg, st, log)
-    log("5/5 scaling")
+    log("5/6 scaling")
     report["scaling"] = bench_scaling(st, log)
+    log("6/6 beside other work")
+    report["beside"] = bench_beside(data, cfg, st, log)
     machine["load_average_end"] = (
         list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     )

@@ -16,7 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench.py"
-SECTIONS = ("machine", "training", "flops", "padding", "decoding", "scaling")
+SECTIONS = ("machine", "training", "flops", "padding", "decoding", "scaling", "beside")
 
 
 def positive(x) -> bool:
@@ -462,3 +462,31 @@ def test_flops_are_counted_right_where_h_times_d_k_is_not_d_model(monkeypatch, d
     assert bench.training_flops(cfg, [((b, s), (b, t))], vocab, vocab) == want
     assert gpu_check.FlopCount(cfg, vocab, vocab)((b, s), (b, t)) == want
     assert bench.training_flops(cfg, [((b, s), (b, t))] * 2, vocab, vocab) == 2 * want
+
+
+def test_each_wait_policy_is_measured_in_the_environment_it_names(report):
+    """Section 6: every policy quiet and beside one busy process, each measuring
+    process started with that policy alone and the usable cores' threads; the
+    machinery's default is marked; no timing is asserted, only that it was taken."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from machinery.devices import WAIT_POLICY, usable_cores
+
+    beside = report["json"]["beside"]
+    rows = {r["policy"]: r for r in beside["rows"]}
+    assert set(rows) == {"default (unset)", "ACTIVE", "PASSIVE", "GOMP_SPINCOUNT=10000"}
+    for name, r in rows.items():
+        env = r["environment"]
+        assert env["OMP_WAIT_POLICY"] == (
+            name if name in ("ACTIVE", "PASSIVE") else None
+        )
+        assert env["GOMP_SPINCOUNT"] == ("10000" if "SPINCOUNT" in name else None)
+        assert env["OMP_NUM_THREADS"] == str(usable_cores()) == str(env["threads"])
+        assert positive(r["quiet_ms"]) and positive(r["busy_ms"])
+        assert r["slowdown"] == pytest.approx(r["busy_ms"] / r["quiet_ms"])
+        assert min(x["quiet_vs_best"] for x in rows.values()) == pytest.approx(1.0)
+        assert r["machinery_default"] == (name == WAIT_POLICY)
+    assert "beside one busy process" in report["stdout"]
+    assert "(the machinery's default)" in report["stdout"]
+    assert report["json"]["machine"]["omp_wait_policy"] == os.environ.get(
+        "OMP_WAIT_POLICY", WAIT_POLICY
+    )
