@@ -726,3 +726,18 @@ def test_json_in_a_script_element_cannot_end_or_confuse_it():
     text = build.script_json(data)
     assert not re.search(r"<|>|&|\u2028", text)
     assert json.loads(text) == data
+
+
+def test_two_folds_in_a_row_share_no_line():
+    source = (
+        "x = 1\n\nif IN_NOTEBOOK:\n    show()\n\n\n@example\ndef _():\n    pass\n\n"
+        "y = 2"
+    )
+    folds = build.code_folds(source)
+    assert [why for *_, why in folds] == ["notebook", "example"]
+    assert all(a[1] <= b[0] for a, b in zip(folds, folds[1:]))
+    from bs4 import BeautifulSoup
+
+    pres = BeautifulSoup(build.code_html(source), "html.parser")("pre")
+    # each <pre> holds its lines and one "\n" more (page.js's copy joins them so)
+    assert "\n".join(p.get_text().removesuffix("\n") for p in pres) == source

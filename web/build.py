@@ -1104,6 +1104,8 @@ def code_folds(source: str, tabular: bool = False) -> list[tuple[int, int, str]]
             start -= 1
         while start > 0 and not lines[start - 1].strip():
             start -= 1  # the blank lines above too: shown code ends with code
+        if folds:  # never back into the fold before (its blank lines are its own)
+            start = max(start, folds[-1][1])
         end = node.end_lineno
         while end < len(lines) and not lines[end].strip():
             end += 1
