@@ -475,6 +475,8 @@ def summarise(data: dict) -> list[dict]:
             if not ok:
                 entry["verdict"] = {m: "fails to train" for m in stats.MEASURES}
                 entry["counted"] = {m: "not counted" for m in stats.MEASURES}
+            elif not any(trained(r) for r in by.get("base", [])):
+                entry["verdict"] = {m: "base fails to train" for m in stats.MEASURES}
             elif entry["control"]:
                 entry["verdict"] = {m: "control" for m in stats.MEASURES}
             elif entry["tests"]:

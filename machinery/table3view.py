@@ -150,7 +150,8 @@ class Table3:
                     f"{len(entry['seeds'])} | | | not yet run | | | | | | {theirs} |"
                 )
                 continue
-            seeds = f"{len(s['seeds']) - len(s.get('failed_seeds', []))}"
+            runs, planned = len(s["seeds"]), len(entry["seeds"])
+            seeds = f"{runs}" if runs >= planned else f"{runs} of {planned}"
             if failed := s.get("failed_seeds"):
                 seeds += f" ({len(failed)} failed to train)"
             cells = [self._test_cells(s, m) for m in ("bleu", "ppl")]

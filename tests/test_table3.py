@@ -13,8 +13,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -89,18 +87,24 @@ def test_every_row_is_one_of_the_papers_variations_of_the_base():
     }
 
 
-def test_the_base_runs_three_seeds_and_every_variation_two():
+def test_the_base_runs_three_seeds_every_variation_two_and_a_third_if_needed():
     runner = load_script(SCRIPT, "table3_runner")
     rows = runner.table3_rows(runner.BASE)
-    seeds = {}
+    always, if_needed = {}, {}
     for r in rows:
-        seeds.setdefault(r["variation"], []).append(r["seed"])
+        (if_needed if r["if_needed"] else always).setdefault(r["variation"], []).append(
+            r["seed"]
+        )
         assert r["fields"].get("seed", 1) == r["seed"]
-    assert seeds.pop("base") == [1, 2, 3]
-    assert all(s == [1, 2] for s in seeds.values()), seeds
-    # (A), (B), (D) and (E) at both seeds come before any (C) row (the costlier sizes)
-    groups = [r["group"] for r in rows]
-    assert max(i for i, g in enumerate(groups) if g in "ABDE") < groups.index("C")
+    assert always.pop("base") == [1, 2, 3] and "base" not in if_needed
+    controls = {v for v in always if v.endswith("-lr")}
+    assert controls == {"C-d128-lr", "C-d512-lr"}
+    for v, seeds in always.items():
+        assert seeds == ([1] if v in controls else [1, 2]), v
+        assert if_needed[v] == ([2] if v in controls else [3]), v
+    # every run the plan always makes comes before any it makes only where needed
+    flags = [r["if_needed"] for r in rows]
+    assert flags == sorted(flags)
 
 
 def test_the_budget_is_the_headline_preset_unchanged():
@@ -126,7 +130,9 @@ def test_only_the_rows_wider_than_the_base_train_on_more_threads():
         r["name"]: runner.row_threads(r, base, budget) for r in runner.table3_rows(base)
     }
     wide = {n for n, t in threads.items() if t != budget["threads"]}
-    assert wide == {"C-d512", "C-d512-seed2", "C-d512-lr", "C-d512-lr-seed2"}
+    assert wide == {
+        "C-d512", "C-d512-seed2", "C-d512-seed3", "C-d512-lr", "C-d512-lr-seed2"
+    }  # fmt: skip
     assert {threads[n] for n in wide} == {budget["wide_threads"]} != {budget["threads"]}
     assert threads["C-d128"] == threads["base"] == budget["threads"] == 1
 
@@ -136,7 +142,7 @@ def test_every_row_reuses_freed_memory_as_make_sets_it_however_the_runner_starte
 ):
     from machinery import GLIBC_MALLOC_SETTINGS
 
-    runner = load_script(SCRIPT, "table3_runner")
+    runner = load_script(ROOT / "benchmarks" / "table3_work.py", "table3_work")
     settings = dict(GLIBC_MALLOC_SETTINGS)
     for name in settings:
         monkeypatch.delenv(name, raising=False)
@@ -162,89 +168,6 @@ def test_the_learning_rate_controls_peak_where_the_base_does():
         )
         plain = rows[name.removesuffix("-lr")]["fields"]
         assert peak(plain["d_model"], lr) != pytest.approx(peak(base["d_model"], lr))
-
-
-def test_the_noise_rule_on_made_up_numbers():
-    runner = load_script(SCRIPT, "table3_runner")
-    # seeds 30, 31, 32 and 28, 29: pooled sd = sqrt((2 + 0.5) / 3) ≈ 0.913
-    noise = runner.pooled_sd([[30.0, 31.0, 32.0], [28.0, 29.0], [27.0]])
-    assert noise == pytest.approx((2.5 / 3) ** 0.5)
-    assert runner.pooled_sd([[30.0], [28.0]]) is None  # one seed each: no noise yet
-    assert runner.verdict(-2.5, noise, -0.9) == "agrees"  # worse, as the paper's
-    assert runner.verdict(+2.5, noise, -0.9) == "disagrees"
-    assert runner.verdict(-1.5, noise, -0.9) == "can't tell"  # inside 2·sd
-    assert runner.verdict(-1.5, noise, 0.0) == "agrees"  # no difference, as the paper
-    assert runner.verdict(+2.5, noise, 0.0) == "disagrees"
-    # a paper difference of one rounding step (E: 25.7 against 25.8) is no change
-    assert runner.verdict(-2.5, noise, 25.7 - 25.8) == "disagrees"
-    assert runner.verdict(+0.5, noise, 25.7 - 25.8) == "agrees"
-    assert runner.verdict(-2.5, noise, 25.6 - 25.8) == "agrees"  # two steps: a change
-    assert runner.verdict(+0.5, noise, 25.6 - 25.8) == "can't tell"
-    assert runner.verdict(-9.0, None, -0.9) == "can't tell"  # no seed spread known
-
-
-def test_the_summary_applies_the_rule_to_every_variation():
-    runner = load_script(SCRIPT, "table3_runner")
-
-    def row(name, variation, seed, bleu, ppl=5.0):
-        paper = runner.paper_values(
-            {"base": "base", "A-h1": "(A) h=1, d_k=d_v=512"}[variation]
-        )
-        return {"name": name, "variation": variation, "group": variation[0]
-                if variation != "base" else "base", "seed": seed, "status": "done",
-                "valid_bleu": bleu, "valid_ppl": ppl, "bleu": bleu - 1,
-                "params": 10, "paper": paper}  # fmt: skip
-
-    data = {
-        "rows": [
-            row("base", "base", 1, 40.0),
-            row("base-seed2", "base", 2, 41.0),
-            row("base-seed3", "base", 3, 42.0),
-            row("A-h1", "A-h1", 1, 36.0),
-            row("A-h1-seed2", "A-h1", 2, 37.0),
-        ]
-    }
-    summary = {s["variation"]: s for s in runner.summarise(data)}
-    assert summary["base"]["valid_bleu"]["n"] == 3
-    assert summary["base"]["valid_bleu"]["mean"] == pytest.approx(41.0)
-    h1 = summary["A-h1"]
-    assert h1["seeds"] == [1, 2] and h1["diff_valid_bleu"] == pytest.approx(-4.5)
-    assert h1["paper_diff_bleu"] == pytest.approx(-0.9)
-    assert h1["verdict"] == "agrees"  # pooled sd ≈ 0.91: −4.5 is beyond 2·sd
-    noise = runner.noise_of(data)  # the yardstick the file records for Part 4
-    assert noise["rows"] == 2 and noise["sd"] == pytest.approx((2.5 / 3) ** 0.5)
-
-
-def test_a_sized_row_runs_its_second_seed_only_where_its_first_cannot_tell():
-    runner = load_script(SCRIPT, "table3_runner")
-    plan = {r["name"]: r for r in runner.table3_rows(runner.BASE)}
-
-    def row(name, bleu):
-        r = plan[name]
-        paper = runner.paper_values(r["paper_row"])
-        return {"name": name, "variation": r["variation"], "group": r["group"],
-                "seed": r["seed"], "status": "done", "valid_bleu": bleu,
-                "valid_ppl": 5.0, "bleu": bleu, "params": 10, "paper": paper}  # fmt: skip
-
-    # the base's seeds 40, 41, 42 and A-h1's 36, 37: 2·s ≈ 1.83 BLEU
-    data = {"rows": [row("base", 40.0), row("base-seed2", 41.0),
-                     row("base-seed3", 42.0), row("A-h1", 36.0),
-                     row("A-h1-seed2", 37.0), row("A-h4", 30.0),
-                     row("C-d128", 35.0), row("C-N4", 41.5)]}  # fmt: skip
-    summary = {s["variation"]: s for s in runner.summarise(data)}
-    assert summary["base"]["settled"] and summary["A-h1"]["settled"]
-    assert not summary["A-h4"]["settled"]  # (A): two seeds, however far the first
-    assert summary["C-d128"]["settled"]  # −6.0, beyond 2·s: one seed settles it
-    assert not summary["C-N4"]["settled"]  # +0.5, inside 2·s: seed 2 must run
-    assert "beyond 2·s = 1.83" in runner.needless(plan["C-d128-seed2"], data)
-    assert runner.needless(plan["C-N4-seed2"], data) is None
-    assert runner.needless(plan["A-h4-seed2"], data) is None
-    assert runner.needless(plan["C-d512-seed2"], data) is None  # seed 1 not run yet
-    data["rows"] = data["rows"][:3] + data["rows"][5:]  # the base's seeds alone:
-    assert runner.needless(plan["C-d128-seed2"], data)  # its spread is the noise
-    data["rows"] = [data["rows"][0]] + data["rows"][3:]  # one seed: no noise known
-    assert runner.needless(plan["C-d128-seed2"], data) is None
-    assert not {s["variation"]: s for s in runner.summarise(data)}["base"]["settled"]
 
 
 def test_a_smoke_table_trains_each_row_and_draws_the_figure(smoke):
@@ -295,18 +218,19 @@ def test_a_row_with_another_budget_is_not_merged(smoke, tmp_path):
     stray = dict(data["rows"][0], name="A-h4")
     stray["provenance"] = dict(stray["provenance"], updates=6)
     order = [r["name"] for r in runner.table3_rows(runner.SMOKE_BASE)]
-    args = (runner.SMOKE_BASE, runner.SMOKE_BUDGET, True, order)
-    refusal = runner.merge(out, stray, *args)
+    args = (runner.SMOKE_BASE, runner.SMOKE_BUDGET, order)
+    refusal = runner.merge(data, stray, *args)
     assert "6 updates" in refusal and "5" in refusal
     stray = dict(data["rows"][0], name="A-h4", settings_differ={
         "warmup": {"asked": 200, "ran": 400}})  # fmt: skip
-    assert "warmup asked 200, ran 400" in runner.merge(out, stray, *args)
+    assert "warmup asked 200, ran 400" in runner.merge(data, stray, *args)
     stray = dict(data["rows"][0], name="A-h4")
     stray["provenance"] = dict(stray["provenance"], threads=2)  # its own count is 1
-    assert "ran on 2 thread(s), its budget 1" in runner.merge(out, stray, *args)
+    assert "ran on 2 thread(s), its budget 1" in runner.merge(data, stray, *args)
     wide = dict(stray, name="C-d128", fields={"d_model": 128, "d_k": 32})
     wide["provenance"] = dict(stray["provenance"], threads=1)  # a wide row's is 2
-    assert "ran on 1 thread(s), its budget 2" in runner.merge(out, wide, *args)
+    assert "ran on 1 thread(s), its budget 2" in runner.merge(data, wide, *args)
+    assert data == json.loads(before)  # nothing merged
     assert out.read_bytes() == before
 
 
@@ -316,7 +240,7 @@ def test_rows_already_in_the_file_are_not_trained_again(smoke, tmp_path):
     before = out.read_bytes()
     result = run(out)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "5 of 5 row(s) already in" in result.stdout
+    assert "5 of 5 run(s) already in" in result.stdout
     assert "device:" not in result.stdout + result.stderr  # no training run started
     assert out.read_bytes() == before
 
@@ -348,7 +272,15 @@ def test_one_file_holds_one_training_budget(smoke, tmp_path):
     result = run(out, "--epochs", "2")
     assert result.returncode == 2
     assert "one file holds one budget" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
     assert out.read_bytes() == before
+    # a file without finished rows holds no budget yet: it takes the one asked for
+    runner = load_script(SCRIPT, "table3_runner")
+    empty = json.loads(before) | {"rows": []}
+    out.write_text(json.dumps(empty))
+    budget = runner.SMOKE_BUDGET | {"epochs": 2}
+    data = runner.read_table(out, runner.SMOKE_BASE, budget, True)
+    assert data["budget"]["epochs"] == 2
 
 
 def test_a_refresh_rewrites_what_derives_from_the_rows_and_trains_nothing(
@@ -362,19 +294,24 @@ def test_a_refresh_rewrites_what_derives_from_the_rows_and_trains_nothing(
     assert result.returncode == 0, result.stderr[-2000:]
     again = json.loads(out.read_text())
     assert again["rows"] == kept and again["summary"] == data["summary"]
-    assert again["noise"] == data["noise"] and again["rule"] != "old"
+    assert "noise" not in again and again["rule"] != "old"  # the old yardstick goes
     assert not (tmp_path / "table3-runs").exists()  # no row trained
     assert out.with_suffix(".png").is_file()
-    # rows finished before the source check get it where their checkpoints are
-    out.write_text(json.dumps(data | {"rows": [
-        {k: v for k, v in r.items() if k != "source_gap"}
-        for r in kept]}))  # fmt: skip
-    result = run(out, "--refresh")  # no run directories here: named, not measured
-    assert "base: no checkpoint in" in result.stdout
-    assert all("source_gap" not in r for r in json.loads(out.read_text())["rows"])
-    result = run(out, "--refresh", "--runs", str(smoke.parent / "table3-runs"))
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert json.loads(out.read_text())["rows"] == kept
+
+
+def test_the_recorded_table_is_read_unchanged_and_its_summary_is_current():
+    runner = load_script(SCRIPT, "table3_runner")
+    path = ROOT / "results" / "table3.json"
+    data = json.loads(path.read_text())
+    again = runner.refreshed(
+        runner.read_table(path, runner.BASE, runner.BUDGET, False),
+        runner.BASE,
+        runner.BUDGET,
+    )
+    assert again["rows"] == data["rows"]  # every row as it was recorded
+    # what derives from the rows is what this version of the driver derives
+    assert json.loads(json.dumps(again["summary"])) == data["summary"]
+    assert again["rule"] == data["rule"] and again["plan"] == data["plan"]
 
 
 def test_the_status_says_how_far_each_row_has_got_and_writes_nothing(smoke, tmp_path):
@@ -390,11 +327,15 @@ def test_the_status_says_how_far_each_row_has_got_and_writes_nothing(smoke, tmp_
     assert lines["base"][:3] == ["done", "valid", "BLEU"]
     assert lines["A-h1-seed2"] == ["started", "update", "4", "of", "5"]
     assert lines["B-dk4-seed2"] == ["to", "run"]
-    assert " ".join(lines["C-d128"]).startswith("to run alone, on more threads")
+    assert lines["C-d128-lr-seed2"][:2] == ["not", "needed"]  # a control's second
+    assert " ".join(lines["A-h1-seed3"]).startswith("waiting a third seed is decided")
     runner = load_script(SCRIPT, "table3_runner")
-    planned = len(runner.table3_rows(runner.SMOKE_BASE))
-    assert result.stdout.splitlines()[-1] == (
-        f"{planned} runs: 5 done, 1 started, 0 not needed, {planned - 6} to run"
+    plan = runner.table3_rows(runner.SMOKE_BASE)
+    third = sum(r["if_needed"] and not r["control"] for r in plan)
+    counts = [x for x in result.stdout.splitlines() if x.endswith("to run")][-1]
+    assert counts == (
+        f"{len(plan)} runs: 5 done, 1 started, 2 not needed, {third} waiting, "
+        f"{len(plan) - 8 - third} to run"
     )
     assert out.read_bytes() == before  # a look, not a run
     assert not (tmp_path / "table3-runs" / "B-dk4").exists()
@@ -405,8 +346,9 @@ def test_part_4_shows_the_file_as_a_table_and_claims_nothing_unmeasured(smoke):
 
     table = read_table3(smoke)
     lines = table.markdown().splitlines()
-    header = lines[0].split("|")
-    assert "valid BLEU" in lines[0] and "paper BLEU" in lines[0]
+    header = [h.strip() for h in lines[0].split("|")]
+    for column in ("paper row", "Δ BLEU (95% CI)", "BLEU verdict", "PPL verdict"):
+        assert column in header
     body = {
         line.split("|")[1].strip(): line for line in lines[2:] if line.startswith("| ")
     }
@@ -417,53 +359,32 @@ def test_part_4_shows_the_file_as_a_table_and_claims_nothing_unmeasured(smoke):
     for name in ("base", "A-h1", "B-dk4", "E-learned"):  # trained: our numbers
         assert "not yet run" not in body[name]
     assert "not yet run" in body["C-N3"]  # the paper's columns only
+    cell = lambda name, column: body[name].split("|")[header.index(column)].strip()  # noqa: E731
+    assert cell("A-h1", "paper row") == "(A) h=1, d_k=d_v=512"  # the row it is read by
+    assert cell("C-d128-lr", "paper row") == "—"  # a control: no paper row
     assert "1 thread(s) (2 for a row wider than the base)" in table.budget_line
     findings = table.findings()
     # groups (C) and (D) have no finished row: no finding, only that fact
     for g in "CD":
         assert f"**({g})** Not yet measured at the full budget." in findings
-    assert "**(A)** Validation BLEU against the base's" in findings
     assert [p for p, _ in table.figures()] == [
         str(smoke.with_name("table3-curves.png")),
         str(smoke.with_name("table3.png")),
     ]
-    seeds = {name: line.split("|")[3].strip() for name, line in body.items()}
     # more to run; five updates are too few to learn to read the source
-    assert seeds["base"] == "2 of 3 (2 failed to train)"
-    assert seeds["A-h1"] == "1 of 2 (1 failed to train)"
-    # a verdict stands on the seeds the design asks for: none yet for A-h1
-    assert body["A-h1"].split("|")[9].strip() == ""
+    assert cell("base", "seeds") == "2 of 3 (2 failed to train)"
+    assert cell("A-h1", "seeds") == "1 of 2 (1 failed to train)"
+    # no seed of the base trained: no verdict is read against it, and none counted
+    assert cell("B-dk4", "BLEU verdict") in ("fails to train", "base fails to train")
+    counts = table.counts("bleu")
+    assert counts["agrees"] == counts["disagrees"] == 0
+    assert counts["no difference detected"] == 0
     group_a = findings.split("**(A)**")[1].split("**(B)**")[0]
-    assert "seeds to come" in group_a and "**" not in group_a
     # a measured group names each of its variations that has no finished run yet
     unmeasured = group_a.split("Not yet measured at the full budget: ")[1]
     for name in planned:
         if name.startswith("A-"):
             assert (f"({name})" in unmeasured) == ("not yet run" in body[name]), name
-
-
-def test_the_budget_line_counts_runs_finished_unneeded_and_still_to_run(tmp_path):
-    from machinery.table3view import Table3
-
-    budget = {"epochs": 15, "preset": "p", "updates": 9, "warmup": 3}
-    budget |= {"precision": "fp32", "attention": "fast", "threads": 1}
-    seeds = {"base": [1, 2, 3], "C-x": [1, 2], "C-y": [1, 2]}
-    plan = [{"variation": v, "seeds": s} for v, s in seeds.items()]
-    rows = [{"status": "done"}] * 5  # the base's 3, C-x's seed 1, C-y's seed 1
-    summary = [
-        {"variation": "base", "seeds": [1, 2, 3], "settled": True},
-        {"variation": "C-x", "seeds": [1], "settled": True},  # beyond 2·s on one seed
-        {"variation": "C-y", "seeds": [1], "settled": False},  # within: seed 2 runs
-    ]
-    data = {"budget": budget, "plan": plan, "rows": rows, "summary": summary}
-    line = Table3(data, tmp_path).budget_line
-    assert line.endswith(
-        "; 5 run(s) finished, 1 second seed(s) not needed by the rule, 1 still to run"
-    )
-    summary[2] = {"variation": "C-y", "seeds": [1, 2], "settled": True}
-    data["rows"] = rows + [{"status": "done"}]
-    line = Table3(data, tmp_path).budget_line
-    assert line.endswith("; 6 run(s) finished, 1 second seed(s) not needed by the rule")
 
 
 SOURCE_USE = ROOT / "benchmarks" / "source_use.py"
@@ -524,44 +445,52 @@ def test_the_source_check_refuses_data_the_run_did_not_train_on(smoke, tmp_path)
     assert not (tmp_path / "source.json").exists()
 
 
+def made_up_row(runner, name: str, bleu: float, ppl: float = 5.0, gap=4.4, curve=None):
+    """A finished Table 3 record with made-up scores, for the plan's run ``name``."""
+    plan = {r["name"]: r for r in runner.table3_rows(runner.BASE)}
+    r = plan[name]
+    curve = curve or [{"epoch": e, "valid_ppl": ppl * (1 + 0.01 / e)} for e in (1, 2)]
+    return {"name": name, "variation": r["variation"], "group": r["group"],
+            "seed": r["seed"], "status": "done", "valid_bleu": bleu,
+            "valid_ppl": ppl, "bleu": bleu, "params": 10, "source_gap": gap,
+            "paper": runner.paper_values(r["paper_row"]), "curve": curve,
+            "provenance": {"threads": 1, "updates": 9}}  # fmt: skip
+
+
 def test_a_run_that_does_not_read_its_source_failed_to_train():
     runner = load_script(SCRIPT, "table3_runner")
-    plan = {r["name"]: r for r in runner.table3_rows(runner.BASE)}
 
     def row(name, bleu, gap):
-        r = plan[name]
-        paper = runner.paper_values(r["paper_row"])
-        return {"name": name, "variation": r["variation"], "group": r["group"],
-                "seed": r["seed"], "status": "done", "valid_bleu": bleu,
-                "valid_ppl": 5.0, "bleu": bleu, "params": 10, "paper": paper,
-                "source_gap": gap}  # fmt: skip
+        return made_up_row(runner, name, bleu, gap=gap)
 
     # the gap: how much the validation loss rises with other pairs' sources
     data = {"rows": [row("base", 40.0, 4.4), row("base-seed2", 41.0, 4.4),
                      row("base-seed3", 42.0, 4.3),
                      row("A-h1", 5.0, 0.5), row("A-h1-seed2", 37.0, 4.0),
-                     row("D-drop0.2", 5.5, 0.48), row("D-drop0.2-seed2", 6.0, 0.3),
-                     row("C-N2", 4.0, 0.2)]}  # fmt: skip
+                     row("A-h4", 40.5, 4.0), row("A-h4-seed2", 41.4, 4.0),
+                     row("D-drop0.2", 5.5, 0.48), row("D-drop0.2-seed2", 6.0, 0.3)]}  # fmt: skip
     assert not runner.trained(data["rows"][3]) and runner.trained(data["rows"][4])
     assert runner.trained({"valid_bleu": 40.0})  # not measured: counted as trained
     summary = {s["variation"]: s for s in runner.summarise(data)}
     h1 = summary["A-h1"]
-    assert h1["seeds"] == [1, 2] and h1["failed_seeds"] == [1] and h1["settled"]
+    assert h1["seeds"] == [1, 2] and h1["failed_seeds"] == [1]
     assert h1["valid_bleu"]["mean"] == 37.0 and h1["valid_bleu"]["n"] == 1
-    assert h1["verdict"] == "agrees"  # −4.0 from the base's mean, beyond 2·s ≈ 2
-    # the failed seed is not seed noise: s pools the base's seeds alone (sd 1.0)
-    assert runner.noise_of(data) == {"sd": pytest.approx(1.0), "rows": 1}
+    assert "a seed failed to train" in h1["qualifiers"]
+    # a failed seed enters no test: A-h1's difference is its trained seed 2 against
+    # the base's seed 2 (41.0), less the seed effect the other rows show
+    assert h1["tests"]["bleu"]["delta"] == pytest.approx(37.0 - 41.0, abs=0.6)
+    assert h1["counted"]["bleu"] != "agrees"  # a failed seed: never counted as such
     drop = summary["D-drop0.2"]
-    assert drop["failed_seeds"] == [1, 2] and drop["verdict"] == "fails to train"
+    assert (
+        drop["failed_seeds"] == [1, 2] and drop["verdict"]["bleu"] == "fails to train"
+    )
     assert drop["valid_bleu"]["n"] == 2  # the table still shows what they scored
-    # a (C) size whose one seed failed says nothing of the size: seed 2 runs
-    assert not summary["C-N2"]["settled"]
-    assert runner.needless(plan["C-N2-seed2"], data) is None
+    assert "bleu" not in drop["tests"]
 
     from machinery.table3view import Table3
 
     data |= {"summary": list(summary.values()), "plan": runner.plan_of(
-        runner.BASE, runner.BUDGET), "noise": runner.noise_of(data)}  # fmt: skip
+        runner.BASE, runner.BUDGET)}  # fmt: skip
     table = Table3(data, Path("."))
     body = {line.split("|")[1].strip(): line for line in table.markdown().splitlines()}
     assert "| 2 (1 failed to train) |" in body["A-h1"]
@@ -573,8 +502,8 @@ def test_a_run_that_does_not_read_its_source_failed_to_train():
     for r in data["rows"][:3]:
         r["source_gap"] = 0.1
     summary = {s["variation"]: s for s in runner.summarise(data)}
-    assert summary["A-h1"]["verdict"] == "base fails to train"
-    assert summary["D-drop0.2"]["verdict"] == "fails to train"
+    assert summary["A-h4"]["verdict"]["bleu"] == "base fails to train"
+    assert summary["D-drop0.2"]["verdict"]["bleu"] == "fails to train"
 
 
 def test_part_4_says_which_seed_over_fits_from_its_curve():
@@ -622,94 +551,6 @@ def test_part_4_says_which_seed_was_still_learning_when_its_schedule_ended():
     assert "it was still learning" not in table._overfits("C-N4")
 
 
-def test_a_learning_rate_control_is_read_against_its_width_at_eq_3s_rate():
-    from machinery.table3view import Table3
-
-    def summary(variation, bleu, seeds):
-        stat = {"mean": bleu, "sd": None if len(seeds) == 1 else 0.3}
-        return {"variation": variation, "group": "C", "seeds": seeds,
-                "valid_bleu": stat}  # fmt: skip
-
-    rows = [
-        {"name": "C-d128", "fields": {"d_model": 128, "d_k": 16}},
-        {"name": "C-d128-lr", "fields": {"d_model": 128, "d_k": 16, "lr_factor": 0.5}},
-        {"name": "C-N2", "fields": {"N": 2}},
-    ]
-    plain, control = summary("C-d128", 15.5, [1]), summary("C-d128-lr", 40.0, [1, 2])
-    data = {"rows": rows, "summary": [plain, control, summary("C-N2", 39.0, [1])],
-            "noise": {"sd": 0.5, "rows": 4}}  # fmt: skip
-    table = Table3(data, Path("."))
-    assert table._rate_control(control) == (
-        "; at Eq. 3's own rate (C-d128) the same model scored 15.50 (1 seed): the "
-        "base's peak learning rate moves it by +24.50, beyond 2·s"
-    )
-    plain["valid_bleu"]["mean"] = 39.5  # 0.5 apart: inside 2·s = 1.0
-    assert table._rate_control(control).endswith("moves it by +0.50, within 2·s")
-    # a row that does not set lr_factor, or a control without its width: nothing
-    assert table._rate_control(plain) == ""
-    data["summary"].remove(plain)
-    assert table._rate_control(control) == ""
-
-
-def test_a_lock_held_for_an_instant_is_not_a_row_another_runner_trains(tmp_path):
-    runner = load_script(SCRIPT, "table3_runner")
-    path = tmp_path / "A-h1.lock"
-    other = subprocess.Popen(  # another runner looking at the row: it lets go
-        [sys.executable, "-c", "import fcntl, sys\n"
-         f"f = open({str(path)!r}, 'a+')\n"
-         "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True)\n"
-         "sys.stdin.readline(); fcntl.flock(f, fcntl.LOCK_UN); sys.stdin.readline()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        assert other.stdout.readline() == "held\n"
-        with runner.locked(path, wait=False, grace=0) as mine:
-            assert not mine  # held now, and no grace
-
-        def release():
-            other.stdin.write("\n")
-            other.stdin.flush()
-
-        let_go = threading.Timer(0.2, release)
-        let_go.start()
-        with runner.locked(path, wait=False, grace=30) as mine:
-            assert mine  # held for an instant only: the row is got, not passed by
-        let_go.join()
-    finally:
-        other.kill()
-        other.wait()
-
-
-def test_a_row_records_the_rows_that_trained_beside_it_whichever_runner_ran_them(
-    tmp_path,
-):
-    runner = load_script(SCRIPT, "table3_runner")
-    (tmp_path / "free.lock").touch()  # a row no one trains
-    with runner.locked(tmp_path / "A-h1.lock"):
-        assert runner.rows_training(tmp_path) == 1
-        other = subprocess.Popen(  # another runner's row, in its own process
-            [sys.executable, "-c", "import fcntl, sys, time\n"
-             f"f = open({str(tmp_path / 'B-dk8.lock')!r}, 'a+')\n"
-             "fcntl.flock(f, fcntl.LOCK_EX); print('held', flush=True)\n"
-             "time.sleep(60)"],
-            stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
-        try:
-            assert other.stdout.readline() == "held\n"
-            with runner.LoadWatch(tmp_path, every=0.01) as load:
-                time.sleep(0.1)
-            assert runner.rows_training(tmp_path) == 2
-        finally:
-            other.kill()
-            other.wait()
-    record = load.record()
-    assert record["concurrent_rows"] == 2 and record["load_average"] >= 0
-    assert runner.rows_training(tmp_path) == 0  # probing took no lock for good
-    with runner.LoadWatch(tmp_path, every=60) as alone:  # looked at once, at the start
-        pass
-    assert alone.record()["concurrent_rows"] == 1  # at least the row itself
-
-
 def test_the_curves_give_each_variation_its_own_colour_never_the_bases_grey(
     tmp_path, monkeypatch
 ):
@@ -748,70 +589,191 @@ def test_the_curves_give_each_variation_its_own_colour_never_the_bases_grey(
     plt.close(drawn[0])
 
 
-def test_a_row_wider_than_the_base_trains_alone():
-    runner = load_script(SCRIPT, "table3_runner")
-    wide = {"C-d512", "C-d512-lr"}
-    assert runner.alone_problem("C-d512", ["C-d512"], wide) is None  # itself only
-    assert "A-h1 is training" in runner.alone_problem(
-        "C-d512", ["A-h1", "C-d512"], wide
+STATS = ROOT / "benchmarks" / "table3_stats.py"
+
+
+def stats_module():
+    return load_script(STATS, "table3_stats")
+
+
+def test_the_test_rejects_five_percent_of_true_nulls_and_holm_holds_the_family():
+    stats = stats_module()
+    design = {"base": 3} | {f"v{i}": 2 for i in range(17)}  # Table 3's shape
+    rates = stats.simulate_false_positives(1000, design)
+    assert 0.04 <= rates["single"] <= 0.06  # each test: 5% when nothing differs
+    assert rates["family"] <= 0.06  # Holm: any false "differs" in ≤ 5% of tables
+    one_seed = {"base": 3} | {f"v{i}": 1 for i in range(17)}
+    assert 0.04 <= stats.simulate_false_positives(1000, one_seed)["single"] <= 0.06
+
+
+def test_more_seeds_never_lower_the_tests_power():
+    stats = stats_module()
+    rest = {"base": 3} | {f"v{i}": 2 for i in range(16)}
+    for delta in (0.5, 1.0, 1.6):
+        power = [stats.design_power(delta, n, 0.54, rest) for n in (1, 2, 3, 4)]
+        assert power == sorted(power), (delta, power)
+        assert power[1] > power[0]  # a second seed helps
+    more_base = [
+        stats.design_power(1.0, 2, 0.54, rest | {"base": b}) for b in (2, 3, 4)
+    ]
+    assert more_base == sorted(more_base)
+
+
+def test_holm_stops_at_the_first_p_value_above_its_level():
+    stats = stats_module()
+    got = stats.holm_levels({"a": 0.001, "b": 0.02, "c": 0.011, "d": 0.5})
+    assert {k: v["level"] for k, v in got.items()} == pytest.approx(
+        {"a": 0.05 / 4, "c": 0.05 / 3, "b": 0.05 / 2, "d": 0.05}
     )
-    assert "C-d512-lr is training alone" in runner.alone_problem(
-        "A-h1", ["A-h1", "C-d512-lr"], wide
-    )
-    assert runner.alone_problem("A-h1", ["A-h1", "B-dk8"], wide) is None  # two narrow
+    assert {k for k, v in got.items() if v["rejected"]} == {"a", "c"}
+    # b's 0.02 ≤ its 0.025, but d does not come first: the step-down stops at d only
+    got = stats.holm_levels({"a": 0.001, "b": 0.03})
+    assert [got["a"]["rejected"], got["b"]["rejected"]] == [True, False]
 
 
-def test_a_job_trains_the_wide_rows_its_workers_left_at_its_end(monkeypatch):
+def test_seeds_are_compared_with_seeds():
+    stats = stats_module()
+    # seed 2 lifts every row by 3 BLEU; the variation is 1 below the base at each
+    runs = [("base", 1, 40.0), ("base", 2, 43.0), ("base", 3, 40.5),
+            ("v", 1, 39.0), ("v", 2, 42.0), ("w", 1, 40.2), ("w", 2, 43.1)]  # fmt: skip
+    model = stats.fit(runs)
+    c = stats.contrast(model, "v")
+    assert c["delta"] == pytest.approx(-1.0 - 0.5 / 3 + 0.5 / 3 - 0.5 / 3, abs=0.35)
+    # ignoring the seeds would spread the base's 40, 43, 40.5 into the noise
+    pooled = stats.fit([(v, 1, y) for v, _, y in runs])
+    assert model["sigma"] < pooled["sigma"] / 3
+
+
+def test_the_words_say_what_the_runs_show():
     runner = load_script(SCRIPT, "table3_runner")
-    plan = runner.table3_rows(runner.BASE)
-    wide = {
-        r["name"] for r in plan if runner.row_threads(r, runner.BASE, runner.BUDGET) > 1
-    }
-    base = [{"name": n, "variation": "base", "group": "base", "seed": s,
-             "status": "done", "valid_bleu": b, "valid_ppl": 5.0, "bleu": b,
-             "params": 10, "paper": runner.paper_values(plan[0]["paper_row"])}
-            for n, s, b in (("base", 1, 40.0), ("base-seed2", 2, 41.0))]  # fmt: skip
-    data = {"rows": base + [{"name": "C-d512-lr", "status": "failed"}]}
-    # a failed row is not tried again unasked; a second seed is left with its first
-    want = ["C-d512", "C-d512-seed2", "C-d512-lr-seed2"]
-    assert runner.wide_left(data, plan, wide) == want
-    c_d512 = dict(base[0], name="C-d512", variation="C-d512", group="C")
-    data["rows"].append(c_d512 | {"valid_bleu": 30.0, "bleu": 30.0})
-    assert runner.wide_left(data, plan, wide) == ["C-d512-lr-seed2"]  # −10.5: settled
-    assert runner.wide_left(data, plan[:5], wide) == []  # none of these is wide
-
-    started = []
-
-    class Worker:
-        def __init__(self, args, cwd):
-            started.append(args)
-
-        def wait(self):
-            return 0
-
-    monkeypatch.setattr(runner.subprocess, "Popen", Worker)
-    monkeypatch.setattr(runner.time, "sleep", lambda s: None)
-    monkeypatch.setattr(runner.signal, "signal", lambda *a: None)  # pytest's kept
-    args = runner.parse_args(["--jobs", "2", "--rows", "C"])
-    out, runs = Path("t.json"), Path("runs")
-    assert runner.run_workers(args, out, runs, lambda: ["C-d512", "C-d512-lr"]) == 0
-    assert len(started) == 3  # two workers, then one for the rows they left
-    assert started[0] == started[1] and "--jobs" not in started[0]
-    assert started[2] == started[0] + ["--rows", "C-d512,C-d512-lr"]
-    started.clear()
-    assert runner.run_workers(args, out, runs, lambda: []) == 0
-    assert len(started) == 2  # nothing left: no third
+    found = {"word": "agrees", "detectable": 2.0, "detectable_pct": 5.0}
+    assert runner.verdict_words(found, [], "bleu") == ("agrees", "agrees")
+    late = ["still learning at the end of its schedule"]
+    said, counted = runner.verdict_words(found, ["one seed", *late], "bleu")
+    assert said == "agrees (one seed; still learning at the end of its schedule)"
+    assert counted == "not counted"  # agreeing in sign only is not agreement
+    assert runner.verdict_words(found, ["one seed"], "bleu")[1] == "agrees"
+    missed = {"word": "no difference detected", "detectable": 1.93}
+    assert runner.verdict_words(missed, [], "bleu") == (
+        "no difference detected (the test would see ≥ 1.93 BLEU)",
+        "no difference detected",
+    )  # never called agreement, even where the paper saw no change
+    stats = stats_module()
+    assert stats.sign_word(-2.0, -0.9, "bleu") == "agrees"
+    assert stats.sign_word(+2.0, -0.9, "bleu") == "disagrees"
+    assert stats.sign_word(-2.0, 25.7 - 25.8, "bleu") == "disagrees"  # paper: none
+    assert stats.sign_word(-2.0, 25.6 - 25.8, "bleu") == "agrees"  # two steps
 
 
-def test_the_runner_leaves_a_row_for_later_while_a_wide_row_trains(tmp_path):
+def full_table(runner, bleu_of) -> dict:
+    """Made-up records for every run the plan always makes; ``bleu_of(variation,
+    seed)`` gives each its validation BLEU."""
+    rows = [r for r in runner.table3_rows(runner.BASE) if not r["if_needed"]]
+    records = [
+        made_up_row(runner, r["name"], bleu_of(r["variation"], r["seed"])) for r in rows
+    ]
+    return {"rows": records}
+
+
+def test_a_third_seed_runs_only_where_a_test_lies_near_its_threshold():
+    runner = load_script(SCRIPT, "table3_runner")
+    plan = {r["name"]: r for r in runner.table3_rows(runner.BASE)}
+    noise = {1: 0.0, 2: 0.3, 3: -0.2}
+    far = {"A-h1": -6.0}
+
+    def bleu(v, seed):
+        return 40.0 + far.get(v, 0.0) + noise[seed] + 0.1 * (hash(v) % 3)
+
+    data = full_table(runner, bleu)
+    args = (runner.BASE, runner.BUDGET)
+    assert runner.decide(plan["A-h1-seed3"], data, *args)[0] == "skip"  # far beyond
+    assert runner.decide(plan["C-d128-lr-seed2"], data, *args)[0] == "skip"
+    tests = {s["variation"]: s for s in runner.summarise(data)}
+    t = tests["A-h4"]["tests"]["bleu"]
+    far["A-h4"] = -t["threshold"] * 1.05 - 0.1 * (hash("A-h4") % 3)  # just beyond
+    data = full_table(runner, bleu)
+    assert runner.decide(plan["A-h4-seed3"], data, *args)[0] == "run"
+    data["rows"] = data["rows"][1:]  # a run the plan always makes is missing
+    assert runner.decide(plan["A-h4-seed3"], data, *args)[0] == "wait"
+
+
+def test_a_row_whose_process_is_killed_names_the_signal_and_is_left_to_resume(tmp_path):
+    work = load_script(ROOT / "benchmarks" / "table3_work.py", "table3_work")
+    suicide = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    job = work.RowJob(
+        kind="row", record={"name": "A-h1", "passed": {}}, run_dir=str(tmp_path),
+        train=[sys.executable, "-c", suicide], threads=1, python=sys.executable,
+        budget={}, started={}, overrides={},
+    )  # fmt: skip
+    record = job()
+    assert record["status"] == "interrupted" and record["signal"] == "SIGKILL"
+    assert record["ran_on"]["host"] and record["ran_on"]["engine"] == "local"
+
+
+def test_a_row_is_recorded_only_from_a_commit(tmp_path, monkeypatch):
+    runner = load_script(SCRIPT, "table3_runner")
+    monkeypatch.setattr(runner, "commit", lambda: "0" * 40 + "+changes")
+    args = runner.parse_args(["--out", str(tmp_path / "t.json")])
+    with pytest.raises(runner.TableError, match="uncommitted changes"):
+        runner.drive(args, runner.BASE, runner.BUDGET, tmp_path / "t.json",
+                     tmp_path / "runs", smoke=False)  # fmt: skip
+    assert not (tmp_path / "t.json").exists() and not (tmp_path / "runs").exists()
+
+
+BAD_FILES = {
+    "cut short": lambda good: good[: len(good) // 2],
+    "random bytes": lambda good: os.urandom(2048),
+    "rows not a list": lambda good: json.dumps({"rows": {"a": 1}}).encode(),
+    "a word for a score": lambda good: json.dumps(
+        json.loads(good) | {"rows": [json.loads(good)["rows"][0] | {"bleu": "high"}]}
+    ).encode(),
+    "an unknown group": lambda good: json.dumps(
+        json.loads(good) | {"rows": [json.loads(good)["rows"][0] | {"group": "F"}]}
+    ).encode(),
+    "a NaN score": lambda good: json.dumps(
+        json.loads(good)
+        | {"rows": [json.loads(good)["rows"][0] | {"valid_bleu": float("nan")}]}
+    ).encode(),
+    "a NaN source gap": lambda good: json.dumps(
+        json.loads(good)
+        | {"rows": [json.loads(good)["rows"][0] | {"source_gap": float("nan")}]}
+    ).encode(),
+}
+
+
+@pytest.mark.parametrize("damage", list(BAD_FILES))
+def test_a_damaged_results_file_is_one_line_and_left_as_it_is(smoke, tmp_path, damage):
     out = tmp_path / "table3.json"
-    runs = tmp_path / "table3-runs"  # --smoke's rows, next to --out
-    runs.mkdir()
-    with load_script(SCRIPT, "table3_runner").locked(runs / "C-d128.lock"):
-        result = run(out, "--rows", "A-h1")  # C-d128 is wider than the smoke base
-    assert result.returncode == 0, result.stderr[-2000:]
-    said = result.stdout + result.stderr
-    assert "row A-h1: not started: C-d128 is training alone on its threads" in said
-    assert "left for later: A-h1" in said
-    assert "device:" not in said  # no training run started
-    assert not (runs / "A-h1").exists()
+    out.write_bytes(BAD_FILES[damage](smoke.read_bytes()))
+    before = out.read_bytes()
+    for extra in ((), ("--refresh",), ("--status",)):
+        result = run(out, *extra)
+        assert result.returncode == 2, (damage, extra, result.stderr[-500:])
+        assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert "Traceback" not in result.stderr
+        assert out.read_bytes() == before
+    assert not (tmp_path / "table3-runs").exists()
+
+
+def test_an_out_path_that_cannot_be_a_file_is_one_line(smoke, tmp_path):
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "plain.txt").write_text("not a folder")
+    (tmp_path / "notes.txt").write_text("my notes")
+    (tmp_path / "link.json").symlink_to(tmp_path / "notes.txt")
+    for out, words in (
+        (tmp_path / "folder", "is a directory"),
+        (tmp_path / "plain.txt" / "table3.json", "is a file, not a folder"),
+        (tmp_path / "link.json", "cannot be read as a Table 3 file"),
+    ):
+        result = run(out, "--refresh")
+        assert result.returncode == 2 and words in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "notes.txt").read_text() == "my notes"
+    # through a symlink and "..": the file the system resolves it to, and only it
+    (tmp_path / "elsewhere" / "inner").mkdir(parents=True)
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere" / "inner")
+    shutil.copy(smoke, tmp_path / "elsewhere" / "table3.json")
+    result = run(tmp_path / "link" / ".." / "table3.json", "--refresh")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "elsewhere" / "table3.png").is_file()
+    assert not (tmp_path / "table3.json").exists()
