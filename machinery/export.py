@@ -208,6 +208,15 @@ def read_part(folder: Path, name: str, meta: dict) -> bytes:
     return data
 
 
+def check_folder(folder: Path) -> dict:
+    """``model.json`` of an inference file whose every part has the size and SHA-256
+    written in it (without building the model)."""
+    meta = read_meta(folder)
+    for name in meta["files"]:
+        read_part(folder, name, meta)
+    return meta
+
+
 def load_model(
     folder: Path, device="cpu"
 ) -> tuple[EncoderDecoder, Config, Vocab, Vocab, Optional[Subwords], dict]:
@@ -423,7 +432,25 @@ def export_parser():
         help="with --score: also score the first N test sentences (default 100)",
     )
     parser.add_argument("--data_mirror", "--data-mirror", default=None)
+    parser.add_argument(
+        "--commit",
+        type=commit_name,
+        default=None,
+        help="the commit the run trained at (default: the one checked out now)",
+    )
     return parser
+
+
+def commit_name(text: str) -> str:
+    """An argparse type: a git commit's hex name (7 to 40 digits), maybe ``-dirty``."""
+    import argparse
+    import re
+
+    if not re.fullmatch(r"[0-9a-f]{7,40}(-dirty)?", text):
+        raise argparse.ArgumentTypeError(
+            f"expected a commit's hex name (7 to 40 digits), got {text[:50]!r}"
+        )
+    return text
 
 
 def score_model(folder: Path, first: int, data_mirror=None, log=print) -> dict:
@@ -436,6 +463,7 @@ def score_model(folder: Path, first: int, data_mirror=None, log=print) -> dict:
     from .data import CORPORA
     from .inference import evaluation_pairs, hypotheses_text, translate_lines
     from .parts import notebook
+    from .runs import machine_name
 
     nb = notebook()
     model, cfg, src_vocab, tgt_vocab, subwords, meta = load_model(folder)
@@ -462,6 +490,8 @@ def score_model(folder: Path, first: int, data_mirror=None, log=print) -> dict:
     whole = scored(lines, refs, beam)
     return {
         "split": "test",
+        "threads": torch.get_num_threads(),  # float sums may round otherwise with more
+        "machine": machine_name("cpu"),
         "beam_size": beam,
         "length_penalty_alpha": alpha,
         "bleu_kind": record.bleu_kind,
@@ -493,7 +523,9 @@ def run_export_command(argv) -> int:
         args.checkpoint, args.run_dir, average, "cpu"
     )
     root = Path(__file__).resolve().parents[1]
-    source = run_source(args.run_dir, paths, git_commit(root))
+    now = git_commit(root)
+    source = run_source(args.run_dir, paths, args.commit or now)
+    source["exported_at_commit"] = now
     out = args.out or root / "models" / (
         Path(args.run_dir).resolve().name if args.run_dir else args.checkpoint.stem
     )

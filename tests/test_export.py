@@ -180,13 +180,19 @@ def test_export_then_translate_and_evaluate_with_the_folder(tmp_path):
         cwd=tmp_path,
     )
     assert trained.returncode == 0, trained.stderr
-    out = cli("export", "--run_dir", "run", "--out", "m", cwd=tmp_path)
+    out = cli(
+        "export", "--run_dir", "run", "--out", "m", "--commit", "abc1234", cwd=tmp_path
+    )
     assert out.returncode == 0, out.stderr
+    bad = cli("export", "--run_dir", "run", "--commit", "HEAD~1", cwd=tmp_path)
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1
+    assert "--commit" in bad.stderr and not (tmp_path / "models").exists()
     meta = read_meta(tmp_path / "m")
     averaged = [p.name for p in machinery.checkpoint_paths(tmp_path / "run")][-5:]
     assert meta["source"]["checkpoints"] == averaged  # the run's own average
     assert out.stdout.startswith(f"wrote m: {len(averaged)} checkpoint(s) averaged")
     assert meta["source"]["steps"] == 3 and meta["source"]["machine"]
+    assert meta["source"]["commit"] == "abc1234"  # the run's, as given
     # the folder decodes as the run directory does (the same average)
     scored = {}
     for flag, where in (("--model", "m"), ("--run_dir", "run")):
