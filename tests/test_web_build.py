@@ -424,12 +424,11 @@ def test_the_readme_opens_with_the_findings_read_from_results():
     assert ("being measured" in text) == (state["finished"] != list("ABCDE"))
 
 
-def summary_row(variation, group, seeds, verdict=None):
-    """A summary entry as the runner writes it; settled when it has two seeds, or
-    three for the base (the runner's own rule, tested in tests/test_table3.py)."""
-    settled = len(seeds) >= (3 if variation == "base" else 2)
-    row = {"variation": variation, "group": group, "seeds": seeds, "settled": settled}
-    return row | ({"verdict": verdict} if verdict else {})
+def summary_row(variation, group, seeds, bleu=None, ppl=None):
+    """A summary entry as the driver writes it: its seeds and, per measure, the
+    category its verdict is counted in."""
+    row = {"variation": variation, "group": group, "seeds": seeds}
+    return row | ({"counted": {"bleu": bleu, "ppl": ppl or bleu}} if bleu else {})
 
 
 def test_the_table_3_finding_counts_finished_row_groups_only(tmp_path):
@@ -439,50 +438,46 @@ def test_the_table_3_finding_counts_finished_row_groups_only(tmp_path):
     assert "results/table3.json` is missing" in build.findings(tmp_path, links)[-1]
     table.write_text('{"budget": {"epochs": 15}, "summary": []}')  # nothing yet
     assert "is being measured" in build.findings(tmp_path, links)[-1]
+    plan = [{"variation": v, "group": v[0], "seeds": [1, 2]} for v in
+            ("A-h1", "A-h4", "B-dk8", "C-N2")]  # fmt: skip
     data = {
         "budget": {"epochs": 15},
         "rows": [],
+        "plan": [{"variation": "base", "group": "base", "seeds": [1, 2, 3]}] + plan,
         "summary": [
             summary_row("base", "base", [1, 2, 3]),
-            summary_row("A-h1", "A", [1, 2], "agrees"),
-            summary_row("A-h4", "A", [1, 2], "can't tell"),
-            summary_row("B-dk8", "B", [1], "agrees"),  # one seed: not finished
+            summary_row("A-h1", "A", [1, 2], "agrees", "disagrees"),
+            summary_row("A-h4", "A", [1, 2], "no difference detected"),
+            summary_row("B-dk8", "B", [1], "agrees"),  # one seed of two: not finished
         ],
     }
     table.write_text(json.dumps(data))
     assert build.table3_state(data)["finished"] == ["A"]
     last = build.findings(tmp_path, links)[-1]
     assert last.startswith(
-        "[Table 3](#t) at our scale (15 epochs, 2 trained seeds a variation)"
+        "[Table 3](#t) at our scale (15 epochs, 2 trained seeds a variation), rows "
+        "(A), read by a seed-paired t-test with Holm's correction"
     )
     assert (
-        "(A): 1 of 2 variations agree with the paper, 0 disagree and 1 is within"
-        in last
+        "by validation BLEU, 1 of 2 variations of the paper agree, 0 disagree, 1 "
+        "shows no difference the test can detect and 0 are not counted" in last
     )
-    assert "(B), (C), (D), (E) are being measured" in last
-    data["summary"] += [  # (C): one seed where the runner found it settled
-        summary_row("C-d128", "C", [1], "disagrees") | {"settled": True},
-        summary_row("C-N4", "C", [1, 2], "can't tell") | {"settled": True},
+    assert "by validation perplexity, 0 of 2 variations of the paper agree, 1 " in last
+    assert "rows (B), (C), (D), (E) are being measured" in last
+    data["summary"] += [
+        summary_row("C-N2", "C", [1, 2], "not counted") | {"failed_seeds": [1]},
+        summary_row("C-d128-lr", "C", [1]) | {"control": True},  # not planned here
     ]
     assert build.table3_state(data)["finished"] == ["A", "C"]
-    data["summary"][1] |= {"verdict": "fails to train", "failed_seeds": [1, 2]}
-    data["summary"][2]["verdict"] = "base fails to train"  # any other verdict
     table.write_text(json.dumps(data))
     last = build.findings(tmp_path, links)[-1]
-    assert "(15 epochs, 0–2 trained seeds a variation)" in last  # A-h1's failed
-    assert (
-        "0 of 4 variations agree with the paper, 1 disagrees, 1 fails to train, "
-        "1 read “base fails to train” and 1 is within the noise" in last
-    )
-    data["summary"][-2]["settled"] = False  # within the noise: seed 2 still to run
-    assert build.table3_state(data)["finished"] == ["A"]
-    data["summary"][0] |= {"seeds": [1, 2], "settled": False}  # the base needs three
+    assert "(15 epochs, 1–2 trained seeds a variation)" in last  # C-N2's failed
+    assert "1 is not counted (a seed still learning or failed)" in last
+    assert "of 3 variations of the paper" in last  # the control is not counted
+    data["summary"][0] |= {"seeds": [1, 2]}  # the base needs three
     table.write_text(json.dumps(data))
     assert build.table3_state(data)["finished"] == []
     assert "is being measured" in build.findings(tmp_path, links)[-1]
-    data["summary"][0] |= {"seeds": [1, 2, 3], "settled": True}
-    data["plan"] = [{"variation": v, "group": v[0]} for v in ("A-h1", "A-h4", "A-h16")]
-    assert build.table3_state(data)["finished"] == []  # A-h16 has not run at all
 
 
 def test_the_pages_own_files_fit_88_columns():

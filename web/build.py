@@ -314,35 +314,44 @@ def where_trained(run: dict) -> str:
 
 def table3_state(data: dict) -> dict:
     """Table 3's row groups (A–E) finished over the full budget, from the file's
-    per-variation ``summary``: a group is finished when the base and each of its
-    variations (every one the file's ``plan`` names) have the seeds the design asks
-    (the runner's ``settled``); with the verdicts of its variations."""
+    per-variation ``summary`` and ``plan``: a group is finished when the base has its
+    three seeds and each of the group's planned variations has the seeds the plan
+    always runs; with, per measure, the category each of its paper variations is
+    counted in (the controls apart)."""
     summary = [s for s in listed(data.get("summary")) if isinstance(s, dict)]
     plan = [p for p in listed(data.get("plan")) if isinstance(p, dict)]
-    base = next((s for s in summary if s.get("variation") == "base"), None)
-    seeded = base is not None and base.get("settled", False)
-    finished, verdicts, seeds = [], [], []
+    by = {s.get("variation"): s for s in summary}
+    base = by.get("base")
+    seeded = base is not None and len(listed(base.get("seeds"))) >= 3
+    finished, counted, seeds = [], {"bleu": [], "ppl": []}, []
     for group in "ABCDE":
-        rows = [s for s in summary if s.get("group") == group]
-        planned = {p.get("variation") for p in plan if p.get("group") == group}
-        if (
-            seeded
-            and rows
-            and planned <= {s.get("variation") for s in rows}
-            and all(s.get("settled", False) for s in rows)
+        planned = [p for p in plan if p.get("group") == group] or [
+            {"variation": s.get("variation"), "seeds": [1, 2]}
+            for s in summary
+            if s.get("group") == group
+        ]
+        rows = [by.get(p.get("variation")) for p in planned]
+        if not (seeded and rows) or any(
+            r is None or len(listed(r.get("seeds"))) < len(listed(p.get("seeds")))
+            for r, p in zip(rows, planned)
         ):
-            finished.append(group)
-            verdicts += [str(s.get("verdict", "can't tell")) for s in rows]
-            seeds += [  # the seeds each verdict rests on: those that trained
-                len(listed(s.get("seeds"))) - len(listed(s.get("failed_seeds")))
-                for s in rows
-            ]
+            continue
+        finished.append(group)
+        for r in rows:
+            if r.get("control"):
+                continue
+            words = r.get("counted") if isinstance(r.get("counted"), dict) else {}
+            for m in counted:
+                counted[m].append(str(words.get(m, "no test")))
+            seeds.append(  # the seeds each verdict rests on: those that trained
+                len(listed(r.get("seeds"))) - len(listed(r.get("failed_seeds")))
+            )
     return {
         "epochs": (
             data.get("budget") if isinstance(data.get("budget"), dict) else {}
         ).get("epochs"),
         "finished": finished,
-        "verdicts": verdicts,
+        "counted": counted,
         "seeds": seeds,
     }
 
@@ -418,26 +427,20 @@ def findings(results: Path, links: dict) -> list[str]:
             "noise), is being measured."
         )
     else:
-        v = state["verdicts"]
         groups = ", ".join(f"({g})" for g in state["finished"])
         rest = [g for g in "ABCDE" if g not in state["finished"]]
-        told = [counted(v.count("disagrees"), "disagrees", "disagree")]
-        if "fails to train" in v:
-            told.append(
-                counted(v.count("fails to train"), "fails", "fail") + " to train"
+        said = []
+        for m, what in (("bleu", "BLEU"), ("ppl", "perplexity")):
+            v = state["counted"][m]
+            none = v.count("no difference detected")
+            said.append(
+                f"by validation {what}, {v.count('agrees')} of {len(v)} variations "
+                f"of the paper agree, "
+                f"{counted(v.count('disagrees'), 'disagrees', 'disagree')}, "
+                f"{counted(none, 'shows', 'show')} no difference the test can "
+                f"detect and {counted(v.count('not counted'), 'is', 'are')} not "
+                "counted (a seed still learning or failed)"
             )
-        told += [
-            f"{v.count(other)} read “{words(other, 30)}”"
-            for other in sorted(
-                set(v) - {"agrees", "disagrees", "fails to train", "can't tell"}
-            )
-        ]
-        told.append(counted(v.count("can't tell"), "is", "are") + " within the noise")
-        counts = (
-            f"{v.count('agrees')} of {len(v)} variations agree with the paper, "
-            + ", ".join(told[:-1])
-            + f" and {told[-1]}"
-        )
         lo, hi = min(state["seeds"]), max(state["seeds"])
         trained = (
             f"{lo}–{hi} trained seeds"
@@ -445,13 +448,16 @@ def findings(results: Path, links: dict) -> list[str]:
             else counted(lo, "trained seed", "trained seeds")
         )
         tail = (
-            f"; rows {', '.join(f'({g})' for g in rest)} are being measured"
+            f"; {'rows' if len(rest) > 1 else 'row'} "
+            f"{', '.join(f'({g})' for g in rest)} "
+            f"{'are' if len(rest) > 1 else 'is'} being measured"
             if rest
             else ""
         )
         out.append(
             f"{table} at our scale ({budget}, {trained} a variation), rows "
-            f"{groups}: {counts}{tail}."
+            f"{groups}, read by a seed-paired t-test with Holm's correction (5% "
+            f"family-wise): {said[0]}; {said[1]}{tail}."
         )
     return out
 
