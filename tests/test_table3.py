@@ -777,3 +777,17 @@ def test_an_out_path_that_cannot_be_a_file_is_one_line(smoke, tmp_path):
     assert result.returncode == 0, result.stderr
     assert (tmp_path / "elsewhere" / "table3.png").is_file()
     assert not (tmp_path / "table3.json").exists()
+
+
+def test_the_readmes_wall_time_for_a_cluster_is_read_from_the_recorded_minutes():
+    import re
+
+    runner = load_script(SCRIPT, "table3_runner")
+    hours = runner.cpu_hours(json.loads((ROOT / "results" / "table3.json").read_text()))
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    said = re.search(
+        r"about (\d+) CPU-hours .*?so about ([\d.]+) hours on (\d+) cores", readme
+    )
+    assert said, "the README states the table's CPU-hours and a cluster's wall time"
+    assert int(said.group(1)) == round(hours)
+    assert float(said.group(2)) == round(hours / int(said.group(3)), 1)
