@@ -3,7 +3,8 @@ data, and how long the rest will take on this machine (§5.2 gives the paper's s
 hours).
 
 `train` (`training.py`) logs the plan before the first update and ticks `UpdateClock`
-after every one; the estimate comes from a few of the first updates, timed here.
+after every one; the estimate comes from a few of the first updates, timed here, and
+again from the first minute of them.
 """
 
 from __future__ import annotations
@@ -30,17 +31,33 @@ from .parts import notebook
 # preset is sized for a data set and a device (`iwslt14-small` for the full IWSLT14 set
 # on a GPU), so a run also says, in one line, when its model is far larger than its
 # training data, or when it will take hours on this device, and then goes on: the choice
-# stays the user's.
+# stays the user's. Updates beside other work are slower than on a quiet machine, and
+# the load can change, so the estimate is made again after the first minute, and every
+# estimate says over which updates it was measured and how busy the machine was.
 
 # parameters per training target token above which a model is "sized for more data"
 OVERSIZED = 50
 LONG_MINUTES = 120  # an estimate above this on a CPU is said out loud
 
 
+RE_ESTIMATE_S = 60  # the estimate is made again from the first minute of updates
+
+
+def load_average() -> str:
+    """How busy the machine was while updates were timed, as " (load average L)"; ""
+    where the system does not say (our addition)."""
+    try:
+        return f" (load average {os.getloadavg()[0]:.1f})"
+    except (AttributeError, OSError):
+        return ""
+
+
 @dataclass
 class UpdateClock:
-    """Times updates ``skip+1 … skip+count`` of this process's run and logs one estimate
-    for the rest."""
+    """Times this process's updates from ``skip+1`` on, logs an estimate for the rest
+    after ``count`` of them, and again after the first minute of timed updates (our
+    addition): each line says what it measured, over which updates, and how busy the
+    machine was."""
 
     remaining: int  # updates this run will take from where it starts
     device: torch.device
@@ -49,29 +66,39 @@ class UpdateClock:
     count: int = 10
     seen: int = 0
     t0: float = 0.0
-    minutes: Optional[float] = None  # the estimate, once made
+    minutes: Optional[float] = None  # the latest estimate, once made
+    estimates: int = 0  # lines logged: 1 after ``count`` updates, 2 after a minute
 
     def tick(self) -> None:
         """Call after every update."""
         self.seen += 1
+        now = time.time()
         if self.seen == self.skip:
-            self.t0 = time.time()
+            self.t0 = now
         elif self.seen == self.skip + self.count:
-            per_update = (time.time() - self.t0) / self.count
-            self.minutes = per_update * (self.remaining - self.seen) / 60
+            self.estimate(now, "estimate:")
+        elif self.estimates == 1 and now - self.t0 >= RE_ESTIMATE_S:
+            self.estimate(now, f"estimate after {now - self.t0:.0f} s of updates:")
+
+    def estimate(self, now: float, head: str) -> None:
+        """Log the time per update since update ``skip`` and what the rest takes."""
+        timed = self.seen - self.skip
+        per_update = (now - self.t0) / timed
+        self.minutes = per_update * (self.remaining - self.seen) / 60
+        self.estimates += 1
+        self.log(
+            f"{head} {per_update:.2f} s per update measured here over updates "
+            f"{self.skip + 1}–{self.seen}{load_average()} → about "
+            f"{self.minutes:.0f} min for the remaining {self.remaining - self.seen:,} "
+            "updates (validation and test decoding come on top)"
+            + ("; estimated again after a minute" if self.estimates == 1 else "")
+        )
+        if self.device.type == "cpu" and self.minutes > LONG_MINUTES:
             self.log(
-                f"estimate: {per_update:.2f} s per update measured here → about "
-                f"{self.minutes:.0f} min for the "
-                f"remaining {self.remaining - self.seen:,} updates (validation and "
-                "test decoding come on top)"
+                f"note: about {self.minutes / 60:.1f} h on this CPU at the speed "
+                "measured; --epochs or --max_steps shortens it, or see the CPU "
+                "presets in the README"
             )
-            if self.device.type == "cpu" and self.minutes > LONG_MINUTES:
-                self.log(
-                    f"note: about {self.minutes / 60:.1f} h on this CPU — this preset "
-                    "is sized for a GPU; "
-                    "--epochs or --max_steps shortens it, or see the CPU presets in "
-                    "the README"
-                )
 
 
 def planned_updates(cfg: Config, data: Dataset, world: int) -> tuple[int, int, list]:

@@ -755,22 +755,26 @@ def test_run_plan_counts_updates_and_flags_a_model_too_big_for_its_data():
     )
 
 
-def test_the_clock_estimates_once_from_timed_updates_and_warns_on_long_cpu_runs(
-    monkeypatch,
-):
+def test_the_clock_estimates_from_timed_updates_and_again_after_a_minute(monkeypatch):
     now = [100.0]
     monkeypatch.setattr(machinery.planning.time, "time", lambda: now[0])
     lines = []
     clock = machinery.UpdateClock(
         remaining=10_013, device=torch.device("cpu"), log=lines.append
     )
-    for _ in range(20):
+    for i in range(80):
         clock.tick()
-        now[0] += 1.5  # every update takes 1.5 s
-    estimates = [line for line in lines if line.startswith("estimate:")]
-    assert len(estimates) == 1 and "1.50 s per update" in estimates[0]
-    assert clock.minutes == pytest.approx(1.5 * (10_013 - 13) / 60)
-    assert any("sized for a GPU" in line for line in lines)  # 250 min on a CPU
+        now[0] += 1.5 if i < 20 else 1.0  # 1.5 s per update, then 1 s
+    first = [line for line in lines if line.startswith("estimate:")]
+    assert len(first) == 1 and "1.50 s per update" in first[0]
+    assert "over updates 4–13" in first[0] and "again after a minute" in first[0]
+    again = [line for line in lines if line.startswith("estimate after")]
+    # timing starts after update 3; a minute has passed after update 54: 18 updates
+    # of 1.5 s and 33 of 1 s
+    assert len(again) == 1 and "over updates 4–54" in again[0]
+    assert clock.minutes == pytest.approx(60 / 51 * (10_013 - 54) / 60)
+    notes = [line for line in lines if line.startswith("note:")]
+    assert notes and all("this CPU" in n and "GPU" not in n for n in notes)
 
 
 def test_training_log_says_the_plan_and_the_estimate(tmp_path):
