@@ -456,13 +456,14 @@ def test_the_table_3_finding_counts_finished_row_groups_only(tmp_path):
     last = build.findings(tmp_path, links)[-1]
     assert last.startswith(
         "[Table 3](#t) at our scale (15 epochs, 2 trained seeds a variation), rows "
-        "(A), read by a seed-paired t-test with Holm's correction"
+        "(A), by a seed-paired t-test with Holm's correction"
     )
     assert (
-        "by validation BLEU, 1 of 2 variations of the paper agree, 0 disagree, 1 "
-        "shows no difference the test can detect and 0 are not counted" in last
+        "of 2 variations of the paper, by validation BLEU 1 agrees, 0 disagree, 1 "
+        "shows no difference the test can detect and 0 are not counted; by "
+        "validation perplexity 0, 1, 1 and 0 (not counted: a seed still learning"
+        in last
     )
-    assert "by validation perplexity, 0 of 2 variations of the paper agree, 1 " in last
     assert "rows (B), (C), (D), (E) are being measured" in last
     data["summary"] += [
         summary_row("C-N2", "C", [1, 2], "not counted") | {"failed_seeds": [1]},
@@ -472,7 +473,7 @@ def test_the_table_3_finding_counts_finished_row_groups_only(tmp_path):
     table.write_text(json.dumps(data))
     last = build.findings(tmp_path, links)[-1]
     assert "(15 epochs, 1–2 trained seeds a variation)" in last  # C-N2's failed
-    assert "1 is not counted (a seed still learning or failed)" in last
+    assert "and 1 is not counted; by validation perplexity" in last
     assert "of 3 variations of the paper" in last  # the control is not counted
     data["summary"][0] |= {"seeds": [1, 2]}  # the base needs three
     table.write_text(json.dumps(data))

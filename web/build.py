@@ -429,18 +429,19 @@ def findings(results: Path, links: dict) -> list[str]:
     else:
         groups = ", ".join(f"({g})" for g in state["finished"])
         rest = [g for g in "ABCDE" if g not in state["finished"]]
-        said = []
-        for m, what in (("bleu", "BLEU"), ("ppl", "perplexity")):
-            v = state["counted"][m]
-            none = v.count("no difference detected")
-            said.append(
-                f"by validation {what}, {v.count('agrees')} of {len(v)} variations "
-                f"of the paper agree, "
-                f"{counted(v.count('disagrees'), 'disagrees', 'disagree')}, "
-                f"{counted(none, 'shows', 'show')} no difference the test can "
-                f"detect and {counted(v.count('not counted'), 'is', 'are')} not "
-                "counted (a seed still learning or failed)"
-            )
+        bleu, ppl = (state["counted"][m] for m in ("bleu", "ppl"))
+        kinds = ("agrees", "disagrees", "no difference detected", "not counted")
+        n = [bleu.count(w) for w in kinds]
+        said = (
+            f"of {len(bleu)} variations of the paper, by validation BLEU "
+            f"{n[0]} {'agrees' if n[0] == 1 else 'agree'}, "
+            f"{counted(n[1], 'disagrees', 'disagree')}, "
+            f"{counted(n[2], 'shows', 'show')} no difference the test can detect and "
+            f"{counted(n[3], 'is', 'are')} not counted; by validation perplexity "
+            + ", ".join(str(ppl.count(w)) for w in kinds[:3])
+            + f" and {ppl.count(kinds[3])} (not counted: a seed still learning or "
+            "failed)"
+        )
         lo, hi = min(state["seeds"]), max(state["seeds"])
         trained = (
             f"{lo}–{hi} trained seeds"
@@ -456,8 +457,8 @@ def findings(results: Path, links: dict) -> list[str]:
         )
         out.append(
             f"{table} at our scale ({budget}, {trained} a variation), rows "
-            f"{groups}, read by a seed-paired t-test with Holm's correction (5% "
-            f"family-wise): {said[0]}; {said[1]}{tail}."
+            f"{groups}, by a seed-paired t-test with Holm's correction: "
+            f"{said}{tail}."
         )
     return out
 
