@@ -25,13 +25,11 @@
 # left out (mostly citation keys). Everything else — prose outside block quotes, code
 # and comments — is our commentary. Each code cell follows the paragraph it implements.
 #
-# Part 1 is the model (§3, §4), Part 2 training (§5), Part 3 decoding and inference
-# (§6.1): on a first reading they are the paper, and use nothing but PyTorch and a few
-# text libraries. [Part 4](#part-4) is where it runs, with the package `machinery/`
-# beside this notebook (data, checkpoints, processes, the command line), which builds on
-# the definitions below and never repeats them. The file is also a Python module and the
-# command line; importing it runs nothing. Where the paper is silent or we depart from
-# it, `REPRODUCTION_NOTES.md` says so once, with the alternatives.
+# Parts 1–3 are the paper — the model (§3, §4), training (§5), decoding (§6.1) — in
+# PyTorch and a few text libraries. [Part 4](#part-4) runs it with the package
+# `machinery/` beside this notebook (data, checkpoints, the command line), which builds
+# on the definitions below and never repeats them. Importing this file runs nothing.
+# Where the paper is silent or we depart from it, `REPRODUCTION_NOTES.md` says so once.
 #
 # > The dominant sequence transduction models are based on complex recurrent or
 # > convolutional neural networks that include an encoder and a decoder. The best
@@ -43,68 +41,62 @@
 # — Abstract
 
 # %% [markdown]
-# ## Prelude
+# ## Aside: set-up
 #
-# PyTorch for the model; sentencepiece and sacreBLEU for the text; matplotlib for the
-# figures. `example` runs a cell's demonstration only when this file runs as the
-# notebook, never on import, and leaves none of its names behind.
+# Hosted notebooks, the command line, the figures; a first reading skips it.
 
 # %%
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: see the next cell
-import copy
-import dataclasses
-import itertools
-import math
-import random
 import sys
-from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from types import MappingProxyType, SimpleNamespace
-from typing import NamedTuple
 
-if __name__ == "__main__" and "ipykernel" not in sys.modules:
-    import signal  # Ctrl-C as torch loads: one line, not a traceback (our addition)
+# Before torch loads: idle OpenMP threads sleep instead of spinning (a run keeps its
+# speed beside other work), and Ctrl-C on the command line ends in one line.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+IN_NOTEBOOK = __name__ == "__main__" and "ipykernel" in sys.modules
+if __name__ == "__main__" and not IN_NOTEBOOK:
+    import signal
 
     signal.signal(
         signal.SIGINT, lambda *_: (print("interrupted", file=sys.stderr), os._exit(130))
     )
-import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.optim.lr_scheduler import LambdaLR
-
-IN_NOTEBOOK = __name__ == "__main__" and "ipykernel" in sys.modules
-
-
-def example(demo: Callable[[], None]) -> None:
-    """Run ``demo`` when this file runs as the notebook (our helper); never on import.
-    Used as a decorator, it returns None: the demonstration leaves no name behind."""
-    if IN_NOTEBOOK:
-        demo()
-
-
-# %% [markdown]
-# Set-up, which a first reading skips.
-
-# %%
-# OMP_WAIT_POLICY=PASSIVE (above): idle OpenMP threads sleep instead of spinning, so a
-# run holds its speed beside other work. NOTEBOOK_PROFILE: full, or smoke (the tests).
 ANNOTATED_TRANSFORMER_NOTEBOOK = True  # how the package finds these definitions
+# NOTEBOOK_PROFILE: full (the stored outputs) or smoke (the tests: a few updates)
 PROFILE = os.environ.get("NOTEBOOK_PROFILE", "full") if IN_NOTEBOOK else "none"
 if PROFILE not in ("full", "smoke", "none"):
     raise ValueError(f"NOTEBOOK_PROFILE must be full or smoke, not {PROFILE!r}")
-if IN_NOTEBOOK:
+
+# A hosted notebook (Colab, Kaggle) fetches the project from PROJECT_URL (CITATION.cff's
+# repository-code) or ANNOTATED_TRANSFORMER_REPO; run again, it reuses its copy.
+PROJECT_URL = ""
+HOSTED = "COLAB_RELEASE_TAG" in os.environ or "KAGGLE_KERNEL_RUN_TYPE" in os.environ
+if HOSTED and not Path("machinery").is_dir():
+    import subprocess
+
+    url = os.environ.get("ANNOTATED_TRANSFORMER_REPO", PROJECT_URL)
+    home = Path("annotated-transformer")
+    if home.exists() and not (home / "machinery" / "parts.py").is_file():
+        raise SystemExit(f"{home}/ is here but is not this project: move it away")
+    if not home.exists() and not url:
+        raise SystemExit("set ANNOTATED_TRANSFORMER_REPO to this project's git address")
+    git = ["git", "clone", "-q", "--depth=1", "--", url, str(home)]
+    got = home.exists() or subprocess.run(git, capture_output=True, text=True)
+    if got is not True and got.returncode:
+        why = (got.stderr.strip().splitlines() or ["no message"])[-1]
+        raise SystemExit(f"git clone {url} failed: {why}")
+    os.chdir(home)
+    sys.path.insert(0, os.getcwd())
+    # what is missing or at another version, installed; the kernel's modules passed
+    if subprocess.run([sys.executable, "machinery/hosted.py", *sys.modules]).returncode:
+        raise SystemExit("installing the packages the notebook needs failed (above)")
+if IN_NOTEBOOK:  # figures at 2× (zooming shows more); the project's PNGs, alt text
     import matplotlib.pyplot as plt
     from IPython.display import Image, display
     from matplotlib_inline.backend_inline import set_matplotlib_formats
 
-    set_matplotlib_formats("retina")  # figures at 2×, so zooming shows more
+    set_matplotlib_formats("retina")
 
     def show_image(path: str, alt: str) -> None:
         """The project's PNG ``path`` as an output with ``alt`` text (hosted too)."""
@@ -112,30 +104,35 @@ if IN_NOTEBOOK:
         display(Image(filename=str(png)), metadata={"image/png": {"alt": alt}})
 
 
-# A hosted notebook (Colab, Kaggle) fetches the project: PROJECT_URL (CITATION.cff's
-# repository-code, a test) or ANNOTATED_TRANSFORMER_REPO; re-run, it reuses the copy.
-PROJECT_URL = ""
-REPOSITORY = os.environ.get("ANNOTATED_TRANSFORMER_REPO", PROJECT_URL)
-HOSTED = "COLAB_RELEASE_TAG" in os.environ or "KAGGLE_KERNEL_RUN_TYPE" in os.environ
-CHECKOUT = Path("annotated-transformer")
-if HOSTED and not Path("machinery").is_dir():
-    import subprocess
+# %% [markdown]
+# ## Prelude
+#
+# PyTorch for the model; sentencepiece and sacreBLEU for the text; matplotlib for the
+# figures. `example` runs a cell's demonstration only when this file runs as the
+# notebook, never on import, and leaves none of its names behind.
 
-    ours = (CHECKOUT / "machinery" / "parts.py").is_file()
-    if CHECKOUT.exists() and not ours:
-        raise SystemExit(f"{CHECKOUT}/ is here but is not this project: move it away")
-    if not ours and not REPOSITORY:
-        raise SystemExit("set ANNOTATED_TRANSFORMER_REPO to this project's git address")
-    git = ["git", "clone", "-q", "--depth=1", "--", REPOSITORY, str(CHECKOUT)]
-    got = ours or subprocess.run(git, capture_output=True, text=True)
-    if not ours and got.returncode:
-        why = (got.stderr.strip().splitlines() or ["no message"])[-1]
-        raise SystemExit(f"git clone {REPOSITORY} failed: {why}")
-    os.chdir(CHECKOUT)
-    sys.path.insert(0, os.getcwd())
-    # what is missing or at another version, installed; the kernel's modules passed
-    if subprocess.run([sys.executable, "machinery/hosted.py", *sys.modules]).returncode:
-        raise SystemExit("installing the packages the notebook needs failed (above)")
+# %%
+import copy
+import dataclasses
+import math
+import random
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType, SimpleNamespace
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.optim.lr_scheduler import LambdaLR
+
+
+def example(demo: Callable[[], None]) -> None:
+    """Run ``demo`` when this file runs as the notebook (our helper); never on import.
+    Used as a decorator, it returns None: the demonstration leaves no name behind."""
+    if IN_NOTEBOOK:
+        demo()
 
 
 # %% [markdown]
@@ -160,17 +157,15 @@ if HOSTED and not Path("machinery").is_dir():
 # %%
 @example
 def _():
-    alt = (
-        "Figure 1, redrawn: the Transformer, encoder on the left, decoder on the right"
-    )
+    alt = "Figure 1, redrawn: the Transformer, encoder left, decoder right"
     show_image("figures/figure1_transformer.png", alt)
 
 
 # %% [markdown]
 # `EncoderDecoder` is that structure (§3) with its parts left abstract: `encode`
 # computes $\mathbf{z}$ once, `decode` is called with the target prefix, and `forward`
-# does both for training (the whole target is known, so all positions are computed in
-# parallel).
+# does both for training with *teacher forcing*: the decoder is fed the true previous
+# tokens, not its own guesses, so all target positions are computed in parallel.
 
 
 # %%
@@ -225,10 +220,8 @@ class Generator(nn.Module):
 #
 # — §3.1
 #
-# The stacks below take one option beside the paper's design, `norm_first`. The paper
-# normalizes *after* each residual sum (post-norm, explained with the sub-layer
-# connection below); `norm_first=True` normalizes each sub-layer's input instead
-# (pre-norm), a later variant kept for comparison. Every preset uses post-norm.
+# The stacks take one option beside the paper's design, `norm_first` (pre-norm),
+# explained with the sub-layer connection below. Every preset uses the paper's.
 
 
 # %%
@@ -238,12 +231,8 @@ def clones(module: nn.Module, N: int) -> nn.ModuleList:
 
 
 class Encoder(nn.Module):
-    r"""The encoder stack of §3.1: $N$ identical layers applied in turn.
-
-    With post-norm (the paper) every sub-layer already ends in a layer norm, so there is
-    nothing to add on top. With pre-norm (``norm_first=True``) the stack ends with one
-    more layer norm, because the last residual sum is otherwise never normalised.
-    """
+    r"""The encoder stack of §3.1: $N$ identical layers in turn (pre-norm adds a final
+    layer norm: its last residual sum is otherwise never normalised)."""
 
     def __init__(self, layer: nn.Module, N: int, norm_first: bool = False):
         super().__init__()
@@ -289,11 +278,8 @@ class Encoder(nn.Module):
 
 # %%
 def layer_norm_formula(x, gamma, beta, eps: float = 1e-5):
-    r"""Layer normalization (Ba et al., 2016) over the last dimension, written out.
-
-    $\gamma \odot (x - \mu) / \sqrt{\sigma^2 + \epsilon} + \beta$ with the biased
-    variance.
-    """
+    r"""Layer normalization (Ba et al., 2016) over the last dimension, written out:
+    $\gamma \odot (x - \mu) / \sqrt{\sigma^2 + \epsilon} + \beta$, biased variance."""
     mu = x.mean(dim=-1, keepdim=True)
     var = ((x - mu) ** 2).mean(dim=-1, keepdim=True)
     return gamma * (x - mu) / torch.sqrt(var + eps) + beta
@@ -301,12 +287,7 @@ def layer_norm_formula(x, gamma, beta, eps: float = 1e-5):
 
 class SublayerConnection(nn.Module):
     r"""Residual connection and layer norm around one sub-layer — §3.1, with §5.4's
-    dropout.
-
-    Post-norm (paper, default): $\mathrm{LayerNorm}(x +
-    \mathrm{Dropout}(\mathrm{Sublayer}(x)))$. Pre-norm (``norm_first=True``): $x +
-    \mathrm{Dropout}(\mathrm{Sublayer}(\mathrm{LayerNorm}(x)))$.
-    """
+    dropout: post-norm (the paper) or, with ``norm_first``, pre-norm."""
 
     def __init__(self, size: int, dropout: float, norm_first: bool = False):
         super().__init__()
@@ -401,13 +382,10 @@ class DecoderLayer(nn.Module):
 #
 # — §3.1
 #
-# **The mask convention, once for the whole project.** A mask is a boolean tensor in
-# which `True` means *may attend* and `False` means *must not*. It broadcasts against
-# the attention scores, shape (batch, [h,] query_len, key_len): a source padding mask is
-# (batch, 1, src_len), a target mask is (batch, tgt_len, tgt_len). This is the
-# convention of `torch.nn.functional.scaled_dot_product_attention`;
-# `torch.nn.Transformer` uses the opposite one (True = blocked), so comparisons with it
-# pass `~mask`.
+# **The mask convention.** A mask is boolean, `True` meaning *may attend*, and
+# broadcasts against the attention scores (batch, [h,] query_len, key_len): a source
+# padding mask is (batch, 1, src_len), a target mask (batch, tgt_len, tgt_len), as in
+# PyTorch's `scaled_dot_product_attention` (`nn.Transformer`'s is the opposite).
 
 
 # %%
@@ -491,9 +469,7 @@ def attention(query, key, value, mask=None, dropout: nn.Module | None = None):
         scores = scores.masked_fill(~mask, float("-inf"))
     p_attn = scores.softmax(dim=-1)
     if mask is not None:
-        # Fully masked rows are NaN here; give them zero weight (partial rows are
-        # unchanged).
-        p_attn = p_attn.masked_fill(~mask, 0.0)
+        p_attn = p_attn.masked_fill(~mask, 0.0)  # fully masked rows: NaN → 0
     if dropout is not None:
         p_attn = dropout(p_attn)
     return p_attn @ value, p_attn
@@ -559,30 +535,19 @@ def _():
 # matrix product computes every head's projection; a reshape then splits the heads. A
 # mask of the convention above is made per head by `per_head`, which adds a head axis.
 # $d_v = d_{\text{model}}/h$ always; $d_k$ may be given apart from it, for Table 3's row
-# (B), which shrinks the keys alone — the paper's parameter counts for that row (§6.2,
-# shown in Part 4), 58M and 60M against the base's 65M, are what shrinking only $W^Q$
-# and $W^K$ takes away.
+# (B), which shrinks the keys alone (its parameter counts are shown with the full
+# model).
 
 
 # %%
 def per_head(mask):
     """A (batch, len_q|1, len_k) mask as (batch, 1, len_q|1, len_k), for every head."""
-    # (batch, 1, len_q|1, len_k)
     return mask.unsqueeze(1) if mask is not None and mask.dim() == 3 else mask
 
 
-# %% [markdown]
-# The module of §3.2.2:
-
-
-# %%
 class MultiHeadedAttention(nn.Module):
-    r"""Multi-head attention — §3.2.2 (readable version).
-
-    ``w_q``, ``w_k``, ``w_v`` hold $W^Q_i, W^K_i, W^V_i$ for all heads side by side;
-    ``w_o`` is $W^O$. The forward pass keeps no attention weights (nothing stays alive
-    after it); Part 4 recomputes them for its plots of attention.
-    """
+    r"""Multi-head attention — §3.2.2 (readable version): ``w_q``, ``w_k``, ``w_v`` hold
+    $W^Q_i, W^K_i, W^V_i$ of all heads side by side, ``w_o`` is $W^O$."""
 
     def __init__(self, h: int, d_model: int, dropout: float = 0.1, d_k: int = 0):
         super().__init__()
@@ -599,13 +564,11 @@ class MultiHeadedAttention(nn.Module):
     def split_heads(self, x):
         """(batch, len, h·d) → (batch, h, len, d), d = d_k or d_v."""
         batch, length, _ = x.shape
-        # (batch, h, len, d)
         return x.view(batch, length, self.h, -1).transpose(1, 2)
 
     def merge_heads(self, x):
         """(batch, h, len, d_v) → (batch, len, h·d_v): Concat(head_1, …, head_h)."""
         batch, _, length, _ = x.shape
-        # (batch, len, h·d_v)
         return x.transpose(1, 2).reshape(batch, length, self.h * self.d_v)
 
     def project_q(self, query):
@@ -764,12 +727,8 @@ class Embeddings(nn.Module):
 
 # %%
 class PositionalEncoding(nn.Module):
-    r"""Sinusoidal positional encoding added to the embeddings, then dropout — §3.5,
-    §5.4.
-
-    $PE_{(pos,2i)} = \sin(pos/10000^{2i/d_{\text{model}}})$, $PE_{(pos,2i+1)} =
-    \cos(pos/10000^{2i/d_{\text{model}}})$.
-    """
+    """Sinusoidal positional encoding (§3.5) added to the embeddings, then dropout
+    (§5.4)."""
 
     def __init__(self, d_model: int, dropout: float, max_len: int = 5000):
         super().__init__()
@@ -784,11 +743,8 @@ class PositionalEncoding(nn.Module):
         self.register_buffer("pe", pe.float().unsqueeze(0), persistent=False)
 
     def forward(self, x, offset: int = 0):
-        """(batch, len, d_model) → same shape, with PE of positions offset …
-        offset+len−1 added, then dropout.
-
-        ``offset`` is for incremental decoding, which feeds one position at a time.
-        """
+        """(batch, len, d_model) plus the PE of positions offset … offset+len−1, then
+        dropout; ``offset`` is for incremental decoding (one position at a time)."""
         end = offset + x.size(1)
         if end > self.pe.size(1):
             raise ValueError(
@@ -835,12 +791,8 @@ def _():
 
 # %%
 class LearnedPositionalEncoding(nn.Module):
-    r"""Learned positional embeddings, the alternative of §3.5 (Table 3, row (E)), then
-    §5.4's dropout.
-
-    Position $pos$ gets a trained vector $P_{pos} \in \mathbb{R}^{d_{\text{model}}}$;
-    the same interface as :class:`PositionalEncoding`.
-    """
+    """Learned positional embeddings, the alternative of §3.5 (Table 3, row (E)), then
+    §5.4's dropout: one trained vector per position."""
 
     def __init__(self, d_model: int, dropout: float, max_len: int = 5000):
         super().__init__()
@@ -855,7 +807,6 @@ class LearnedPositionalEncoding(nn.Module):
             raise ValueError(
                 f"sequence of length {end} exceeds max_len={self.weight.size(0)}"
             )
-        # (len, d_model) broadcast over the batch
         return self.dropout(x + self.weight[offset:end].to(x.dtype))
 
 
@@ -870,15 +821,15 @@ POSITIONAL = MappingProxyType(
 # `FastMultiHeadedAttention` computes §3.2.2 with the same parameters, but does the
 # three projections of self-attention as one matrix product and calls PyTorch's
 # `scaled_dot_product_attention`, a fused kernel where the device has one. Which is
-# faster depends on the device: `attention="auto"` times both before a run starts.
+# faster depends on the device, so `attention="auto"` times both before a run starts:
+# on the AMD EPYC of `results/README.md` the fused path trained at 0.59× the readable
+# one's speed in bf16 and 1.02× in float32.
 
 
 # %%
 class FastMultiHeadedAttention(MultiHeadedAttention):
-    r"""Multi-head attention — §3.2.2, fused projections and PyTorch's SDPA kernel.
-
-    The parameters and function of :class:`MultiHeadedAttention`.
-    """
+    """Multi-head attention — §3.2.2, the parameters and function of
+    :class:`MultiHeadedAttention` with fused projections and PyTorch's SDPA kernel."""
 
     def forward(self, query, key, value, mask=None):
         """query (batch, len_q, d_model), key/value (batch, len_k, d_model) → (batch,
@@ -904,12 +855,10 @@ class FastMultiHeadedAttention(MultiHeadedAttention):
 # %% [markdown]
 # ## The full model
 #
-# §3's Figure 1, assembled. The model's sizes carry the paper's names and live in one
-# frozen dataclass, `ModelConfig`: `N`, `d_model`, `d_ff`, `h`, `d_k` (0: $d_{model}/h$,
-# as §3.2.2; Table 3's row (B) sets it smaller), `P_drop`, `positional` and `attention`,
-# and a few departures no paper preset uses (`norm_first`, `ffn_dropout`,
-# `attn_dropout`, `N_dec`). `MODEL_PRESETS` holds Table 3's `base` and `big` models and
-# a `tiny` one for tests; a training run's settings (Part 2) extend it.
+# §3's Figure 1, assembled. The model's sizes carry the paper's names in one frozen
+# dataclass, `ModelConfig`, with a few departures no paper preset uses (`norm_first`,
+# `ffn_dropout`, `attn_dropout`, `N_dec`); `MODEL_PRESETS` holds Table 3's `base` and
+# `big` models and a `tiny` one for tests. A training run's settings extend it.
 
 
 # %%
@@ -971,14 +920,10 @@ def make_model(
     src_vocab: int, tgt_vocab: int, config: ModelConfig | None = None, **overrides
 ) -> EncoderDecoder:
     r"""Build the Transformer of §3 (Figure 1) from a :class:`ModelConfig` (or a run's
-    settings, which extend it); ``overrides`` replace its fields (``make_model(11, 11,
-    N=2)``).
-
-    With ``tie_weights`` the target embedding and the pre-softmax projection share one
-    matrix (§3.4); with ``shared_vocab`` too, the source embedding shares it
-    (three-way). ``attention="fast"`` builds :class:`FastMultiHeadedAttention`; anything
-    else the readable one (the machinery decides ``"auto"`` for the run's device first).
-    """
+    settings, which extend it), ``overrides`` replacing its fields. ``tie_weights``
+    shares one matrix between the target embedding and the pre-softmax projection
+    (§3.4), ``shared_vocab`` the source embedding too; ``attention="fast"``: the aside's
+    class (the machinery decides ``"auto"`` for the run's device first)."""
     cfg = dataclasses.replace(config or MODEL_PRESETS["base"], **overrides)
     fast = cfg.attention == "fast"
     mha = FastMultiHeadedAttention if fast else MultiHeadedAttention
@@ -1018,34 +963,32 @@ def count_parameters(model: nn.Module) -> int:
 
 
 # %% [markdown]
-# The paper's two models, as `MODEL_PRESETS` holds them, with their parameters counted
-# at a joint vocabulary of 37,000 pieces (§5.1's "about 37000") beside the counts of
-# the paper's Table 3, which does not give its exact vocabulary or say which tensors it
-# counted. The percentage is our count as a share of the paper's.
+# The paper's models, counted at a joint vocabulary of 37,000 pieces (§5.1's "about
+# 37000") beside Table 3's counts (§6.2), which name no exact vocabulary. Row (B)
+# shrinks $d_k$ alone (§3.2.2), so only $W^Q$ and $W^K$ shrink: the base's count less
+# the row's is what that takes away, in ours as in the paper's (65M less 58M and 60M).
+# Built on PyTorch's `meta` device (shapes, no memory).
 
 
 # %%
 @example
 def _():
-    from IPython.display import Markdown, display
+    from IPython.display import Markdown
 
-    paper = {"base": 65e6, "big": 213e6}  # Table 3 (§6.2)
-    rows = [
-        "| model | N | d_model | d_ff | h | P_drop | ours | paper's |",
-        "|---" * 8 + "|",
+    base, big = MODEL_PRESETS["base"], MODEL_PRESETS["big"]
+    rows = [("base", base, 65), ("big", big, 213)] + [
+        (f"(B) d_k={d_k}", dataclasses.replace(base, d_k=d_k), paper)
+        for d_k, paper in ((16, 58), (32, 60))
     ]
-    for name in ("base", "big"):
-        c = MODEL_PRESETS[name]
-        if PROFILE == "full":  # two large models: counted in the full profile only
+    table = ["| model | d_model | d_ff | h | d_k | ours | paper's |", "|---" * 7 + "|"]
+    for name, c, paper in rows:
+        with torch.device("meta"):
             n = count_parameters(make_model(37000, 37000, c))
-            ours = f"{n / 1e6:.1f}M ({n / paper[name]:.1%})"
-        else:
-            ours = "(full profile)"
-        rows.append(
-            f"| {name} | {c.N} | {c.d_model} | {c.d_ff} | {c.h} | {c.P_drop} "
-            f"| {ours} | {paper[name] / 1e6:.0f}M |"
+        table.append(
+            f"| {name} | {c.d_model} | {c.d_ff} | {c.h} | {c.head_size} "
+            f"| {n / 1e6:.1f}M | {paper}M |"
         )
-    display(Markdown("\n".join(rows)))
+    display(Markdown("\n".join(table)))
 
 
 # %% [markdown]
@@ -1099,10 +1042,8 @@ def _():
 #   — Moses-tokenized, lowercased, one sentence per line. Published IWSLT14 numbers are
 #   *tokenized* BLEU on this text, so that is how we score it too.
 #
-# Everything the program knows about a data set — its files, where they are published
-# and their checksums, how its text is tokenized and scored — is one record in
-# `machinery/data.py`, which finds, downloads, reads and numbers it. This part needs
-# only what it does with the text: a vocabulary, then batches.
+# Each data set's files, checksums, tokenization and scoring are one record in
+# `machinery/data.py`; this part needs only what is done with the text.
 
 
 # %% [markdown]
@@ -1121,11 +1062,9 @@ BOS, EOS, PAD, UNK = range(4)  # ids of the specials in every Vocab
 # %% [markdown]
 # ### Vocabulary
 #
-# A vocabulary maps tokens to ids and back. `Vocab` keeps the two lists a torchtext user
-# expects (`stoi`, `itos`), maps a token list with `vocab(tokens)`, and sends unknown
-# tokens to `<unk>`. It is built from the **training split only** (counting tokens that
-# occur at least `min_freq` times), shared between the two languages by default so that
-# §3.4's three-way weight sharing applies.
+# A vocabulary maps tokens to ids (`vocab(tokens)`, unknown ones to `<unk>`) and back,
+# with torchtext's two lists (`stoi`, `itos`). It is built from the **training split
+# only**, shared between the two languages by default, as §3.4's weight sharing needs.
 
 
 # %%
@@ -1169,33 +1108,22 @@ class Vocab:
 # %% [markdown]
 # ### Subwords: byte-pair encoding
 #
-# §5.1 (quoted above) encodes sentences with byte-pair encoding into "a shared
-# source-target vocabulary". Byte-pair encoding (Sennrich et al., 2016) starts from
-# single characters and repeatedly merges the most frequent adjacent pair into a new
-# symbol, until the vocabulary has the size asked for. Frequent words end up as one
-# piece; a rare word is spelled with several pieces, so nothing is ever out of
-# vocabulary — every character of the training text is kept as a piece of its own.
-# Trained on both languages at once, the pieces form one vocabulary, which is what lets
-# §3.4 share one matrix between both embeddings and the output layer.
+# Byte-pair encoding (Sennrich et al., 2016), §5.1's "shared source-target vocabulary",
+# starts from single characters and repeatedly merges the most frequent adjacent pair
+# into a new symbol, until the vocabulary has the size asked for. Frequent words end up
+# as one piece, rare ones as several, so no word is out of vocabulary. Trained on both
+# languages at once, the pieces are one vocabulary.
 #
-# We use **sentencepiece** (`model_type="bpe"`) rather than writing the merges out: it
-# is fast, deterministic, and its model is a small file a checkpoint can carry, so a
-# checkpoint alone is enough to translate. It works on raw text: a space becomes part of
-# the next piece (`▁`), so decoding the pieces gives the sentence back exactly. Its ids
-# match `Vocab`'s: the four specials first, so `<unk>` is used only for a character
-# never seen in training. Like the vocabulary, it is trained on the **training split
-# only**.
+# We use **sentencepiece** (`model_type="bpe"`): fast, deterministic, and a small file a
+# checkpoint carries. A space becomes part of the next piece (`▁`), so decoding gives
+# the sentence back exactly; its ids are `Vocab`'s, the four specials first. It too is
+# trained on the **training split only**.
 
 
 # %%
 class Subwords:
-    r"""A joint byte-pair-encoding model (sentencepiece) — the shared BPE vocabulary of
-    §5.1.
-
-    ``encode`` turns sentences into lists of pieces, ``decode`` turns piece lists back
-    into sentences; ``vocab`` is the matching :class:`Vocab` (piece ids = sentencepiece
-    ids).
-    """
+    """A joint byte-pair-encoding model (sentencepiece), §5.1's shared vocabulary:
+    sentences ↔ lists of pieces, and ``vocab``, the matching :class:`Vocab`."""
 
     def __init__(self, model_proto: bytes):
         import sentencepiece as spm
@@ -1213,8 +1141,9 @@ class Subwords:
 
         import sentencepiece as spm
 
-        model = io.BytesIO()
-        # minloglevel 2: errors only, no progress log
+        model, kinds = io.BytesIO(), ("bos", "eos", "pad", "unk")  # = SPECIALS
+        specials = {f"{k}_id": i for i, k in enumerate(kinds)}
+        specials |= {f"{k}_piece": s for k, s in zip(kinds, SPECIALS)}
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(sentences),
             model_writer=model,
@@ -1223,17 +1152,10 @@ class Subwords:
             hard_vocab_limit=False,
             character_coverage=1.0,
             normalization_rule_name="identity",
-            bos_id=BOS,
-            eos_id=EOS,
-            pad_id=PAD,
-            unk_id=UNK,
-            bos_piece=SPECIALS[BOS],
-            eos_piece=SPECIALS[EOS],
-            pad_piece=SPECIALS[PAD],
-            unk_piece=SPECIALS[UNK],
             unk_surface=SPECIALS[UNK],
             num_threads=1,
-            minloglevel=2,
+            minloglevel=2,  # errors only, no progress log
+            **specials,
         )
         return cls(model.getvalue())
 
@@ -1264,7 +1186,7 @@ def pad_sequences(seqs: Sequence[Sequence[int]], pad: int = PAD) -> torch.Tensor
     lengths = torch.tensor([len(s) for s in seqs])  # (batch,)
     out = torch.full((len(seqs), int(lengths.max())), pad, dtype=torch.long)
     # all the ids in one copy, into the places row i's first lengths[i] columns take
-    ids = torch.tensor(list(itertools.chain.from_iterable(seqs)), dtype=torch.long)
+    ids = torch.tensor([i for s in seqs for i in s], dtype=torch.long)
     out[torch.arange(out.shape[1]) < lengths[:, None]] = ids  # (batch, longest)
     return out
 
@@ -1291,14 +1213,10 @@ class Batch:
         return padding_mask(tgt, pad) & subsequent_mask(tgt.size(-1), device=tgt.device)
 
     def to(self, device) -> "Batch":
-        """The same batch on ``device``; to a GPU through pinned memory, so the copy
-        overlaps computation (from pageable memory it would be synchronous)."""
-        pin = torch.device(device).type == "cuda"
+        """The same batch on ``device``."""
         for name in ("src", "src_mask", "tgt", "tgt_y", "tgt_mask"):
             if hasattr(self, name):
-                t = getattr(self, name)
-                t = t.contiguous().pin_memory() if pin else t  # slices: one block each
-                setattr(self, name, t.to(device, non_blocking=pin))
+                setattr(self, name, getattr(self, name).to(device))
         return self
 
 
@@ -1356,10 +1274,23 @@ def make_batch(pairs: Sequence[tuple[list, list]], idx: Sequence[int]) -> Batch:
 # — §5.2
 #
 # Our runs are far smaller: the `multi30k-small` preset trains a 3-layer,
-# $d_{\text{model}}=256$ model for 15 epochs (about 3,200 updates of ~2,500 tokens),
-# on a CPU; Part 4 shows that run and the minutes it took. The code is the same on a
-# GPU (`--device cuda`), where `auto` measures whether bf16 pays and several processes
-# make the paper's batch sizes practical.
+# $d_{\text{model}}=256$ model for 15 epochs (about 3,200 updates of ~2,500 tokens) on
+# a CPU; Part 4 shows that run and its minutes. The code is the same on a GPU.
+
+
+# %% [markdown]
+# ### Aside: Adam in one kernel
+#
+# `torch.optim.Adam` updates the parameters one tensor at a time unless asked for its
+# fused kernel, one pass over all of them that takes the same steps up to rounding. On
+# the AMD EPYC of `results/README.md` the per-tensor loop's small operations had taken
+# 15–20% of a `multi30k-small` step. `make_optimizer` (§5.3) asks for it where it can:
+
+
+# %%
+def adam_kernel(params: Sequence[nn.Parameter]) -> dict:
+    """Adam's fused kernel where every parameter's device has one (our addition)."""
+    return {"fused": all(p.device.type in ("cpu", "cuda") for p in params)}
 
 
 # %% [markdown]
@@ -1376,12 +1307,10 @@ def make_batch(pairs: Sequence[tuple[list, list]], idx: Sequence[int]) -> Batch:
 #
 # — §5.3, Eq. 3
 #
-# `rate` is Eq. 3 (times an optional `factor`), defined for $step\_num \ge 1$.
-# `torch.optim.Adam` does the rest, with `LambdaLR` setting the learning rate before
-# each update. `LambdaLR` counts the updates already taken (0 before the first), so
-# update $k$ — the paper's $step\_num = k$ — runs with `rate(k)` when the lambda is
-# `rate(taken + 1)`. Implementations often call this schedule *Noam*, after Noam
-# Shazeer, one of the paper's authors.
+# `rate` is Eq. 3 (times an optional `factor`), for $step\_num \ge 1$; `LambdaLR` sets
+# Adam's learning rate before each update. It counts the updates already taken (0
+# before the first), so update $k$ — the paper's $step\_num = k$ — runs with `rate(k)`
+# when the lambda is `rate(taken + 1)`. The schedule is often called *Noam*.
 # <!-- alt: The learning rate of Eq. 3 against the training step for three settings:
 # it rises linearly during the warm-up steps, peaks, then decays with the inverse
 # square root of the step; a larger warm-up peaks later and lower, a smaller d_model
@@ -1399,19 +1328,14 @@ def rate(step: int, d_model: int, factor: float = 1.0, warmup: int = 4000) -> fl
 
 def make_optimizer(model: nn.Module, cfg) -> tuple[torch.optim.Optimizer, LambdaLR]:
     """Adam with §5.3's β1, β2, ε and the Eq. 3 schedule: update k (counting from 1)
-    uses ``rate(k)``. ``cfg`` is a run's ``Config`` (its d_model, lr_factor, warmup,
-    betas, adam_eps, weight_decay).
-
-    Adam's fused kernel where the device has one: the same steps up to rounding, in one
-    pass. With ``cfg.weight_decay`` > 0 (our addition, for IWSLT) it is AdamW.
-    """
+    uses ``rate(k)``. ``cfg``: a run's settings (d_model, lr_factor, warmup, betas,
+    adam_eps, and weight_decay: above 0, our addition for IWSLT, it is AdamW)."""
     params = list(model.parameters())
-    fused = all(p.device.type in ("cpu", "cuda") for p in params)  # one kernel for all
-    adam, decay = torch.optim.Adam, {}
+    adam, options = torch.optim.Adam, adam_kernel(params)
     if cfg.weight_decay:
-        adam, decay = torch.optim.AdamW, {"weight_decay": cfg.weight_decay}
+        adam, options = torch.optim.AdamW, options | {"weight_decay": cfg.weight_decay}
     betas, eps = tuple(cfg.betas), cfg.adam_eps
-    optimizer = adam(params, lr=1.0, betas=betas, eps=eps, fused=fused, **decay)
+    optimizer = adam(params, lr=1.0, betas=betas, eps=eps, **options)
     scheduler = LambdaLR(
         optimizer, lambda taken: rate(taken + 1, cfg.d_model, cfg.lr_factor, cfg.warmup)
     )
@@ -1434,6 +1358,9 @@ def _():
 # ## §5.4 Regularization
 #
 # > We employ three types of regularization during training:
+#
+# The section names two; the third, on the usual reading, is the dropout on the
+# embedding sums, inside the first (`PositionalEncoding` applies it).
 #
 # > We apply dropout […] to the output of each sub-layer, before it is added to the
 # > sub-layer input and normalized. In addition, we apply dropout to the sums of the
@@ -1468,14 +1395,9 @@ def _():
 def loss_sum(
     log_probs: torch.Tensor, target: torch.Tensor, eps_ls: float, pad: int = PAD
 ) -> torch.Tensor:
-    r"""Label-smoothed cross-entropy summed over non-pad positions (the training loss) —
-    §5.4.
-
-    $\sum_i (1-\epsilon)\,(-\log p_i(y_i)) + \epsilon \cdot \tfrac{1}{K}\sum_k (-\log
-    p_i(k))$, the quantity ``F.cross_entropy(logits, label_smoothing=ε)`` computes,
-    taken directly from the generator's log-probabilities (``cross_entropy`` would apply
-    a second log-softmax to them).
-    """
+    """Label-smoothed cross-entropy summed over non-pad positions (the training loss)
+    — §5.4: what ``F.cross_entropy(logits, label_smoothing=ε)`` computes, taken from the
+    generator's log-probabilities (``cross_entropy`` would log-softmax them again)."""
     log_probs = log_probs.reshape(-1, log_probs.size(-1)).float()  # (tokens, K)
     target = target.reshape(-1)  # (tokens,)
     keep = target != pad
@@ -1521,9 +1443,7 @@ def _():
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
     rows = [smoothed_target(5, y, 0.4) for y in (1, 0, 3, 4)] + [torch.zeros(5)]
     ax1.imshow(torch.stack(rows), cmap="viridis")
-    ax1.set_title(
-        "target distribution q (ε = 0.4)\nrows: positions; the row of <blank> is zero"
-    )
+    ax1.set_title("target distribution q (ε = 0.4); rows: positions, the last <blank>")
     ax1.set_xlabel("class")
     xs = torch.arange(1, 100)
     losses = []
@@ -1541,14 +1461,13 @@ def _():
 # %% [markdown]
 # ### One update
 #
-# One update is one optimizer step: the forward pass of a batch through the model
-# (teacher forcing: the whole shifted target at once, with the causal mask of §3.1), the
-# label-smoothed loss summed over its target tokens, the gradient of the *mean* loss per
-# target token, and one Adam step at the learning rate Eq. 3 gives this update. A
-# non-finite loss stops training before the step, so a diverged model never overwrites a
-# good one. (The production loop in `machinery/training.py` runs this same step for
-# several batches, processes and precisions: it accumulates `batch_loss` over them
-# before the one step.)
+# One update is one optimizer step: the forward pass of a batch with teacher forcing
+# (the whole shifted target at once, under §3.1's causal mask), the label-smoothed loss
+# summed over its target tokens, the gradient of the *mean* loss per target token, and
+# one Adam step at Eq. 3's rate. A non-finite loss stops training before the step. Our
+# departure, not in the paper: the real runs' presets clip the gradient's norm to 1.0
+# before the step (`clip_grad`, in `machinery/training.py`, which runs this same step
+# over several batches and processes).
 
 
 # %%
@@ -1562,8 +1481,7 @@ def batch_loss(
     """
     out = (model if forward is None else forward)(
         batch.src, batch.tgt, batch.src_mask, batch.tgt_mask
-    )
-    # out: (batch, len, d_model)
+    )  # (batch, len, d_model)
     return loss_sum(model.generator(out), batch.tgt_y, eps_ls)
 
 
@@ -1588,6 +1506,8 @@ def train_step(
 # Epochs of length-batched updates are all a first model needs. The data is a synthetic
 # check of our own, not the paper's: the *copy task*, ten random symbols in and the
 # same ten out. Its vocabulary is the four specials and ten symbols, $K = 14$ entries.
+# The loop: every epoch, the pairs are cut into length batches (§5.1), and each batch
+# is one update (§5.3, §5.4).
 
 
 # %%
@@ -1602,12 +1522,6 @@ def copy_task(n: int, rng: random.Random, symbols: int = 10, length: int = 10) -
     return pairs
 
 
-# %% [markdown]
-# The loop itself: every epoch, the pairs are cut into length batches (§5.1), and each
-# batch is one update (§5.3, §5.4).
-
-
-# %%
 def train_loop(model: EncoderDecoder, pairs: list, cfg) -> list[float]:
     """Train ``model`` on ``pairs`` for ``cfg.epochs`` — §5: length batches (§5.1), Adam
     with Eq. 3 (§5.3), label smoothing (§5.4). Returns each epoch's mean loss per token.
@@ -1628,12 +1542,10 @@ def train_loop(model: EncoderDecoder, pairs: list, cfg) -> list[float]:
 
 # %% [markdown]
 # An untrained model's loss per token starts above $\ln 14 \approx 2.64$, that of an
-# even spread over the 14 entries: its random weights spread unevenly. It cannot fall to
-# 0: the smoothed target of §5.4 keeps $\epsilon_{ls} = 0.1$ of its mass spread over
-# every entry, and no model's loss goes below the entropy of that target, $H(q)$. A loss
-# near that floor means the model copies; one that climbs far above chance and stays
-# there, finite, means a diverging run, which the production loop stops, naming
-# `lr_factor` and `warmup`. The trained model stays, as `copy_model`, for Part 3.
+# even spread over the 14 entries. It cannot fall to 0: the smoothed target of §5.4
+# keeps $\epsilon_{ls} = 0.1$ of its mass on every entry, and no loss goes below that
+# target's entropy $H(q)$. Near that floor the model copies; it stays, as `copy_model`,
+# for Part 3.
 
 
 # %%
@@ -1667,27 +1579,21 @@ if IN_NOTEBOOK:
 # %% [markdown]
 # # Part 3 — Decoding and inference (§6.1)
 #
-# §6.1 reports its results with beam search over the average of the last checkpoints. In
-# our words, from the paper's §6.1: beam size 4, length penalty $\alpha = 0.6$ (Wu et
-# al., 2016), a maximum output length of input length + 50, and stopping early when
-# possible. This part builds that up: greedy decoding first (the readable version), a
-# key/value cache that makes each step cost one position instead of the whole prefix,
-# beam search on top of the same step function, and BLEU. The parameters come from the
-# end of training (Part 2) or from a checkpoint (Part 4).
+# §6.1, in our words: a base model translates as the average of its last 5 checkpoints
+# (written 10 minutes apart; a big one, of its last 20), by beam search with beam size 4
+# and length penalty $\alpha = 0.6$ (Wu et al., 2016), an output at most 50 tokens
+# longer than the input, stopping early when possible. This part builds that up: greedy
+# decoding, a key/value cache, beam search on the same step function, averaging, BLEU.
 
 
 # %% [markdown]
 # ## Greedy decoding
 #
-# Decoding is auto-regressive (§3): encode the source once, start the target with the
-# start symbol, and repeatedly append the most probable next token. A *decoder state*
-# feeds one token per sentence and returns the scores of the next one; the readable one,
-# `FullRecomputeDecoder`, runs the decoder over the whole prefix each time.
-# `greedy_decode` is the loop around such a state: it takes the argmax for a whole
-# batch at once and stops when every sentence has produced the end symbol or the length
-# limit is reached (§6.1 uses input length + 50). The start symbol and the padding
-# symbol are never chosen: their scores are set to $-\infty$ before the argmax
-# (`ban_tokens`), since neither can occur inside a target sentence.
+# Decoding is auto-regressive (§3): encode the source once, start the target with `<s>`
+# and repeatedly append the most probable next token. A *decoder state* feeds one token
+# per sentence and returns the scores of the next; the readable one,
+# `FullRecomputeDecoder`, runs the decoder over the whole prefix each time. `<s>` and
+# `<blank>` never occur inside a target: `ban_tokens` sets their scores to $-\infty$.
 
 
 # %%
@@ -1702,13 +1608,8 @@ def ban_tokens(scores, tokens: Sequence[int]):
 
 
 class FullRecomputeDecoder:
-    """Auto-regressive decoding state (§3) that recomputes the whole prefix at every
-    step — the readable decoder.
-
-    ``step`` feeds one token per row and returns the next token's log-probabilities;
-    ``reorder`` keeps some rows (beam search). Works with any model that has ``decode``
-    and ``generator``.
-    """
+    """Auto-regressive decoding state (§3), the readable one: each ``step`` (a token
+    per row → next-token log-probs) recomputes the prefix; ``reorder`` keeps rows."""
 
     def __init__(self, model, memory, src_mask):
         self.model, self.memory, self.src_mask = model, memory, src_mask
@@ -1733,7 +1634,8 @@ class FullRecomputeDecoder:
 
 
 # %% [markdown]
-# The loop around such a state; the cached state below plugs into the same loop.
+# `greedy_decode` is the loop around such a state: the argmax for the whole batch at
+# once, until every sentence has produced `</s>` or reached the length limit.
 
 
 # %%
@@ -1748,15 +1650,9 @@ def greedy_decode(
     pad: int | None = None,
     decoder: type = FullRecomputeDecoder,
 ):
-    """Batched greedy decoding (§3: auto-regressive generation): feed each newest token
-    to a ``decoder`` state and append the argmax, until every sentence has ended.
-
-    ``src`` (batch, src_len) → token ids (batch, ≤ max_len) beginning with
-    ``start_symbol``. A sentence that has produced ``end_symbol`` is padded with ``pad``
-    (default: the end symbol) afterwards. ``start_symbol`` and ``pad`` are never
-    generated. ``decoder`` is :class:`FullRecomputeDecoder` or, below, the cached
-    :class:`IncrementalDecoder`: the same tokens, at another cost.
-    """
+    """Batched greedy decoding (§3): ``src`` (batch, src_len) → ids (batch, ≤ max_len)
+    from ``start_symbol``, padded with ``pad`` (default: ``end_symbol``) after the end;
+    ``decoder``: the readable state or, below, the cached one (the same tokens)."""
     batch, device = src.size(0), src.device
     state = decoder(model, model.encode(src, src_mask), src_mask)
     ys = torch.full((batch, 1), start_symbol, dtype=torch.long, device=device)
@@ -1799,37 +1695,22 @@ def _():
 # %% [markdown]
 # ### Incremental decoding with a key/value cache
 #
-# `greedy_decode` above is the readable version: at step $t$ it runs the decoder over
-# the whole prefix $y_1 … y_t$ again, although only the last position's output is new.
-# The causal mask of §3.1 means that the outputs at positions $< t$ cannot change when a
-# token is appended, so everything computed for them can be kept. What the next position
-# needs from the past is, in each decoder layer, the keys and values of the masked
-# self-attention (§3.2.3) — one (batch, $h$, $t$, $d_k$) pair per layer, growing by one
-# row per step — and, for the encoder-decoder attention, the projections
-# $\mathbf{z}W^K_i$ and $\mathbf{z}W^V_i$ of the encoder output, which never change and
-# are computed once.
-#
-# `IncrementalDecoder` holds that state. Each `step` embeds one new token (its
-# positional encoding is that of position $t$, hence the `offset` argument of
-# `PositionalEncoding`), passes it through every layer's three sub-layers using the
-# layer's own modules (`SublayerConnection`, so post-norm and pre-norm both work), and
-# returns the log probabilities of the next token. Attention goes through the layer's
-# `attend` method, so the readable class uses `attention()` and the fast class PyTorch's
-# fused kernel. A step costs $O(t)$ instead of the $O(t^2)$ of recomputing the prefix.
-# `reorder` picks rows of the cache, which beam search (below) needs when hypotheses are
-# replaced.
+# At step $t$ the readable state runs the decoder over the whole prefix again, although
+# only the last position's output is new: §3.1's causal mask keeps the outputs at
+# positions $< t$ from changing. What the next position needs from the past is, in each
+# decoder layer, the masked self-attention's keys and values (§3.2.3), one row more per
+# step, and the encoder-decoder attention's $\mathbf{z}W^K_i$ and $\mathbf{z}W^V_i$,
+# computed once. `IncrementalDecoder` keeps them. A `step` embeds one token at position
+# $t$ (`PositionalEncoding`'s `offset`) and passes it through each layer's own
+# sub-layer modules, so both norms and both attention classes work: $O(t)$ a step, not
+# $O(t^2)$. `reorder` picks rows of the cache, for beam search.
 
 
 # %%
 class IncrementalDecoder:
-    r"""Key/value-cached decoding for :class:`EncoderDecoder` — §3 auto-regression,
-    §3.2.3 masking.
-
-    Holds each decoder layer's self-attention keys and values for the tokens fed so far,
-    and the encoder-decoder keys and values of ``memory`` (computed once). ``step``
-    feeds one token per row and returns the next token's log-probabilities, equal (up to
-    rounding) to ``model.generator(model.decode(...))[:, -1]`` on the whole prefix.
-    """
+    """Key/value-cached decoding state — §3, §3.2.3: each decoder layer's
+    self-attention keys and values so far and ``memory``'s encoder-decoder ones; its
+    ``step`` returns what the readable state's does, up to rounding."""
 
     def __init__(self, model, memory, src_mask):
         self.model = model
@@ -1872,9 +1753,7 @@ class IncrementalDecoder:
         return a.combine(a.project_q(y), k, v, self.src_mask)
 
     def reorder(self, index):
-        """Keep rows ``index`` (new_batch,) of the self-attention cache; ``index`` maps
-        each row to a row of the same sentence (beam search), whose source is the
-        same."""
+        """Keep rows ``index`` of the self-attention cache (rows of one sentence)."""
         self.self_kv = [
             (k.index_select(0, index), v.index_select(0, index))
             for k, v in self.self_kv
@@ -1882,11 +1761,9 @@ class IncrementalDecoder:
 
 
 # %% [markdown]
-# Greedy decoding on top of it is the same loop with the other state,
-# `greedy_decode(..., decoder=IncrementalDecoder)`: one call to `step` per token instead
-# of a full decoder pass. A test checks that both produce exactly the same tokens, in
-# float64 and float32, with padded sources in the batch, for the readable and the fast
-# attention class, post-norm and pre-norm; here, the copy model's test set both ways:
+# Greedy decoding with it is the same loop, `greedy_decode(..., IncrementalDecoder)`. A
+# test checks that both states give the same tokens (float64 and float32, padded
+# sources, both attention classes, both norms); here, the copy model's test set:
 
 
 # %%
@@ -1902,35 +1779,22 @@ def _():
 # %% [markdown]
 # ### Decoding and score
 #
-# **The length limit, precisely.** For a source sentence of $n$ tokens (not counting
-# `<s>`, `</s>` and padding), at most $n + $ `max_decode_extra` tokens are generated
-# after `<s>`, a final `</s>` included, by greedy, cached greedy and beam search alike.
-# The positional encoding covers `max_len` positions, so the limit is min($n + 50$,
-# `max_len` − 1); a longer source cannot be encoded at all, and the command line skips
-# such lines, naming them, and translates the rest.
-#
-# **Special tokens.** No decoder ever emits `<s>` or `<blank>` (their scores are set to
-# $-\infty$). `<unk>` is an ordinary token to the decoder: the model may produce it, and
-# it is printed as `<unk>`.
+# **The length limit.** For a source of $n$ words (without `<s>`, `</s>` and padding),
+# at most $n + 50$ tokens (`max_decode_extra`) follow `<s>`, a final `</s>` included,
+# and never more than the positional encoding's `max_len` − 1. The length penalty ranks
+# finished hypotheses of different lengths.
 
 
 # %%
 def max_output_tokens(src: torch.Tensor, extra: int, pad: int = PAD) -> torch.Tensor:
-    """§6.1's limit for each sentence: n + ``extra`` tokens after <s> (counting </s>), n
-    = source words.
-
-    ``src`` (batch, src_len) holds ``<s> w_1 … w_n </s>`` and padding → (batch,) long.
-    """
+    """§6.1's limit: n + ``extra`` tokens after <s> (counting </s>) for each sentence
+    ``<s> w_1 … w_n </s>`` of ``src`` (batch, src_len) → (batch,)."""
     return ((src != pad).sum(dim=1) - 2 + extra).clamp(min=0)
 
 
 def length_penalty(length, alpha: float):
-    r"""GNMT length penalty $lp(Y) = ((5 + |Y|)/6)^\alpha$ (Wu et al. 2016, §7), used in
-    §6.1 with $\alpha=0.6$.
-
-    A hypothesis is ranked by $\log P(Y|X) / lp(Y)$, $|Y|$ counting every generated
-    token including </s>. $\alpha = 0$ gives $lp = 1$: the raw log-probability.
-    """
+    r"""GNMT length penalty $lp(Y) = ((5 + |Y|)/6)^\alpha$ (Wu et al. 2016, §7), §6.1's
+    $\alpha=0.6$: a hypothesis ranks by $\log P(Y|X) / lp(Y)$, $|Y|$ counting </s>."""
     return ((5.0 + length) / 6.0) ** alpha
 
 
@@ -1969,14 +1833,11 @@ def _best_extensions(scores, log_probs, done, k: int):
 # they are. The best $k$ candidates that did not end become the new live hypotheses, and
 # the cache is reordered to follow them.
 #
-# **Terminating early.** Log-probabilities only decrease as a hypothesis grows, and for
-# $\alpha \ge 0$ the penalty grows with length, so no live hypothesis with
-# log-probability $s$ can end with a score above $s / lp(\text{limit})$. A sentence is
-# done as soon as its best finished score is at least that bound for its best live
-# hypothesis (or it reached its limit); the batch stops when every sentence is done.
-# With $k = 1$ and $\alpha = 0$ this is exactly greedy decoding; with $\alpha > 0$ a
-# beam of 1 may still continue its one live hypothesis after a shorter one has finished,
-# and keep it if its normalised score is better.
+# **Terminating early.** Log-probabilities only fall as a hypothesis grows, and for
+# $\alpha \ge 0$ the penalty grows with length, so no live hypothesis of log-probability
+# $s$ can end above $s / lp(\text{limit})$. A sentence is done once its best finished
+# score reaches that bound for its best live hypothesis, or at its limit. With $k = 1$
+# and $\alpha = 0$ this is greedy decoding.
 
 
 # %%
@@ -2066,10 +1927,8 @@ def _():
 # %% [markdown]
 # ### Checkpoint averaging
 #
-# §6.1 translates with one model made by averaging checkpoints (in our words): the last
-# 5 of a base run, written 10 minutes apart, and the last 20 of a big one. The average
-# is taken weight by weight. Part 4's runs keep their last checkpoints and
-# average them this way before the test score (`average_last` in a run's settings).
+# §6.1's averaged model (above) is the mean of its checkpoints' weights, tensor by
+# tensor; Part 4's runs average their last checkpoints so before the test score.
 
 
 # %%

@@ -266,7 +266,19 @@ def update_batches(run: Run, pairs: Sequence, indices: Sequence) -> list[Batch]:
     made = [nb.make_batch(pairs, idx) for idx in indices]
     if run.cfg.compile:
         made = [round_lengths(b, LENGTH_MULTIPLE) for b in made]
-    return [b.to(run.device) for b in made]
+    return [to_device(b, run.device) for b in made]
+
+
+def to_device(batch: Batch, device) -> Batch:
+    """``batch`` on ``device``; to a GPU through pinned memory, so that the copy of a
+    batch built ahead overlaps computation (from pageable memory it would be
+    synchronous; our addition)."""
+    if torch.device(device).type == "cuda":
+        for name, t in list(vars(batch).items()):
+            if torch.is_tensor(t):  # slices made contiguous: one block each
+                t = t.contiguous().pin_memory()
+                setattr(batch, name, t.to(device, non_blocking=True))
+    return batch.to(device)
 
 
 # ### One epoch
