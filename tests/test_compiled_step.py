@@ -136,3 +136,33 @@ def test_where_compiling_cannot_work_the_run_trains_eagerly_and_says_so(monkeypa
         model, torch.device("cpu"), lines.append
     ) is (model)
     assert len(lines) == 1 and "training eagerly" in lines[0] and "\n" not in lines[0]
+
+
+@pytest.mark.parametrize("attention", ["fast", "readable"])
+def test_the_compiled_forward_has_no_graph_breaks_and_one_graph_per_shape(attention):
+    """What torch.compile traces of a training step (the model's forward; the backward
+    follows its graph) — counted by dynamo's own counters with its tracing alone (the
+    "eager" backend: no code is generated) — breaks nowhere, and compiles at most one
+    graph per rounded batch shape."""
+    from torch._dynamo.utils import counters
+
+    cfg = machinery.get_config(
+        "copy", **{**TINY, "P_drop": 0.1, "attention": attention}
+    )
+    data = varied_lengths(cfg)
+    pairs = data.splits["train"]
+    lengths = [(len(s), len(t)) for s, t in pairs]
+    torch.manual_seed(0)
+    model = tat.make_model(len(data.src_vocab), len(data.tgt_vocab), cfg).train()
+    torch._dynamo.reset()
+    counters.clear()
+    forward = torch.compile(model, backend="eager")
+    shapes = set()
+    for idx in tat.length_batches(lengths, cfg.batch_tokens, seed=1)[:6]:
+        batch = machinery.training.round_lengths(tat.make_batch(pairs, idx), 8)
+        shapes.add((tuple(batch.src.shape), tuple(batch.tgt.shape)))
+        tat.batch_loss(model, batch, cfg.eps_ls, forward).backward()
+    assert len(shapes) >= 2, "the check needs batches of several shapes"
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert 1 <= counters["stats"]["unique_graphs"] <= len(shapes)
+    torch._dynamo.reset()
