@@ -602,8 +602,8 @@ def test_the_test_rejects_five_percent_of_true_nulls_and_holm_holds_the_family()
     rates = stats.simulate_false_positives(1000, design)
     assert 0.04 <= rates["single"] <= 0.06  # each test: 5% when nothing differs
     assert rates["family"] <= 0.06  # Holm: any false "differs" in ≤ 5% of tables
-    one_seed = {"base": 3} | {f"v{i}": 1 for i in range(17)}
-    assert 0.04 <= stats.simulate_false_positives(1000, one_seed)["single"] <= 0.06
+    mixed = {"base": 3} | {f"v{i}": 1 + i % 2 for i in range(17)}  # one or two
+    assert 0.04 <= stats.simulate_false_positives(1000, mixed)["single"] <= 0.06
 
 
 def test_more_seeds_never_lower_the_tests_power():
@@ -611,12 +611,12 @@ def test_more_seeds_never_lower_the_tests_power():
     rest = {"base": 3} | {f"v{i}": 2 for i in range(16)}
     for delta in (0.5, 1.0, 1.6):
         power = [stats.design_power(delta, n, 0.54, rest) for n in (1, 2, 3, 4)]
-        assert power == sorted(power), (delta, power)
+        assert all(b >= a - 1e-12 for a, b in zip(power, power[1:])), (delta, power)
         assert power[1] > power[0]  # a second seed helps
     more_base = [
         stats.design_power(1.0, 2, 0.54, rest | {"base": b}) for b in (2, 3, 4)
     ]
-    assert more_base == sorted(more_base)
+    assert all(b >= a - 1e-12 for a, b in zip(more_base, more_base[1:]))
 
 
 def test_holm_stops_at_the_first_p_value_above_its_level():
@@ -625,10 +625,10 @@ def test_holm_stops_at_the_first_p_value_above_its_level():
     assert {k: v["level"] for k, v in got.items()} == pytest.approx(
         {"a": 0.05 / 4, "c": 0.05 / 3, "b": 0.05 / 2, "d": 0.05}
     )
-    assert {k for k, v in got.items() if v["rejected"]} == {"a", "c"}
-    # b's 0.02 ≤ its 0.025, but d does not come first: the step-down stops at d only
-    got = stats.holm_levels({"a": 0.001, "b": 0.03})
-    assert [got["a"]["rejected"], got["b"]["rejected"]] == [True, False]
+    assert {k for k, v in got.items() if v["rejected"]} == {"a", "b", "c"}
+    # c's 0.04 is within its 0.05, but b's 0.03 above its 0.025 stops the step-down
+    got = stats.holm_levels({"a": 0.001, "b": 0.03, "c": 0.04})
+    assert [got[k]["rejected"] for k in "abc"] == [True, False, False]
 
 
 def test_seeds_are_compared_with_seeds():
