@@ -1,13 +1,25 @@
 """The figures of Table 3 (§6.2) at our scale, drawn from ``results/table3.json``:
 validation BLEU per variation (``draw``) and validation perplexity per epoch
-(``draw_curves``). `benchmarks/table3.py` redraws both whenever the file changes."""
+(``draw_curves``). `benchmarks/table3.py` redraws both whenever the file changes.
+
+Each is drawn twice: for a page's column (at most ``WIDE`` inches: its 10-pt text reads
+at 11 CSS px or more in a column of 870 px), and for a phone's
+(``machinery.figures.NARROW_WIDTH``: variations down the page, panels stacked); the
+PNG carries the second (machinery/figures.py), which the web page shows on a narrow
+screen. No text is smaller than ``TEXT_PT``."""
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
+
+from machinery.figures import NARROW_WIDTH, save_figure
 
 # Below this gap (nats per target token) a run failed to train (table3.SOURCE_GAP_MIN).
 SOURCE_GAP_MIN = 1.0
+TEXT_PT = 10  # the smallest text of either figure, in points
+WIDE = 9.5  # inches: 9.5 × 72 pt × 1.1 px per pt = 752 CSS px, within 870
+DPI = 110
 
 
 def finished(row: dict) -> bool:
@@ -26,10 +38,23 @@ GROUP_COLOURS = dict(zip("ABCDE", ("C0", "C1", "C2", "C3", "C4")))
 
 def draw(data: dict, out: Path) -> Path:
     """The figure of Table 3 (§6.2) at our scale: validation BLEU per variation (each
-    seed a dot, the mean a bar), grouped A–E, with the base's seeds as a band."""
+    seed a dot, the mean a bar), grouped A–E, with the base's seeds as a band; its
+    phone layout lists the variations down the page."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wide, narrow = bleu_figure(data, narrow=False), bleu_figure(data, narrow=True)
+    save_figure(wide, out, dpi=DPI, narrow=narrow)
+    plt.close(wide)
+    plt.close(narrow)
+    return out
+
+
+def bleu_figure(data: dict, narrow: bool):
+    """The figure :func:`draw` writes: variations across (``narrow``: down), BLEU up
+    (across)."""
     import matplotlib.pyplot as plt
 
     summary = data.get("summary", [])
@@ -40,86 +65,122 @@ def draw(data: dict, out: Path) -> Path:
     for r in data["rows"]:
         if finished(r):
             seeds.setdefault(r.get("variation", r["name"]), []).append(r)
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(rows) + 2.5), 4.2))
+    size = (NARROW_WIDTH, 0.3 * len(rows) + 3.2) if narrow else (WIDE, 4.8)
+    fig, ax = plt.subplots(figsize=size, layout="constrained")
+    # at: a variation's place (x, or y read downwards); value: a BLEU (y, or x)
+    band, line = (ax.axvspan, ax.axvline) if narrow else (ax.axhspan, ax.axhline)
+    group_band = ax.axhspan if narrow else ax.axvspan
+
+    def point(at, value):
+        return (value, at) if narrow else (at, value)
+
     failed: list[tuple[int, float, str]] = []
     if base:
         b = base["valid_bleu"]
-        ax.axhspan(
-            b["min"],
-            b["max"],
-            color="0.85",
-            zorder=0,
-            label=f"base, {b['n']} seed(s): {b['min']:.1f}–{b['max']:.1f}",
-        )
-        ax.axhline(b["mean"], color="0.4", lw=1, zorder=1, label="base mean")
+        label = f"base, {b['n']} seed(s): {b['min']:.1f}–{b['max']:.1f}"
+        band(b["min"], b["max"], color="0.85", zorder=0, label=label)
+        line(b["mean"], color="0.4", lw=1, zorder=1, label="base mean")
     for i, s in enumerate(rows):
         colour = GROUP_COLOURS[s["group"]]
-        ax.plot([i - 0.25, i + 0.25], [s["valid_bleu"]["mean"]] * 2, color=colour)
+        mean = s["valid_bleu"]["mean"]
+        ax.plot(*zip(point(i - 0.25, mean), point(i + 0.25, mean)), color=colour)
         for r in seeds.get(s["variation"], []):
             if trained(r):
-                ax.plot([i], [r["valid_bleu"]], "o", color=colour, ms=4, zorder=3)
+                ax.plot(*point(i, r["valid_bleu"]), "o", color=colour, ms=4, zorder=3)
             else:  # failed to train: ×, at the foot of the axis with its score
                 failed.append((i, r["valid_bleu"], colour))
     for g in "ABCDE":
         at = [i for i, s in enumerate(rows) if s["group"] == g]
         if at:
-            ax.axvspan(at[0] - 0.45, at[-1] + 0.45, color=GROUP_COLOURS[g], alpha=0.06)
-            ax.text(
-                (at[0] + at[-1]) / 2,
-                1.01,
-                f"({g})",
-                ha="center",
-                transform=ax.get_xaxis_transform(),
-                color=GROUP_COLOURS[g],
+            group_band(at[0] - 0.45, at[-1] + 0.45, color=GROUP_COLOURS[g], alpha=0.06)
+            middle = (at[0] + at[-1]) / 2
+            where = (
+                (1.01, middle, ax.get_yaxis_transform())
+                if narrow
+                else (middle, 1.01, ax.get_xaxis_transform())
             )
+            ax.text(where[0], where[1], f"({g})", transform=where[2],
+                    ha="left" if narrow else "center",
+                    va="center" if narrow else "bottom",
+                    color=GROUP_COLOURS[g], fontsize=TEXT_PT)  # fmt: skip
     # the axis spans the seeds that trained (a failed seed would flatten the rest)
     shown = [r["valid_bleu"] for rs in seeds.values() for r in rs if trained(r)]
+    limits = ax.set_xlim if narrow else ax.set_ylim
     if shown:
-        ax.set_ylim(min(shown) - 1.5, max(shown) + 1.0)
-    low = ax.get_ylim()[0]
+        limits(min(shown) - 1.5, max(shown) + 1.0)
+    low = (ax.get_xlim() if narrow else ax.get_ylim())[0]
     for i, bleu, colour in failed:
-        y = bleu if bleu > low else low + 0.4
-        ax.plot([i], [y], "x", color=colour, ms=6, zorder=3)
+        value = bleu if bleu > low else low + 0.4
+        ax.plot(*point(i, value), "x", color=colour, ms=6, zorder=3)
         if bleu <= low:
-            ax.annotate(f"{bleu:.1f}", (i, y), xytext=(5, -3), fontsize=8,
-                        textcoords="offset points", color=colour)  # fmt: skip
-    ax.set_xticks(
-        range(len(rows)), [s["variation"] for s in rows], rotation=60, ha="right"
-    )
-    ax.set_xlim(-0.7, max(len(rows), 1) - 0.3)
-    ax.set_xlabel(
-        "Table 3 row (one setting changed from the base); dots: seeds "
-        "(×: failed to train)"
-    )
-    ax.set_ylabel(f"validation BLEU\n{data['dataset_valid']}", fontsize=8)
+            ax.annotate(f"{bleu:.1f}", point(i, value), xytext=(5, -3),
+                        fontsize=TEXT_PT, textcoords="offset points",
+                        color=colour)  # fmt: skip
+    names = [s["variation"] for s in rows]
+    if narrow:
+        ax.set_yticks(range(len(rows)), names)
+        ax.set_ylim(max(len(rows), 1) - 0.3, -0.7)  # the first variation on top
+        ax.set_xlabel("validation BLEU\ndots: seeds (×: failed to train)")
+    else:
+        ax.set_xticks(range(len(rows)), names, rotation=60, ha="right")
+        ax.set_xlim(-0.7, max(len(rows), 1) - 0.3)
+        ax.set_xlabel(
+            "Table 3 row (one setting changed from the base); dots: seeds "
+            "(×: failed to train)"
+        )
+        ax.set_ylabel("validation BLEU")
+    ax.tick_params(labelsize=TEXT_PT)
     budget = data["budget"]
-    ax.set_title(
+    title = (
         f"Table 3 (§6.2) at {budget['preset']} scale: {budget['epochs']} epoch(s), "
-        "last checkpoint",
-        pad=18,
+        f"last checkpoint; {data['dataset_valid']}"
     )
-    ax.legend(fontsize=9, loc="best")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    ax.set_title(wrapped(title, 40 if narrow else 80), fontsize=11,
+                 pad=6 if narrow else 18)  # fmt: skip
+    if base and narrow:
+        fig.legend(loc="outside lower center", fontsize=TEXT_PT, frameon=False)
+    elif base:
+        ax.legend(fontsize=TEXT_PT, loc="best")
+    return fig
+
+
+def wrapped(text: str, width: int) -> str:
+    """``text`` broken into lines of at most ``width`` characters."""
+    return "\n".join(textwrap.wrap(text, width))
 
 
 def draw_curves(data: dict, out: Path) -> Path:
     """Validation perplexity per epoch of every finished row of Table 3 (§6.2), one
     panel per row group (the base's seeds in grey in each; a colour per variation,
     its seeds told apart by the line's dashes), so that a variation that learns
-    faster can be told from one that ends better."""
+    faster can be told from one that ends better; three panels across (its phone
+    layout: one)."""
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wide, narrow = curves_figure(data, across=3), curves_figure(data, across=1)
+    save_figure(wide, out, dpi=DPI, narrow=narrow)
+    plt.close(wide)
+    plt.close(narrow)
+    return out
+
+
+def curves_figure(data: dict, across: int):
+    """The figure :func:`draw_curves` writes, ``across`` panels a row."""
     import matplotlib.pyplot as plt
 
     # tab10 without its grey (index 7), which is the base's
     colours = [c for i, c in enumerate(plt.get_cmap("tab10").colors) if i != 7]
     dashes = {1: "-", 2: "--"}
     done = [r for r in data["rows"] if finished(r) and r.get("curve")]
-    fig, axes = plt.subplots(1, 5, figsize=(15, 3.8), sharey=True)
+    down = -(-5 // across)
+    width = WIDE if across > 1 else NARROW_WIDTH
+    fig = plt.figure(figsize=(width, 3.3 * down + 0.6), layout="constrained")
+    axes = fig.subplots(down, across, squeeze=False).ravel()
+    for ax in axes[5:]:
+        ax.set_visible(False)
     for ax, g in zip(axes, "ABCDE"):
         variations: list[str] = []
         for r in done:
@@ -142,19 +203,23 @@ def draw_curves(data: dict, out: Path) -> Path:
                 linestyle=dashes.get(r.get("seed", 1), ":"),
                 label=v if first else None,
             )
-        ax.set_title(f"({g})")
-        ax.set_xlabel("epoch")
+        ax.set_title(f"({g})", fontsize=11)
+        ax.set_xlabel("epoch", fontsize=TEXT_PT)
         ax.set_yscale("log")
-        if variations:
-            ax.legend(fontsize=8)
+        ax.tick_params(which="both", labelsize=TEXT_PT)
+        if variations:  # under the panel, so that it hides no curve
+            ax.legend(fontsize=TEXT_PT, ncols=2, loc="upper center",
+                      bbox_to_anchor=(0.5, -0.2), frameon=False)  # fmt: skip
         else:
-            ax.text(0.5, 0.5, "not yet run", ha="center", transform=ax.transAxes)
-    axes[0].set_ylabel("validation perplexity (grey: base)")
-    fig.suptitle("a colour per variation: seed 1 solid, seed 2 dashed", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+            ax.text(0.5, 0.5, "not yet run", ha="center", transform=ax.transAxes,
+                    fontsize=TEXT_PT)  # fmt: skip
+        ax.set_ylabel("validation perplexity", fontsize=TEXT_PT)
+    note = (
+        "Validation perplexity per epoch: a colour per variation, seed 1 solid, "
+        "seed 2 dashed; the base's seeds in grey"
+    )
+    fig.suptitle(wrapped(note, 80 if across > 1 else 42), fontsize=11)
+    return fig
 
 
 def order_of(data: dict, summary: dict) -> int:

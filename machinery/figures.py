@@ -1,15 +1,23 @@
 """Figures: the training curve of a run and the attention maps of Part 4.
 
 Figures are built as ``matplotlib.figure.Figure`` objects, not through pyplot, so that
-drawing them leaves no global state behind; files are written to a temporary name and
-renamed, so a full disk never leaves a half-written image in place of the old one.
+drawing them leaves no global state behind; files go through the project's atomic
+writer (:func:`machinery.runfiles.write_atomic`), so a full disk never leaves a
+half-written image in place of the old one.
+
+Every PNG drawn here records the size of its smallest text in points (a text chunk,
+``SMALLEST_TEXT_KEY``), and a figure too wide for a phone carries a second drawing of
+itself laid out for a narrow column (a private PNG chunk, ``NARROW_CHUNK``, that
+viewers ignore): the web page shows that one where the column is too narrow for the
+first one's text to read at 11 CSS px (web/build.py), and its tests read both.
 """
 
 from __future__ import annotations
 
+import io
 import json
-import os
-import tempfile
+import struct
+import zlib
 from pathlib import Path
 from types import MappingProxyType
 from typing import Sequence
@@ -17,35 +25,124 @@ from typing import Sequence
 import torch
 
 from .parts import notebook
+from .runfiles import write_atomic
+
+# The PNG text chunk that records a figure's smallest font size, in points.
+SMALLEST_TEXT_KEY = "Smallest text (pt)"
+# The private PNG chunk that carries a figure's narrow layout (a whole PNG): ancillary
+# (lower case), private (lower case), reserved bit clear (upper case), unsafe to copy
+# (upper case: it belongs to this picture only).
+NARROW_CHUNK = b"nrLY"
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# The width, in inches, of a narrow layout: a phone's column (about 323 CSS px at 390)
+# shows it at 1.1 CSS px per point or more, so its 10-pt text reads at 11 px.
+NARROW_WIDTH = 4.0
 
 
-def save_figure(fig, out: Path, dpi: int = 100) -> Path:
-    """Write ``fig`` to ``out`` (PNG) through a temporary file renamed over it."""
-    out = Path(out)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
-    os.close(fd)
+def smallest_text_pt(fig) -> float | None:
+    """The smallest font size, in points, of the visible text drawn on ``fig`` (titles,
+    labels, tick labels, legends, notes), or None where it draws none."""
+    from matplotlib.text import Text
+
+    sizes = [
+        t.get_fontsize()
+        for t in fig.findobj(Text)
+        if t.get_visible() and t.get_text().strip()
+    ]
+    return min(sizes) if sizes else None
+
+
+def png_bytes(fig, dpi: int, tight: bool = False) -> bytes:
+    """``fig`` as PNG bytes at ``dpi``, recording its smallest text
+    (``SMALLEST_TEXT_KEY``); ``tight``: cropped to what it draws."""
+    smallest = smallest_text_pt(fig)
+    metadata = {SMALLEST_TEXT_KEY: f"{smallest:g}"} if smallest else {}
+    out = io.BytesIO()
+    fig.savefig(
+        out,
+        format="png",
+        dpi=dpi,
+        metadata=metadata,
+        facecolor="white",
+        **({"bbox_inches": "tight"} if tight else {}),
+    )
+    return out.getvalue()
+
+
+def png_chunks(png: bytes):
+    """The (type, data) chunks of a PNG, in order; not a PNG is a ValueError."""
+    if png[:8] != PNG_SIGNATURE:
+        raise ValueError("not a PNG")
+    at = 8
+    while at + 8 <= len(png):
+        length, kind = struct.unpack(">I4s", png[at : at + 8])
+        yield kind, png[at + 8 : at + 8 + length]
+        at += 12 + length
+
+
+def with_narrow_layout(png: bytes, narrow: bytes) -> bytes:
+    """``png`` carrying ``narrow`` (the same figure laid out for a phone's column) in
+    its ``NARROW_CHUNK``, just before the closing IEND chunk."""
+    iend = len(png) - 12  # the IEND chunk, last: its length, type and CRC
+    if png[:8] != PNG_SIGNATURE or png[-8:-4] != b"IEND" or narrow[:8] != PNG_SIGNATURE:
+        raise ValueError("not a PNG")
+    crc = zlib.crc32(NARROW_CHUNK + narrow) & 0xFFFFFFFF
+    chunk = struct.pack(">I", len(narrow)) + NARROW_CHUNK + narrow
+    return png[:iend] + chunk + struct.pack(">I", crc) + png[iend:]
+
+
+def narrow_layout(png: bytes) -> bytes | None:
+    """The narrow layout a PNG carries (:func:`with_narrow_layout`), or None."""
     try:
-        fig.savefig(tmp, dpi=dpi)
-        os.replace(tmp, out)
-    except BaseException as e:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise OSError(e.errno, e.strerror, str(out)) from e
-        raise
+        return next((d for k, d in png_chunks(png) if k == NARROW_CHUNK), None)
+    except ValueError:
+        return None
+
+
+def recorded_smallest_text_pt(png: bytes) -> float | None:
+    """The smallest text size, in points, that a PNG records (``SMALLEST_TEXT_KEY``),
+    or None where it records none."""
+    from PIL import Image
+
+    value = Image.open(io.BytesIO(png)).text.get(SMALLEST_TEXT_KEY)
+    return float(value) if value else None
+
+
+def figure_png(fig, dpi: int, narrow=None, tight: bool = False) -> bytes:
+    """``fig`` as PNG bytes, carrying ``narrow`` (a figure, its phone layout) when
+    given; both record their smallest text."""
+    png = png_bytes(fig, dpi, tight)
+    return with_narrow_layout(png, png_bytes(narrow, dpi, tight)) if narrow else png
+
+
+def save_figure(fig, out: Path, dpi: int = 100, narrow=None) -> Path:
+    """Write ``fig`` to ``out`` (PNG, with ``narrow``, its phone layout, when given),
+    atomically."""
+    out = Path(out)
+    write_atomic(out, figure_png(fig, dpi, narrow))
     return out
 
 
 def plot_curves(metrics_path: Path, out: Path, title: str = "") -> Path:
     """Training and validation loss against step, from the metrics log, saved as a
-    PNG."""
-    from matplotlib.figure import Figure
-
+    PNG that carries its phone layout (narrower, its legend under the plot)."""
     records = [
         json.loads(line)
         for line in Path(metrics_path).read_text().splitlines()
         if line.strip()
     ]
-    fig = Figure(figsize=(6, 3.5))
+    title = title or "Training and validation loss"
+    wide = draw_curves(records, title, (6, 3.5))
+    narrow = draw_curves(records, title, (NARROW_WIDTH, 3.6), legend_below=True)
+    return save_figure(wide, out, dpi=200, narrow=narrow)
+
+
+def draw_curves(records: list, title: str, size: tuple, legend_below=False):
+    """The figure of :func:`plot_curves` at ``size`` (inches), its text 10 pt or
+    more."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size, layout="constrained")
     ax = fig.add_subplot()
     tr = [(r["step"], r["train_loss"]) for r in records if "train_loss" in r]
     va = [(r["step"], r["valid_loss"]) for r in records if "valid_loss" in r]
@@ -55,10 +152,13 @@ def plot_curves(metrics_path: Path, out: Path, title: str = "") -> Path:
         ax.plot(*zip(*va), "o-", label="validation loss")
     ax.set_xlabel("update")
     ax.set_ylabel("nats per token")
-    ax.set_title(title or "Training and validation loss")
-    ax.legend()
-    fig.tight_layout()
-    return save_figure(fig, out, dpi=200)
+    ax.set_title(title)
+    if tr or va:
+        if legend_below:
+            fig.legend(loc="outside lower center", fontsize=10, frameon=False)
+        else:
+            ax.legend(fontsize=10)
+    return fig
 
 
 # Twenty-four maps per kind of attention (3 layers × 8 heads of `multi30k-small`) cannot
@@ -95,16 +195,19 @@ def sharpest_head(weights: torch.Tensor) -> tuple[int, int]:
     return layer, head
 
 
-def draw_attention_overview(maps: dict, width: float = 7.2):
+def draw_attention_overview(maps: dict, width: float = 7.2, narrow: bool = False):
     """Every layer (rows) and head (columns) of each kind of attention of §3.2.3, small
-    and unlabelled (our addition).
+    and unlabelled (our addition); ``narrow``: the heads numbered only, for a phone's
+    column.
 
     ``maps`` as :func:`attention_maps` returns; ``width`` in inches at 100 dpi. Returns
-    the figure.
+    the figure; its text is 10 pt or more.
     """
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, 2.4 * len(maps)), dpi=100, layout="constrained")
+    layers, heads = next(iter(maps.values())).shape[:2]
+    per_kind = 0.6 + layers * (width - 0.5) / heads * (1.0 if narrow else 0.6)
+    fig = Figure(figsize=(width, per_kind * len(maps)), dpi=100, layout="constrained")
     for sub, kind in zip(fig.subfigures(len(maps), 1, squeeze=False)[:, 0], maps):
         w = maps[kind]
         axes = sub.subplots(w.size(0), w.size(1), squeeze=False)
@@ -121,10 +224,16 @@ def draw_attention_overview(maps: dict, width: float = 7.2):
                 ax.set_xticks([])
                 ax.set_yticks([])
                 if layer == 0:
-                    ax.set_title(f"head {head + 1}", fontsize=8)
-                if head == 0:
-                    ax.set_ylabel(f"layer {layer + 1}", fontsize=8)
-        sub.suptitle(ATTENTION_TITLES.get(kind, kind), fontsize=10)
+                    name = f"{head + 1}" if narrow else f"head {head + 1}"
+                    ax.set_title(name, fontsize=10)
+                if head == 0 and narrow:
+                    ax.set_ylabel(f"{layer + 1}", fontsize=10, rotation=0, va="center")
+                elif head == 0:
+                    ax.set_ylabel(f"layer {layer + 1}", fontsize=10)
+        title = ATTENTION_TITLES.get(kind, kind)
+        if narrow:
+            title += f"\nlayers 1–{w.size(0)} down, heads 1–{w.size(1)} across"
+        sub.suptitle(title, fontsize=11)
     return fig
 
 
@@ -263,7 +372,11 @@ def show_attention(
     overview = (
         "Small heat maps of every layer and head for the three kinds of attention."
     )
-    show_figure(draw_attention_overview(maps), overview)
+    show_figure(
+        draw_attention_overview(maps),
+        overview,
+        narrow=draw_attention_overview(maps, NARROW_WIDTH, narrow=True),
+    )
     for kind in ATTENTION_KINDS:
         layer, head = sharpest_head(maps[kind])
         title = f"{ATTENTION_TITLES[kind]}, layer {layer + 1}, head {head + 1}"
@@ -275,16 +388,14 @@ def show_attention(
     display({"application/vnd.attention-maps+json": blob, "text/plain": note}, raw=True)
 
 
-def show_figure(fig, alt: str) -> None:
+def show_figure(fig, alt: str, narrow=None) -> None:
     """Display ``fig`` in a notebook as a PNG at twice its size, carrying ``alt`` text
-    (the web page uses it)."""
-    import io
-
+    and ``narrow`` (the figure laid out for a phone) when given (the web page reads
+    both)."""
     from IPython.display import Image, display
 
-    png = io.BytesIO()
-    fig.savefig(png, format="png", bbox_inches="tight", dpi=200)
-    display(Image(data=png.getvalue()), metadata={"image/png": {"alt": alt}})
+    png = figure_png(fig, dpi=200, narrow=narrow, tight=True)
+    display(Image(data=png), metadata={"image/png": {"alt": alt}})
 
 
 def show_image(path: str, alt: str) -> None:
