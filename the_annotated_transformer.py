@@ -88,7 +88,6 @@ if HOSTED and not Path("machinery").is_dir():
         raise SystemExit(f"git clone {url} failed: {why}")
     os.chdir(home)
     sys.path.insert(0, os.getcwd())
-    # what is missing or at another version, installed; the kernel's modules passed
     if subprocess.run([sys.executable, "machinery/hosted.py", *sys.modules]).returncode:
         raise SystemExit("installing the packages the notebook needs failed (above)")
 if IN_NOTEBOOK:  # figures at 2× (zooming shows more); the project's PNGs, alt text
@@ -170,11 +169,8 @@ def _():
 
 # %%
 class EncoderDecoder(nn.Module):
-    r"""The encoder-decoder structure of §3: $\mathbf{x} \to \mathbf{z} \to \mathbf{y}$.
-
-    ``forward`` returns the decoder's output vectors (batch, tgt_len, d_model); the
-    ``generator`` turns them into log-probabilities over the target vocabulary.
-    """
+    r"""The encoder-decoder structure of §3, $\mathbf{x} \to \mathbf{z} \to \mathbf{y}$:
+    decoder outputs (batch, tgt_len, d_model), which ``generator`` makes log-probs."""
 
     def __init__(self, encoder, decoder, src_embed, tgt_embed, generator):
         super().__init__()
@@ -266,14 +262,12 @@ class Encoder(nn.Module):
 # `layer_norm_formula` writes exactly this; the model uses `nn.LayerNorm`, and a test
 # checks that the two agree (the cell below shows it).
 #
-# Where does dropout go? §5.4 (quoted in Part 2) answers: "to the output of each
-# sub-layer, before it is added to the sub-layer input and normalized". So the paper's
-# sub-layer connection is $\mathrm{LayerNorm}(x +
-# \mathrm{Dropout}(\mathrm{Sublayer}(x)))$ — **post-norm**. The widely copied Harvard
-# notebook computes $x + \mathrm{Dropout}(\mathrm{Sublayer}(\mathrm{LayerNorm}(x)))$
-# instead (**pre-norm**), found to train deep stacks more stably (Wang et al. 2019;
-# Xiong et al. 2020) but not what the paper describes. We implement the paper by default
-# and keep pre-norm as the option `norm_first=True` (`torch.nn.Transformer`'s name).
+# Where does dropout go? §5.4 (quoted in Part 2): "to the output of each sub-layer,
+# before it is added to the sub-layer input and normalized". So the paper's sub-layer
+# connection is $\mathrm{LayerNorm}(x + \mathrm{Dropout}(\mathrm{Sublayer}(x)))$,
+# **post-norm**. The Harvard notebook computes $x +
+# \mathrm{Dropout}(\mathrm{Sublayer}(\mathrm{LayerNorm}(x)))$ (**pre-norm**, more
+# stable in deep stacks: Wang et al. 2019; Xiong et al. 2020): our `norm_first=True`.
 
 
 # %%
@@ -403,8 +397,7 @@ def padding_mask(ids: torch.Tensor, pad: int) -> torch.Tensor:
 def _():
     fig, ax = plt.subplots(figsize=(3.5, 3.5))
     ax.imshow(subsequent_mask(20)[0], cmap="Greys")
-    ax.set_xlabel("key position j (may attend: dark)")
-    ax.set_ylabel("query position i")
+    ax.set(xlabel="key position j (may attend: dark)", ylabel="query position i")
     ax.set_title("subsequent_mask(20)")
     plt.show()
 
@@ -530,13 +523,10 @@ def _():
 #
 # — §3.2.2
 #
-# The $h$ matrices $W^Q_i \in \mathbb{R}^{d_{\text{model}} \times d_k}$ sit side by side
-# in one $d_{\text{model}} \times h d_k$ linear layer (likewise $W^K$, $W^V$), so one
-# matrix product computes every head's projection; a reshape then splits the heads. A
-# mask of the convention above is made per head by `per_head`, which adds a head axis.
-# $d_v = d_{\text{model}}/h$ always; $d_k$ may be given apart from it, for Table 3's row
-# (B), which shrinks the keys alone (its parameter counts are shown with the full
-# model).
+# The $h$ matrices $W^Q_i$ sit side by side in one $d_{\text{model}} \times h d_k$
+# linear layer (likewise $W^K$, $W^V$): one product projects every head, a reshape
+# splits them, and `per_head` gives a mask a head axis. $d_v = d_{\text{model}}/h$
+# always; $d_k$ may be set apart, for Table 3's row (B) (counted with the full model).
 
 
 # %%
@@ -675,10 +665,8 @@ class PositionwiseFeedForward(nn.Module):
 # — §3.4
 #
 # Sharing one matrix between *both* embeddings and the output projection needs one
-# vocabulary for source and target; the paper had that (a shared BPE vocabulary, §5.1),
-# and so do our data pipelines by default. With separate vocabularies only the target
-# embedding and the output projection can share (two-way tying). `make_model` does
-# whichever applies; `tie_weights=False` turns sharing off.
+# vocabulary for both languages (§5.1's shared BPE, ours by default); with two, only the
+# target embedding and the output share. `tie_weights=False` turns sharing off.
 
 
 # %%
@@ -760,8 +748,7 @@ def _():
     fig, ax = plt.subplots(figsize=(8, 3))
     for dim in (4, 5, 6, 7):
         ax.plot(y[0, :, dim].numpy(), label=f"dim {dim}")
-    ax.set_xlabel("position")
-    ax.set_title("Positional encoding, a few dimensions (d_model = 20)")
+    ax.set(xlabel="position", title="Positional encoding, four dimensions (d_model 20)")
     ax.legend()
     plt.show()
 
@@ -864,11 +851,8 @@ class FastMultiHeadedAttention(MultiHeadedAttention):
 # %%
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model's settings — §3 and Table 3 (the base model by default).
-
-    Fields whose metadata says ``same_weights`` change the computation, not the
-    parameters, so they may differ between a checkpoint and the model loading it.
-    """
+    """The model's settings — §3 and Table 3 (the base model by default). Fields marked
+    ``same_weights`` change the computation, not the parameters a checkpoint holds."""
 
     N: int = 6  # layers per stack (§3.1)
     d_model: int = 512
@@ -1007,9 +991,8 @@ def _():
 # | self-attention (restricted) | $O(r \cdot n \cdot d)$ | $O(1)$ | $O(n/r)$ |
 #
 # In our words: self-attention connects every pair of positions in one step, where an
-# RNN walks the sequence token by token. The price is the $n^2$ term: attention costs
-# less than a recurrent layer only while $n < d$, true for sentences (tens of tokens)
-# against $d_{\text{model}} = 512$.
+# RNN walks the sequence token by token; its $n^2$ term costs less than a recurrent
+# layer while $n < d$, as for sentences against $d_{\text{model}} = 512$.
 
 
 # %% [markdown]
@@ -1034,16 +1017,12 @@ def _():
 
 # %% [markdown]
 # WMT 2014 needs days of GPU time, so we train German→English on two smaller, standard
-# sets instead (both are described in the reproduction notes):
+# sets (see the reproduction notes), each one record in `machinery/data.py`:
 #
-# * **Multi30k** (image captions, 29,000 training pairs, raw cased text): encoded with a
-#   joint BPE vocabulary (below); scored with detokenized, cased sacreBLEU.
-# * **IWSLT14** (TED talks, 160,239 training pairs): the common fairseq-prepared layout
-#   — Moses-tokenized, lowercased, one sentence per line. Published IWSLT14 numbers are
-#   *tokenized* BLEU on this text, so that is how we score it too.
-#
-# Each data set's files, checksums, tokenization and scoring are one record in
-# `machinery/data.py`; this part needs only what is done with the text.
+# * **Multi30k** (image captions, 29,000 training pairs, raw cased text): a joint BPE
+#   vocabulary (below), scored with detokenized, cased sacreBLEU.
+# * **IWSLT14** (TED talks, 160,239 training pairs): fairseq's Moses-tokenized,
+#   lowercased text, scored with *tokenized* BLEU as published IWSLT14 numbers are.
 
 
 # %% [markdown]
@@ -1221,11 +1200,10 @@ class Batch:
 
 
 # %% [markdown]
-# Batching "by approximate sequence length" (§5.1): shuffle the pairs, sort them by
-# length (a stable sort, so equal lengths stay shuffled), cut the sorted list into
-# batches holding at most `batch_tokens` tokens on either side *including padding*, and
-# shuffle the order of the batches. Everything random comes from a generator seeded with
-# (seed, epoch), so the batches of an epoch can be recomputed exactly.
+# Batching "by approximate sequence length" (§5.1): shuffle the pairs, sort them stably
+# by length, cut them into batches of at most `batch_tokens` tokens on either side
+# *including padding*, and shuffle the batches, all by a generator seeded with (seed,
+# epoch), so that an epoch's batches can be recomputed exactly.
 
 
 # %%
@@ -1369,10 +1347,8 @@ def _():
 #
 # — §5.4, Residual Dropout
 #
-# Both places are already in the model: `SublayerConnection` drops the sub-layer's
-# output before the residual sum, and `PositionalEncoding` drops the sum of embedding
-# and encoding. A test checks that those are the only dropout layers active by default
-# (shown below the loss).
+# Both are in the model already (`SublayerConnection`, `PositionalEncoding`). A test
+# checks that they are the only dropout layers active by default (shown below the loss).
 #
 # > During training, we employed label smoothing of value $\epsilon_{ls}=0.1$ […]. This
 # > hurts perplexity, as the model learns to be more unsure, but improves accuracy and
@@ -1380,15 +1356,13 @@ def _():
 #
 # — §5.4, Label Smoothing
 #
-# Label smoothing (Szegedy et al., 2016) trains against a smoothed target distribution
-# instead of a one-hot vector: with $K$ classes and true class $y$, $q(k) =
-# (1-\epsilon_{ls})\,\delta_{k,y} + \epsilon_{ls}/K$. The training loss, `loss_sum`,
-# is the cross-entropy $H(q, p)$ summed over the non-padding positions, written out from
-# the generator's log-probabilities; it is what `F.cross_entropy(...,
-# label_smoothing=ε)` computes (a test checks value and gradient; the cell below, the
-# value). Its least value over all models is $H(q)$, reached at $p = q$, and its
-# gradient with respect to $\log p$ is $-q$: `smoothed_target` reads $q$ off the loss
-# that way, so there is one definition of label smoothing here.
+# Label smoothing (Szegedy et al., 2016) trains against a smoothed target instead of a
+# one-hot vector: with $K$ classes and true class $y$, $q(k) =
+# (1-\epsilon_{ls})\,\delta_{k,y} + \epsilon_{ls}/K$. The training loss, `loss_sum`, is
+# the cross-entropy $H(q, p)$ summed over non-padding positions, what
+# `F.cross_entropy(..., label_smoothing=ε)` computes (a test checks value and gradient;
+# the cell below, the value). Its least value is $H(q)$, at $p = q$; its gradient with
+# respect to $\log p$ is $-q$, which is how `smoothed_target` reads $q$ off it.
 
 
 # %%
@@ -1443,8 +1417,7 @@ def _():
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
     rows = [smoothed_target(5, y, 0.4) for y in (1, 0, 3, 4)] + [torch.zeros(5)]
     ax1.imshow(torch.stack(rows), cmap="viridis")
-    ax1.set_title("target distribution q (ε = 0.4); rows: positions, the last <blank>")
-    ax1.set_xlabel("class")
+    ax1.set(title="target q (ε = 0.4); rows: positions, last <blank>", xlabel="class")
     xs = torch.arange(1, 100)
     losses = []
     # the model puts x/(x+2) on the true class 1 and 1/(x+2) on two others
@@ -1452,8 +1425,7 @@ def _():
         p = torch.tensor([[1e-9, x / (x + 2), 1e-9, 1 / (x + 2), 1 / (x + 2)]])
         losses.append(float(loss_sum((p / p.sum()).log(), torch.tensor([1]), 0.1)))
     ax2.plot(xs, losses)
-    ax2.set_xlabel("confidence x (probability of the true class = x / (x + 2))")
-    ax2.set_ylabel("loss")
+    ax2.set(xlabel="confidence x (the true class: x / (x + 2))", ylabel="loss")
     ax2.set_title("label smoothing penalises over-confidence")
     plt.show()
 
@@ -1474,11 +1446,8 @@ def _():
 def batch_loss(
     model: EncoderDecoder, batch: Batch, eps_ls: float, forward: nn.Module | None = None
 ) -> torch.Tensor:
-    """The label-smoothed loss of §5.4, summed over the batch's target tokens.
-
-    ``forward`` runs the forward pass when it is not ``model`` itself (a compiled or
-    distributed wrapper of it); the generator is always the model's own.
-    """
+    """The label-smoothed loss of §5.4, summed over the batch's target tokens;
+    ``forward``: a compiled or distributed wrapper of ``model``, when there is one."""
     out = (model if forward is None else forward)(
         batch.src, batch.tgt, batch.src_mask, batch.tgt_mask
     )  # (batch, len, d_model)
@@ -1503,11 +1472,10 @@ def train_step(
 # %% [markdown]
 # ### A loop that trains
 #
-# Epochs of length-batched updates are all a first model needs. The data is a synthetic
-# check of our own, not the paper's: the *copy task*, ten random symbols in and the
-# same ten out. Its vocabulary is the four specials and ten symbols, $K = 14$ entries.
-# The loop: every epoch, the pairs are cut into length batches (§5.1), and each batch
-# is one update (§5.3, §5.4).
+# Epochs of length-batched updates are all a first model needs, here on a check of our
+# own: the *copy task*, ten random symbols in and the same ten out, a vocabulary of the
+# four specials and ten symbols ($K = 14$). Every epoch, the pairs are cut into length
+# batches (§5.1), each batch one update (§5.3, §5.4).
 
 
 # %%
@@ -1798,15 +1766,6 @@ def length_penalty(length, alpha: float):
     return ((5.0 + length) / 6.0) ** alpha
 
 
-@torch.no_grad()
-def _beam_init(model, src, src_mask, beam_size: int, cached: bool):
-    """Encode once; a decoder state for batch × beam rows (beam search, §6.1)."""
-    # (batch·k, src_len, d_model)
-    memory = model.encode(src, src_mask).repeat_interleave(beam_size, dim=0)
-    mask = src_mask.repeat_interleave(beam_size, dim=0)  # (batch·k, 1, src_len)
-    return (IncrementalDecoder if cached else FullRecomputeDecoder)(model, memory, mask)
-
-
 def _best_extensions(scores, log_probs, done, k: int):
     """The 2k best one-token extensions of each sentence's k live hypotheses (§6.1):
     (log P (batch, 2k), best first; which hypothesis; which token). Finished sentences
@@ -1825,13 +1784,11 @@ def _best_extensions(scores, log_probs, done, k: int):
 # ### Beam search
 #
 # Beam search (§6.1), batched over sentences. Each sentence keeps $k$ *live* hypotheses
-# (prefixes without `</s>`) and, apart from them, the best *finished* one. At each step
-# every live hypothesis is extended by every token; of the resulting $k \cdot |V|$
-# candidates the $2k$ most probable are taken (so that $k$ live ones remain even if up
-# to $k$ of them end). A candidate ending in `</s>` among the top $k$ is finished,
-# scored by $\log P / lp$; at the length limit the top $k$ candidates are finished as
-# they are. The best $k$ candidates that did not end become the new live hypotheses, and
-# the cache is reordered to follow them.
+# (no `</s>` yet) and its best *finished* one. A step extends every live hypothesis by
+# every token and takes the $2k$ most probable of the $k \cdot |V|$ candidates (so $k$
+# stay live if $k$ end): one ending in `</s>` among the top $k$ is finished, scored by
+# $\log P / lp$ (at the length limit, the top $k$ as they are); the best $k$ that did
+# not end are the new live ones, the cache reordered to follow them.
 #
 # **Terminating early.** Log-probabilities only fall as a hypothesis grows, and for
 # $\alpha \ge 0$ the penalty grows with length, so no live hypothesis of log-probability
@@ -1854,16 +1811,17 @@ def beam_search(
     banned: Sequence[int] = (),
     cached: bool = True,
 ) -> list[list[int]]:
-    r"""Beam search with the GNMT length penalty and early termination — §6.1.
-
-    ``src`` (batch, src_len); ``max_new_tokens`` an int or (batch,) tensor counting
-    ``end_symbol``. Returns each sentence's best hypothesis under $\log P / lp$, without
+    r"""Beam search with the GNMT length penalty and early termination — §6.1:
+    ``src`` (batch, src_len), ``max_new_tokens`` an int or (batch,) tensor counting
+    ``end_symbol`` → each sentence's best hypothesis under $\log P / lp$, without
     ``start_symbol``; neither it nor ``banned`` is ever generated."""
     if alpha < 0:
         raise ValueError("early termination needs alpha >= 0")
     batch, k, device = src.size(0), beam_size, src.device
     limits = torch.as_tensor(max_new_tokens, device=device).expand(batch)  # (batch,)
-    state = _beam_init(model, src, src_mask, k, cached)
+    memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)  # batch·k rows
+    decoder = IncrementalDecoder if cached else FullRecomputeDecoder
+    state = decoder(model, memory, src_mask.repeat_interleave(k, dim=0))
     banned = [start_symbol, *banned]
     # log P of the live hypotheses (batch, k): one, <s>, to begin with
     scores = torch.full((batch, k), -math.inf, dtype=torch.float64, device=device)
@@ -1873,8 +1831,7 @@ def beam_search(
     best: list[list[int]] = [[] for _ in range(batch)]
     done, t = limits <= 0, 0  # t: tokens after <s> in every candidate
     rank = torch.arange(2 * k, device=device)  # candidate rank, best first
-    # (batch, 1): first row of each sentence
-    offset = (torch.arange(batch, device=device) * k).unsqueeze(1)
+    offset = (torch.arange(batch, device=device) * k).unsqueeze(1)  # sentences' rows
     while not bool(done.all()):
         last = tokens[:, :, -1].reshape(-1)  # (batch·k,): the newest tokens
         log_probs = ban_tokens(state.step(last), banned)  # (batch·k, V)
@@ -1933,11 +1890,8 @@ def _():
 
 # %%
 def average_weights(states: Iterable[dict]) -> dict:
-    """The element-wise mean of models' ``state_dict``s — §6.1's checkpoint averaging.
-
-    Summed in float64 one model at a time (only one is held besides the sum); tensors
-    that are not floating point (none in our model) are taken from the first.
-    """
+    """The element-wise mean of models' ``state_dict``s — §6.1's checkpoint averaging,
+    summed in float64 one model at a time (tensors not floating point: the first's)."""
     total, dtypes, n = {}, {}, 0
     for state in states:
         if n and state.keys() != total.keys():
@@ -1960,11 +1914,10 @@ def average_weights(states: Iterable[dict]) -> dict:
 # %% [markdown]
 # ### BLEU
 #
-# Decoded ids become text and sacreBLEU scores it, as the data set's record (Part 2)
-# says: BPE pieces are joined back by sentencepiece, Multi30k is scored against its
-# raw, cased references with sacreBLEU's default tokenizer, and IWSLT14 stays tokenized
-# and lowercased and is scored with `tokenize="none"`, the way published IWSLT14 numbers
-# are computed (sacreBLEU's warning that the text looks tokenized is switched off).
+# Decoded ids become text and sacreBLEU scores it as the data set's record says: BPE
+# pieces joined by sentencepiece, Multi30k against raw, cased references with
+# sacreBLEU's default tokenizer, IWSLT14 tokenized and lowercased with
+# `tokenize="none"`, as published IWSLT14 numbers are (no warning about it).
 
 
 # %%
@@ -2001,6 +1954,12 @@ def bleu(hypotheses: Sequence[str], references: Sequence[str], record) -> Bleu:
     metric = sacrebleu.BLEU(tokenize=tokenize, force=tokenize == "none")
     result = metric.corpus_score(list(hypotheses), [list(references)])
     return Bleu(result.score, str(result), str(metric.get_signature()))
+
+
+# %% [markdown]
+# That is the paper's model, training and decoding. By lines, over 90% of Parts 1–3 is
+# the paper's material: all but the two asides and the lines naming our own options,
+# checks and departures (`paper_share` in `tests/test_notebook.py` counts them).
 
 
 # %% [markdown]

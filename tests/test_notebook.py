@@ -786,3 +786,53 @@ def test_every_sentence_saying_a_test_checks_is_followed_by_a_cell_that_shows_it
     assert unshown_claims(told) == ["A test checks that the two agree."]
     shown = code("@example\ndef _():\n    print(1)")
     assert unshown_claims([told[0], shown]) == []
+
+
+def section_lines(lines: list[str], heading: str, until: str) -> list[str]:
+    """The module's lines from the one starting with ``heading`` to the line before the
+    next one starting with ``until``."""
+    start = next(i for i, line in enumerate(lines) if line.startswith(heading))
+    end = next(
+        i for i, line in enumerate(lines[start:], start) if line.startswith(until)
+    )
+    return lines[start:end]
+
+
+def test_the_prelude_is_at_most_40_lines():
+    # the Prelude is the imports and `example`; the set-up before it is an aside the
+    # page folds
+    lines = PY.read_text(encoding="utf-8").splitlines()
+    prelude = section_lines(lines, "# ## Prelude", "# # Part 1")
+    assert len(prelude) <= 40, len(prelude)
+    assert sum(line.startswith("# %%") for line in prelude) == 2  # its text, one cell
+
+
+# A line that names our own options, checks or departures (not the paper's material).
+OURS = re.compile(
+    r"norm_first|ffn_dropout|attn_dropout|N_dec|our addition|our helper|departure"
+    r"|weight_decay|copy_|copy task|Harvard|pre-norm|PROFILE"
+)
+
+
+def paper_share(part: list[str]) -> float:
+    """The share of ``part``'s lines that are the paper's material: all but the lines
+    of an Aside section and those that name our own options, checks or departures."""
+    ours, aside = 0, False
+    for line in part:
+        if line.startswith("# #"):
+            aside = "Aside" in line
+        ours += aside or bool(OURS.search(line))
+    return 1 - ours / len(part)
+
+
+def test_parts_1_to_3_are_the_papers_material_as_their_closing_note_says():
+    lines = PY.read_text(encoding="utf-8").splitlines()
+    parts = section_lines(lines, "# # Part 1", "# # Part 4")
+    said = re.search(r"over (\d+)% of Parts 1–3 is", " ".join(parts))
+    assert said, "Part 3's closing note states the share"
+    assert paper_share(parts) > int(said[1]) / 100 >= 0.8, paper_share(parts)
+    # the count sees asides and our own lines
+    assert paper_share(["# ## Aside: x", "x = 1", "# ## §3", "y = 2"]) == 0.5
+    assert (
+        paper_share(["# ## §3", "norm_first = True", "d_model = 512", "h = 8"]) == 0.75
+    )
