@@ -22,10 +22,11 @@ export MALLOC_TRIM_THRESHOLD_ ?= 17179869184
 # runtime reads it when it starts; a value already in the environment wins.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install test sync notebook lab html train translate evaluate export bench gpu-check table3 clean help
+.PHONY: install install-cluster test sync notebook lab html train translate evaluate export bench gpu-check table3 clean help
 
 help:
 	@echo "make install            create .venv and install requirements.txt"
+	@echo "make install-cluster    add Table 3's optional engines (Ray, submitit) to .venv"
 	@echo "make test               run the test suite (pytest)"
 	@echo "make sync               bring $(NB) and $(SRC) up to date with each other"
 	@echo "make notebook           execute the notebook top to bottom and store its outputs"
@@ -46,6 +47,11 @@ $(STAMP): requirements.txt
 	$(PY) -m pip install --upgrade pip
 	$(PY) -m pip install -r requirements.txt
 	touch $(STAMP)
+
+# Table 3's optional engines (`make table3 ARGS="--engine ray|slurm"`), their exact pins
+# in requirements-cluster.txt; make install, training and the notebook never need them.
+install-cluster: $(STAMP)
+	$(PY) -m pip install -r requirements-cluster.txt
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
