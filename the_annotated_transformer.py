@@ -1437,9 +1437,9 @@ def _():
 # (the whole shifted target at once, under §3.1's causal mask), the label-smoothed loss
 # summed over its target tokens, the gradient of the *mean* loss per target token, and
 # one Adam step at Eq. 3's rate. A non-finite loss stops training before the step. Our
-# departure, not in the paper: the real runs' presets clip the gradient's norm to 1.0
-# before the step (`clip_grad`, in `machinery/training.py`, which runs this same step
-# over several batches and processes).
+# departure, not in the paper: the headline run's preset clips the gradient's norm to
+# 1.0 before the step (`clip_grad`, in `machinery/training.py`, which runs this same
+# step over several batches and processes).
 
 
 # %%

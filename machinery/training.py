@@ -198,7 +198,7 @@ class Run(Trainer):
 # On a GPU an update is a few milliseconds of kernels; building its batches and copying
 # them there must not wait for it. So a GPU run builds the batches of the next updates
 # in a background thread (`prefetched`), pinned and copied with `non_blocking`
-# (`Batch.to`), while the device computes the current one. On a CPU there is nothing to
+# (`to_device`), while the device computes the current one. On a CPU there is nothing to
 # overlap (the update computes on the same cores), and the batches are built in turn.
 
 PREFETCH = {"cuda": 2}  # updates built ahead, by the device's kind (none elsewhere)
