@@ -11,11 +11,13 @@ Re-run from the repository root with
 
 which (re)writes ``figures/figure1_transformer.png`` and
 ``figures/figure2_attention.png`` and prints their paths. Each PNG records the size of
-its smallest text in points (the text chunk ``SMALLEST_TEXT_KEY``), so that the web
-page's tests can check the size that text is shown at.
+its smallest text in points, and Figure 2 carries its phone layout, its two panels
+stacked (machinery/figures.py), so that the web page shows every text at 11 CSS px or
+more: Figure 1 at its real size (8.4 inches, 806 CSS px, 1.33 px per point) from 8.5 pt,
+Figure 2's phone layout in a 323-px column (1.1 px per point) from 10 pt.
 """
 
-import io
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,12 +30,25 @@ from matplotlib.patches import Circle, FancyArrowPatch, FancyBboxPatch  # noqa: 
 from matplotlib.path import Path as MplPath  # noqa: E402
 
 OUT_DIR = Path(__file__).resolve().parent
+sys.path.insert(0, str(OUT_DIR.parent))
+from machinery.figures import (  # noqa: E402
+    SMALLEST_TEXT_KEY,
+    recorded_smallest_text_pt,
+    save_figure,
+    smallest_text_pt,
+)
+
 DPI = 110
-# The PNG text chunk that records a figure's smallest font size, in points.
-SMALLEST_TEXT_KEY = "Smallest text (pt)"
+# Figure 1's smallest text (its code names and notes), in points: 8.5 pt at its real
+# size reads at 11.3 CSS px.
+FIG1_SMALL_PT = 8.5
 # Figure 2's smallest text (its notes and code names), in points: the web page shows a
 # figure at no less than 1.1 CSS px per point (a phone), so 10 pt reads at 11 px.
 FIG2_SMALL_PT = 10
+# Figure 2's phone layout: its panels stacked, each drawn this many real inches to a
+# drawing inch, so that a 5.1-inch panel is 4.0 inches wide.
+FIG2_NARROW_SCALE = 0.78
+__all__ = ["SMALLEST_TEXT_KEY", "recorded_smallest_text_pt", "smallest_text_pt"]
 
 # Fill colours per kind of block; the edge is always a darker grey.
 COLORS = {
@@ -90,38 +105,23 @@ def new_axes(width: float, height: float):
     return fig, ax
 
 
-def smallest_text_pt(fig) -> float:
-    """The smallest font size, in points, of the text drawn on ``fig`` (our
-    addition)."""
-    texts = [*fig.texts, *(t for ax in fig.axes for t in ax.texts)]
-    return min(t.get_fontsize() for t in texts if t.get_visible() and t.get_text())
-
-
-def save(fig, path: Path) -> None:
-    """Write ``fig`` as a PNG at ``DPI``, recording its smallest text size (our
-    addition), and close it."""
-    metadata = {SMALLEST_TEXT_KEY: f"{smallest_text_pt(fig):g}"}
-    fig.savefig(path, dpi=DPI, facecolor="white", metadata=metadata)
+def save(fig, path: Path, narrow=None) -> None:
+    """Write ``fig`` as a PNG at ``DPI`` (carrying ``narrow``, its phone layout, when
+    given), recording its smallest text size (our addition), and close both."""
+    save_figure(fig, path, dpi=DPI, narrow=narrow)
     plt.close(fig)
+    if narrow is not None:
+        plt.close(narrow)
 
 
-def recorded_smallest_text_pt(png: bytes) -> float | None:
-    """The smallest text size, in points, that a PNG records (``SMALLEST_TEXT_KEY``),
-    or None where it records none (our addition)."""
-    from PIL import Image
-
-    value = Image.open(io.BytesIO(png)).text.get(SMALLEST_TEXT_KEY)
-    return float(value) if value else None
-
-
-def code_text(ax, x, y, s, size=7, **kw):
+def code_text(ax, x, y, s, size=FIG1_SMALL_PT, **kw):
     """Small grey monospace text naming our code."""
     kw.setdefault("ha", "center")
     kw.setdefault("va", "center")
     ax.text(x, y, s, fontsize=size, color=CODE, family="monospace", **kw)
 
 
-def note(ax, x, y, s, size=8.5, **kw):
+def note(ax, x, y, s, size=FIG1_SMALL_PT, **kw):
     """Dark-grey annotation in the paper's notation (mathtext allowed)."""
     kw.setdefault("ha", "center")
     kw.setdefault("va", "center")
@@ -288,10 +288,10 @@ def frame(ax, col_x, bottom, top, side, n_label_code):
             zorder=1,
         )
     )
-    x_label = col_x + side * (half + 0.4)
+    x_label = col_x + side * (half + 0.5)
     y_mid = (bottom + top) / 2
     ax.text(x_label, y_mid + 0.12, "N×", ha="center", va="center", fontsize=16)
-    code_text(ax, x_label, y_mid - 0.25, n_label_code, size=6.5)
+    code_text(ax, x_label, y_mid - 0.25, n_label_code)
     return half
 
 
@@ -315,13 +315,14 @@ def embedding_block(ax, col_x, side, y_label, label_text, emb_label, emb_code):
         fontsize=9.5,
         linespacing=1.0,
     )
-    code_text(ax, text_x, plus.y - 0.25, "PositionalEncoding", size=6.5, ha=ha)
+    code_text(ax, text_x, plus.y - 0.25, "PositionalEncoding", ha=ha)
     return plus
 
 
 def draw_figure1(path: Path) -> None:
     """Figure 1 of the paper (§3, the Transformer), written to ``path``."""
-    fig, ax = new_axes(8, 10)
+    fig, ax = new_axes(8.4, 10)
+    ax.set_xlim(-0.25, 8.15)  # room at both sides for the 8.5-pt code names
     enc_x, dec_x = 2.35, 5.65
 
     # Encoder (left): self-attention, then feed-forward, each with Add & Norm.
@@ -396,7 +397,7 @@ def draw_figure1(path: Path) -> None:
         (enc_x + x_mid) / 2,
         y_up + 0.08,
         "encoder output (memory)\n→ keys $K$ and values $V$",
-        size=7.5,
+        size=FIG1_SMALL_PT,
         va="bottom",
     )
     code_text(
@@ -404,7 +405,7 @@ def draw_figure1(path: Path) -> None:
         dec_x - 0.12,
         frame_bottom - 0.13,
         "tgt_mask = subsequent_mask",
-        size=6.5,
+        size=FIG1_SMALL_PT,
         ha="right",
     )
 
@@ -427,7 +428,7 @@ def draw_figure1(path: Path) -> None:
         dec_x + BOX_W / 2 + 0.12,
         (lin.y + soft.y) / 2,
         "Generator\n(log-softmax)",
-        size=6.5,
+        size=FIG1_SMALL_PT,
         ha="left",
     )
 
@@ -437,7 +438,7 @@ def draw_figure1(path: Path) -> None:
         x_mid,
         1.3,
         "every sub-layer\noutput:\n$d_{\\mathrm{model}} = 512$",
-        size=7.5,
+        size=FIG1_SMALL_PT,
     )
     ax.text(
         enc_x,
@@ -448,7 +449,7 @@ def draw_figure1(path: Path) -> None:
         fontsize=13,
         weight="bold",
     )
-    code_text(ax, enc_x, 9.25, "EncoderDecoder / make_model()", size=7.5)
+    code_text(ax, enc_x, 9.25, "EncoderDecoder / make_model()", size=FIG1_SMALL_PT)
     note(
         ax,
         enc_x,
@@ -584,7 +585,7 @@ def draw_multi_head(ax, x0: float, top: float) -> None:
         size=small,
         linespacing=1.3,
     )
-    code_text(ax, (xs[1] + xs[2]) / 2, y_proj, "w_v, w_k, w_q", size=small)
+    code_text(ax, xs[2] + 0.1, y_proj, "w_v, w_k, w_q", ha="left", size=small)
     note(
         ax,
         out.right + 0.12,
@@ -611,14 +612,36 @@ def draw_multi_head(ax, x0: float, top: float) -> None:
 
 def draw_figure2(path: Path) -> None:
     """Figure 2 of the paper (§3.2: scaled dot-product attention, left; multi-head
-    attention, right), written to ``path``; no text smaller than ``FIG2_SMALL_PT``."""
+    attention, right), written to ``path`` with its phone layout (the panels stacked,
+    :func:`figure2_stacked`); no text smaller than ``FIG2_SMALL_PT``."""
     width, height = 10, 5.6
     fig, ax = new_axes(width, height)
     top = height - 0.28
     draw_scaled_dot_product(ax, top)
     ax.plot([5.1, 5.1], [0.3, top - 0.55], color="#cccccc", lw=1)
     draw_multi_head(ax, 5.55, top)
-    save(fig, path)
+    save(fig, path, narrow=figure2_stacked(height, top))
+
+
+def figure2_stacked(height: float, top: float):
+    """Figure 2 for a phone (our addition): scaled dot-product attention above
+    multi-head attention, each panel drawn at ``FIG2_NARROW_SCALE`` so that the same
+    text is larger beside its boxes."""
+    panels = ((-0.05, 5.05), (5.3, 10.4))  # the drawing's x range of each panel
+    span = max(b - a for a, b in panels)
+    scale = FIG2_NARROW_SCALE
+    fig = plt.figure(figsize=(span * scale, 2 * height * scale), facecolor="white")
+    for i, (x0, _) in enumerate(panels):
+        ax = fig.add_axes([0, 0.5 - 0.5 * i, 1, 0.5])  # the first panel on top
+        ax.set_xlim(x0, x0 + span)
+        ax.set_ylim(0, height)
+        ax.set_aspect("equal")
+        ax.axis("off")
+        if i == 0:
+            draw_scaled_dot_product(ax, top)
+        else:
+            draw_multi_head(ax, 5.55, top)
+    return fig
 
 
 def main() -> None:

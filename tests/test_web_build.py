@@ -1,5 +1,6 @@
 """The parts of the web page's build (web/build.py) that need no browser."""
 
+import base64
 import json
 import re
 import shutil
@@ -266,17 +267,103 @@ def test_a_drawn_figure_records_the_size_of_its_smallest_text(tmp_path):
     assert paper_figures.recorded_smallest_text_pt(plain.read_bytes()) is None
 
 
-def test_figure_2s_smallest_text_reads_at_11_px_at_the_least_scale_of_the_page(
-    tmp_path,
-):
-    # The page shows a figure whose dpi it knows at LEGIBLE_PT_PX CSS px per point or
-    # more (least on a phone); the committed PNG records what the script draws.
+# The columns a figure is shown in (CSS px): at 1280 px beside the contents, and on a
+# phone of 390 px (measured in Chromium; tests/test_html.py measures the page itself).
+COLUMNS = {1280: 928, 390: 322}
+# Every figure the project draws and commits; the page shows each from a notebook cell.
+COMMITTED_FIGURES = [
+    ROOT / "figures" / "figure1_transformer.png",
+    ROOT / "figures" / "figure2_attention.png",
+    ROOT / "results" / "table3.png",
+    ROOT / "results" / "table3-curves.png",
+]
+
+
+def text_px(png: bytes, column: int) -> float:
+    """The CSS px the smallest text of ``png`` is shown at in a ``column`` (shown at
+    its real size, never wider than the column), by the build's own reading."""
+    data = base64.b64encode(png).decode()
+    width, _, _ = build.display_size({"data": {"image/png": data}}, "image/png")
+    points = build.png_size(data)[0] * 72 / build.png_dpi(data)
+    return build.smallest_text_pt(data) * min(width, column) / points
+
+
+def test_figure_2s_panels_drawn_again_stacked_read_at_11_px_on_a_phone(tmp_path):
     drawn = tmp_path / "figure2.png"
     paper_figures.draw_figure2(drawn)
-    smallest = paper_figures.recorded_smallest_text_pt(drawn.read_bytes())
-    assert smallest * build.LEGIBLE_PT_PX >= 11, f"{smallest} pt"
+    png = drawn.read_bytes()
+    narrow = build.narrow_layout(base64.b64encode(png).decode())
+    assert narrow, "Figure 2 carries no phone layout"
+    narrow = base64.b64decode(narrow)
+    assert text_px(png, COLUMNS[1280]) >= build.LEGIBLE_PX
+    assert text_px(narrow, COLUMNS[390]) >= build.LEGIBLE_PX
+    wide_size, narrow_size = (
+        build.png_size(base64.b64encode(png).decode()),
+        (build.png_size(base64.b64encode(narrow).decode())),
+    )
+    assert narrow_size[0] < wide_size[0] / 2 and narrow_size[1] > wide_size[1]
     committed = ROOT / "figures" / "figure2_attention.png"
-    assert paper_figures.recorded_smallest_text_pt(committed.read_bytes()) == smallest
+    assert paper_figures.recorded_smallest_text_pt(
+        committed.read_bytes()
+    ) == paper_figures.recorded_smallest_text_pt(png)
+
+
+@pytest.mark.parametrize("path", COMMITTED_FIGURES, ids=lambda p: p.name)
+def test_a_committed_figures_smallest_text_reads_at_11_px_where_the_page_shows_it(path):
+    png = path.read_bytes()
+    data = base64.b64encode(png).decode()
+    assert paper_figures.recorded_smallest_text_pt(png), f"{path.name} records none"
+    narrow = build.narrow_layout(data)
+    on_phone = base64.b64decode(narrow) if narrow else png
+    print(
+        f"\n{path.name}: {text_px(png, COLUMNS[1280]):.1f} px at 1280, "
+        f"{text_px(on_phone, COLUMNS[390]):.1f} px at 390"
+        f"{' (its phone layout)' if narrow else ''}"
+    )
+    assert text_px(png, COLUMNS[1280]) >= build.LEGIBLE_PX
+    if path.name != "figure1_transformer.png":  # it has no phone layout yet
+        assert text_px(on_phone, COLUMNS[390]) >= build.LEGIBLE_PX
+
+
+def test_a_phone_layout_travels_in_its_png_and_the_page_shows_it_on_a_narrow_column():
+    import io
+
+    import nbformat
+    from machinery import figures
+    from PIL import Image
+
+    def drawn(width: float, label_pt: float) -> bytes:
+        from matplotlib.figure import Figure
+
+        fig = Figure(figsize=(width, 2))
+        fig.add_subplot().set_title("a title", fontsize=label_pt)
+        return figures.png_bytes(fig, dpi=100)
+
+    wide, narrow = drawn(9, 12), drawn(4, 10)
+    png = figures.with_narrow_layout(wide, narrow)
+    assert Image.open(io.BytesIO(png)).size == (900, 200)  # still the wide picture
+    assert figures.narrow_layout(png) == narrow and figures.narrow_layout(wide) is None
+    data = base64.b64encode(png).decode()
+    assert base64.b64decode(build.narrow_layout(data)) == narrow
+    assert build.smallest_text_pt(data) == 12
+    torn = png[: len(wide) - 12 + 30] + png[-12:]  # the chunk cut short
+    assert build.narrow_layout(base64.b64encode(torn).decode()) is None
+    assert build.narrow_layout("not base64!") is None
+    cell = nbformat.v4.new_code_cell(
+        "plot()",
+        outputs=[nbformat.v4.new_output("display_data", data={"image/png": data})],
+    )
+    nb = build.prepare(nbformat.v4.new_notebook(cells=[cell]))
+    meta = nb.cells[0].outputs[0].metadata["image/png"]
+    # 9 in × 72 pt at 11 px for 12-pt text: the wide layout needs a 594-px column
+    assert meta["least_width"] == 594 and meta["plot_id"] == "plot-1"
+    assert (meta["narrow_width"], meta["narrow_height"]) == (384, 192)
+    html, _ = build.make_exporter([]).from_notebook_node(nb, resources={})
+    figure = html[html.index('<figure class="plot') : html.index("</figure>")]
+    # both layouts, the phone's hidden until the figure is narrower than 594 px
+    assert "@container (max-width: 593.98px)" in figure and ".plot-1 img.wide" in figure
+    assert figure.count("<img") == 2 and 'class="narrow"' in figure
+    assert base64.b64encode(narrow).decode() in figure
 
 
 def test_text_outputs_lose_moses_escapes():

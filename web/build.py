@@ -57,10 +57,13 @@ Conventions a notebook cell can use for the page:
   stores (the ``pHYs`` chunk, which matplotlib writes: a figure of 7 inches is 672 CSS
   px wide at any dpi), else at the width its output metadata gives
   (``metadata["image/png"]["width"]``), else at its pixel width; never wider than the
-  column. Where the column is narrower than ``LEGIBLE_PT_PX`` CSS px per point of the
-  figure's text needs (a phone), a figure with a known dpi keeps that width and
-  scrolls sideways instead of shrinking. Where an image is larger than shown, it opens
-  at full size from a button (click, Enter or Space; Escape closes).
+  column, and never scrolled sideways. A PNG may carry a second drawing of itself laid
+  out for a phone's column (machinery/figures.py: ``NARROW_CHUNK``): the page shows
+  that one wherever the column is narrower than the first needs for its smallest text
+  (the size its ``SMALLEST_TEXT_KEY`` records, else 10 pt) to read at ``LEGIBLE_PX``
+  CSS px (a CSS container query on the figure). Where an image is larger than shown,
+  a button (click, Enter or Space) opens it fitted to the screen, where a reader can
+  pinch it larger; Escape closes.
 * **Attention maps** to explore: a ``display_data`` output whose data has the key
   ``application/vnd.attention-maps+json`` (IPython:
   ``display({"application/vnd.attention-maps+json": blob, "text/plain": "…"},
@@ -120,9 +123,12 @@ ATTENTION_MIME = "application/vnd.attention-maps+json"
 FOLD_OVER = 45  # lines: a longer code cell shows its first FOLD_SHOW, the rest folded
 FOLD_SHOW = 24
 CSS_DPI = 96  # CSS pixels per inch
-# The smallest scale a figure with a known dpi is shown at, in CSS px per point of its
-# text: matplotlib's default 10-pt labels then read at 11 px or more.
-LEGIBLE_PT_PX = 1.1
+# The least size, in CSS px, a figure's smallest text is shown at; a figure that records
+# no smallest text (SMALLEST_TEXT_KEY) is held to matplotlib's default 10-pt labels.
+LEGIBLE_PX = 11
+LABEL_PT = 10
+SMALLEST_TEXT_KEY = "Smallest text (pt)"  # machinery/figures.py writes it
+NARROW_CHUNK = b"nrLY"  # a PNG chunk holding the figure's phone layout (the same)
 # The page's icon, inline (a data: address) so that the browser asks for no
 # /favicon.ico: a small attention map, one bright cell per row.
 FAVICON = (
@@ -659,18 +665,53 @@ def png_dpi(data: str) -> float | None:
     return x if math.isfinite(x) and x > 0 else None
 
 
+def smallest_text_pt(data: str) -> float:
+    """The size, in points, of the smallest text a base64 PNG records drawing
+    (``SMALLEST_TEXT_KEY``), else ``LABEL_PT``."""
+    image = png_image(data)
+    value = image.info.get(SMALLEST_TEXT_KEY) if image else None  # before its pixels
+    try:
+        pt = float(value) if value else LABEL_PT
+    except ValueError:
+        pt = LABEL_PT
+    return pt if math.isfinite(pt) and pt > 0 else LABEL_PT
+
+
+def narrow_layout(data: str) -> str | None:
+    """The phone layout a base64 PNG carries in its ``NARROW_CHUNK`` (itself a PNG),
+    base64, or None where it carries none."""
+    import struct
+
+    try:
+        png = base64.b64decode(data)
+    except (ValueError, TypeError):
+        return None
+    at = 8 if png[:8] == b"\x89PNG\r\n\x1a\n" else len(png)
+    while at + 8 <= len(png):
+        length, kind = struct.unpack(">I4s", png[at : at + 8])
+        if kind == NARROW_CHUNK:
+            chunk = png[at + 8 : at + 8 + length]
+            ok = chunk[:8] == b"\x89PNG\r\n\x1a\n" and png_size(
+                base64.b64encode(chunk).decode()
+            )
+            return base64.b64encode(chunk).decode() if ok else None
+        at += 12 + length
+    return None
+
+
 def display_size(output, mime: str) -> tuple[int, int, int] | None:
     """(width, height, least width) in CSS px an image output is shown at: its real
     size from its stored dpi, else its metadata's width, else its pixels; the least
-    width at which its text stays legible (``LEGIBLE_PT_PX``), 0 when its dpi is not
-    known."""
+    width at which its smallest text reads at ``LEGIBLE_PX`` (:func:`smallest_text_pt`),
+    0 when its dpi is not known."""
     meta = output.get("metadata", {}).get(mime, {})
     data = output["data"][mime]
     size = png_size(data) if mime == "image/png" else None
     dpi = png_dpi(data) if size else None
     if size and dpi:
         scale = CSS_DPI / dpi
-        least = math.ceil(round(size[0] * 72 / dpi * LEGIBLE_PT_PX, 1))
+        points = size[0] * 72 / dpi  # the figure's width in points
+        least = math.ceil(round(points * LEGIBLE_PX / smallest_text_pt(data), 1))
         return round(size[0] * scale), round(size[1] * scale), least
     if meta.get("width"):
         width = css_length(meta["width"], "width")
@@ -716,7 +757,7 @@ def prepare(nb):
             c.cell_type == "code" and not c.source.strip() and not c.get("outputs")
         )
     ]
-    prose, alts = "", []
+    prose, alts, plots = "", [], 0
     for cell in nb.cells:
         if cell.cell_type == "markdown":
             prose, alts = cell.source, ALT_LINE.findall(cell.source)
@@ -755,6 +796,14 @@ def prepare(nb):
                 size = display_size(output, mime)
                 if size:
                     meta["width"], meta["height"], meta["least_width"] = size
+                legible = mime == "image/png" and size and size[2] > 0
+                narrow = narrow_layout(data[mime]) if legible else None
+                if narrow:
+                    shown = display_size({"data": {mime: narrow}}, mime)
+                    meta["narrow"] = narrow
+                    meta["narrow_width"], meta["narrow_height"] = shown[:2]
+                    plots += 1
+                    meta["plot_id"] = f"plot-{plots}"
         explorers = [o for o in cell.outputs if o.get("metadata", {}).get("explorer")]
         if explorers:
             cell.outputs = explorer_first(cell.outputs, explorers)
@@ -1482,7 +1531,7 @@ def mention_targets(main, headings) -> dict:
         for n in re.findall(r"Eqs?\.\s?(\d+)", caption.get_text() if caption else ""):
             fig["id"] = fig.get("id") or f"eq-{n}"
             offer(f"Eq. {n}", 0, fig["id"])
-    for img in main.find_all("img"):
+    for img in main.find_all("img", class_=lambda c: c != "narrow"):
         m = re.match(r"Figure\s(\d+)\b", img.get("alt", ""))
         if m:
             img["id"] = img.get("id") or f"figure-{m.group(1)}"

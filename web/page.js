@@ -193,7 +193,8 @@
   }, { passive: true });
   mark();
 
-  // Figures larger than shown open at full size from a button; Escape or a click close.
+  // Figures larger than shown open from a button, fitted to the screen, where a reader
+  // can pinch them larger; Escape or a click close.
   let opener = null;
   function closeZoom() {
     const view = $(".zoom-view");
@@ -215,9 +216,8 @@
     close.className = "zoom-close";
     close.textContent = "Close (Esc)";
     const large = document.createElement("img");
-    large.src = img.src;
+    large.src = img.currentSrc || img.src;
     large.alt = img.alt;
-    large.style.width = img.naturalWidth + "px";
     view.append(close, large);
     view.addEventListener("click", closeZoom);
     document.body.appendChild(view);
@@ -234,7 +234,7 @@
         const button = document.createElement("button");
         button.type = "button";
         button.className = "zoom";
-        button.title = "Show at full size";
+        button.title = "Show larger";
         img.replaceWith(button);
         button.appendChild(img);
         button.addEventListener("click", () => openZoom(img, button));
