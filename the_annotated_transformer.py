@@ -441,10 +441,9 @@ def _():
 #
 # — §3.2.1, Eq. 1
 #
-# Masked scores are set to $-\infty$ as §3.2.3 says, so they get exactly zero weight. A
-# row in which *every* key is masked would be $0/0$ = NaN after the softmax; we return
-# zero weights for such a row instead (the same choice PyTorch's fused attention makes),
-# so no NaN ever enters the model.
+# Masked scores are set to $-\infty$ as §3.2.3 says: exactly zero weight. A row with
+# *every* key masked would be $0/0$ = NaN after the softmax; it gets zero weights
+# instead (as in PyTorch's fused attention), so no NaN ever enters the model.
 
 
 # %%
@@ -630,9 +629,8 @@ class MultiHeadedAttention(nn.Module):
 #
 # — §3.3, Eq. 2
 #
-# The paper puts no dropout inside the FFN. The Harvard notebook (and
-# `torch.nn.Transformer`) add one after the ReLU; we keep it as an option,
-# `ffn_dropout`, off by default.
+# The paper puts no dropout inside the FFN; the Harvard notebook and `nn.Transformer`
+# add one after the ReLU, our option `ffn_dropout`, off by default.
 
 
 # %%
@@ -709,8 +707,7 @@ class Embeddings(nn.Module):
 # The linear function is a rotation: for each frequency $\omega_i$ the pair $(\sin
 # \omega_i pos, \cos \omega_i pos)$ is turned by the angle $\omega_i k$, whatever $pos$
 # is. A test fits that linear map on some positions and checks it on others (so does
-# the cell below). §5.4 adds dropout to the sum of embeddings and encodings, so it lives
-# here.
+# the cell below). §5.4's dropout on the sum of embeddings and encodings lives here.
 
 
 # %%
@@ -771,9 +768,8 @@ def _():
 # — §3.5
 #
 # The learned alternative is one trainable vector per position, added where the sinusoid
-# is, with the same `offset` argument, so the rest of the model does not know which it
-# holds. `positional` chooses (`"sinusoid"` by default); Part 4's Table 3 trains both.
-# It starts from `make_model`'s Glorot/Xavier initialisation (the paper does not say).
+# is, with the same `offset`; `positional` chooses (`"sinusoid"` by default), and Part
+# 4's Table 3 trains both. Its start: `make_model`'s Glorot/Xavier initialisation.
 
 
 # %%
@@ -1640,9 +1636,8 @@ def greedy_decode(
 
 # %% [markdown]
 # Part 2's copy model, decoded: three test sources, each with what an untrained model
-# of the same size makes of it, then what the trained `copy_model` makes of all three.
-# The untrained one repeats what its random weights favour; the trained one copies.
-# Neither ever produces `<s>` or `<blank>`.
+# of the same size makes of it (what its random weights favour), then what the trained
+# `copy_model` makes of them: copies. Neither ever produces `<s>` or `<blank>`.
 
 
 # %%
