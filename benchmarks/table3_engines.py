@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import os
+import shlex
 import signal
 import threading
 import time
@@ -242,6 +243,11 @@ class SlurmEngine:
             )
         self.executor = submitit.AutoExecutor(folder=str(folder), cluster=cluster)
         settings = dict(timeout_min=time_limit, tasks_per_node=1, nodes=1)
+        # A job unpickles its row, so it imports this folder's modules as the
+        # driver does (the repository on storage every node sees).
+        path = shlex.quote(os.pathsep.join([str(ROOT / "benchmarks"), str(ROOT)]))
+        setup = [f"export PYTHONPATH={path}${{PYTHONPATH:+:$PYTHONPATH}}"]
+        settings[f"{self.executor.cluster}_setup"] = setup
         if cluster in (None, "slurm"):
             settings["slurm_signal_delay_s"] = 120  # time to save a checkpoint
             if partition:

@@ -114,6 +114,39 @@ def newest_checkpoint(run_dir: Path) -> Optional[Path]:
     return max(found)[1] if found else None
 
 
+def checkpoint_step(checkpoint: Path) -> int:
+    """The update a ``checkpoint-<step>.pt`` was saved after (the program's names)."""
+    return int(re.fullmatch(r"checkpoint-(\d+)\.pt", checkpoint.name).group(1))
+
+
+def wait_for_run_dir(run_dir: Path, timeout: float = 300.0) -> None:
+    """Wait while another process holds the program's lock on ``run_dir`` (at most
+    ``timeout`` seconds; the program then says who holds it): a row retried after its
+    worker died starts once the orphaned training process, stopped by its parent's
+    death, has saved its checkpoint and let go of the run directory."""
+    lock = run_dir / "run.lock"
+    try:
+        import fcntl
+    except ImportError:  # no flock here: the program does not lock either
+        return
+    if not lock.is_file():
+        return
+    deadline = time.monotonic() + timeout
+    with open(lock, "a+") as f:
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    return
+                time.sleep(0.5)
+                continue
+            except OSError:  # a file system without locks
+                return
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return
+
+
 def count_parameters(checkpoint: Path) -> int:
     """Parameters of a row (Table 3's last column, §6.2): the sum of numel over the
     checkpoint's model state dict, a tensor shared by several names (§3.4's tied
@@ -296,15 +329,40 @@ def child_env(threads: int) -> dict:
     return env
 
 
+# Started in front of a row's process where an engine runs the row in a process of
+# its own (a Ray worker, a SLURM job): the kernel sends the process
+# ``parent_death`` when the thread that started it ends (Linux's PR_SET_PDEATHSIG;
+# it survives the exec), so a killed worker leaves no training running into the
+# run directory that a retry of the row resumes from. It runs after the exec of a
+# fresh interpreter, not between fork and exec, where a process with threads may
+# not call into ctypes.
+PARENT_DEATH = """\
+import ctypes, os, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, int(sys.argv[2]))  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):  # the parent died before the call
+    os._exit(128 + int(sys.argv[2]))
+os.execvp(sys.argv[3], sys.argv[3:])
+"""
+
+
 class Child:
     """The processes of one Table 3 (§6.2) row, one at a time. ``stop(signum)``
     hands a signal on to the one running (the program saves a checkpoint after the
     update in progress and exits) and marks the row stopped; the engine that runs the
-    row calls it, from whichever thread or handler it has."""
+    row calls it, from whichever thread or handler it has. With ``parent_death``
+    (Linux), each process gets that signal when the thread that started it ends."""
 
-    def __init__(self):
+    def __init__(self, parent_death: Optional[int] = None):
         self.proc: Optional[subprocess.Popen] = None
         self.stopped: Optional[int] = None
+        self.parent_death = parent_death if sys.platform == "linux" else None
+
+    def launch(self, args: list[str]) -> list[str]:
+        """``args`` as started: behind the parent-death launcher where one is set."""
+        if self.parent_death is None:
+            return args
+        death = [str(os.getpid()), str(int(self.parent_death))]
+        return [args[0], "-c", PARENT_DEATH, *death, *args]
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
         """Hand ``signum`` on to the running process (SIGHUP as SIGTERM) and mark
@@ -330,7 +388,7 @@ class Child:
         if self.stopped is not None:
             return -self.stopped, ""
         self.proc = subprocess.Popen(
-            args,
+            self.launch(args),
             cwd=ROOT,
             stderr=subprocess.PIPE,
             start_new_session=True,
@@ -354,7 +412,7 @@ class Child:
         if self.stopped is not None:
             return -self.stopped, "", ""
         self.proc = subprocess.Popen(
-            args,
+            self.launch(args),
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -481,6 +539,8 @@ class RowJob:
         os.chdir(ROOT)
         if str(ROOT) not in sys.path:
             sys.path.insert(0, str(ROOT))
+        if self.engine != "local":  # a process of its own, which may be killed
+            self.child.parent_death = Child(signal.SIGTERM).parent_death
         t0 = time.time()
         with LoadWatch() as load:
             out = self._run()
@@ -507,11 +567,13 @@ class RowJob:
             }
         finished = saved is not None and (run_dir / "results.json").is_file()
         if not finished:
-            if newest_checkpoint(run_dir) is not None:
+            wait_for_run_dir(run_dir)
+            if (found := newest_checkpoint(run_dir)) is not None:
                 record["resumed"] = (
                     "continued from the checkpoints in its run directory: "
                     "train_minutes counts the last stretch only"
                 )
+                record["resumed_step"] = checkpoint_step(found)
             code, stderr = self.child.run(self.train, self.threads)
             killed = signal_name(code)
             if self.child.stopped is not None or killed:
