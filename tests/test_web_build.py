@@ -361,7 +361,10 @@ def test_a_phone_layout_travels_in_its_png_and_the_page_shows_it_on_a_narrow_col
     html, _ = build.make_exporter([]).from_notebook_node(nb, resources={})
     figure = html[html.index('<figure class="plot') : html.index("</figure>")]
     # both layouts, the phone's hidden until the figure is narrower than 594 px
-    assert "@container (max-width: 593.98px)" in figure and ".plot-1 img.wide" in figure
+    assert (
+        "@container (max-width: 593.98px)" in figure
+        and "figure.plot.plot-1 img.wide" in figure
+    )
     assert figure.count("<img") == 2 and 'class="narrow"' in figure
     assert base64.b64encode(narrow).decode() in figure
 
