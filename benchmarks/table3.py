@@ -310,21 +310,26 @@ def row_overrides(row: dict, base: dict, options: set[str]) -> tuple[dict, str]:
     return fields, note
 
 
-def commit() -> str:
+def commit(outputs: tuple = (), root: Path = ROOT) -> str:
     """The commit the program was at when a row started (``+changes`` when the tree
-    had uncommitted changes), for the provenance of a Table 3 (§6.2) row."""
+    had uncommitted changes to tracked files other than the driver's own
+    ``outputs``: the results file and its figures), for a Table 3 (§6.2) row's
+    provenance."""
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True
         ).stdout.strip()
-        dirty = subprocess.run(
+        status = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=ROOT,
+            cwd=root,
             capture_output=True,
             text=True,
-        ).stdout.strip()
+        ).stdout
     except OSError:
         return "unknown"
+    ours = {str(Path(o).absolute().relative_to(root)) for o in outputs}
+    changed = [line[3:].strip() for line in status.splitlines() if line.strip()]
+    dirty = [c for c in changed if c.split(" -> ")[-1] not in ours]
     return (head or "unknown") + ("+changes" if dirty else "")
 
 
@@ -1078,7 +1083,9 @@ def drive(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool) ->
         write_table(out, refreshed(data, base, budget))
         log(f"{out}: summary, tests and figures rewritten from its rows")
         return 0
-    head = commit()
+    head = commit(
+        (out, out.with_suffix(".png"), out.with_name(out.stem + "-curves.png"))
+    )
     if not smoke and head.endswith("+changes"):
         raise TableError(
             "the working tree has uncommitted changes: a Table 3 row is recorded "

@@ -712,7 +712,7 @@ def test_a_row_whose_process_is_killed_names_the_signal_and_is_left_to_resume(tm
 
 def test_a_row_is_recorded_only_from_a_commit(tmp_path, monkeypatch):
     runner = load_script(SCRIPT, "table3_runner")
-    monkeypatch.setattr(runner, "commit", lambda: "0" * 40 + "+changes")
+    monkeypatch.setattr(runner, "commit", lambda outputs=(): "0" * 40 + "+changes")
     args = runner.parse_args(["--out", str(tmp_path / "t.json")])
     with pytest.raises(runner.TableError, match="uncommitted changes"):
         runner.drive(args, runner.BASE, runner.BUDGET, tmp_path / "t.json",
@@ -791,3 +791,26 @@ def test_the_readmes_wall_time_for_a_cluster_is_read_from_the_recorded_minutes()
     assert said, "the README states the table's CPU-hours and a cluster's wall time"
     assert int(said.group(1)) == round(hours)
     assert float(said.group(2)) == round(hours / int(said.group(3)), 1)
+
+
+def test_the_drivers_own_results_file_does_not_count_as_a_change(tmp_path):
+    runner = load_script(SCRIPT, "table3_runner")
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                       cwd=tmp_path, check=True, capture_output=True)  # fmt: skip
+
+    (tmp_path / "results").mkdir()
+    out = tmp_path / "results" / "table3.json"
+    out.write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-qm", "start")
+    head = runner.commit(root=tmp_path)
+    assert len(head) == 40
+    out.write_text('{"rows": []}')  # as the driver leaves it between two rows
+    assert runner.commit((out,), root=tmp_path) == head  # its own output
+    assert runner.commit(root=tmp_path) == head + "+changes"
+    (tmp_path / "code.py").write_text("x = 2\n")  # a change to the code is one
+    assert runner.commit((out,), root=tmp_path) == head + "+changes"
