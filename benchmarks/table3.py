@@ -327,7 +327,8 @@ def commit(outputs: tuple = (), root: Path = ROOT) -> str:
         ).stdout
     except OSError:
         return "unknown"
-    ours = {str(Path(o).absolute().relative_to(root)) for o in outputs}
+    inside = [Path(o).absolute() for o in outputs]  # outside the tree: untracked
+    ours = {str(o.relative_to(root)) for o in inside if o.is_relative_to(root)}
     changed = [line[3:].strip() for line in status.splitlines() if line.strip()]
     dirty = [c for c in changed if c.split(" -> ")[-1] not in ours]
     return (head or "unknown") + ("+changes" if dirty else "")
