@@ -44,10 +44,17 @@ def smallest_text_pt(fig) -> float | None:
     labels, tick labels, legends, notes), or None where it draws none."""
     from matplotlib.text import Text
 
+    hidden = {  # the tick labels of axes turned off are never drawn
+        id(t)
+        for ax in fig.axes
+        if not ax.axison
+        for axis in (ax.xaxis, ax.yaxis)
+        for t in axis.findobj(Text)
+    }
     sizes = [
         t.get_fontsize()
         for t in fig.findobj(Text)
-        if t.get_visible() and t.get_text().strip()
+        if t.get_visible() and t.get_text().strip() and id(t) not in hidden
     ]
     return min(sizes) if sizes else None
 
