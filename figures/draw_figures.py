@@ -11,10 +11,12 @@ Re-run from the repository root with
 
 which (re)writes ``figures/figure1_transformer.png`` and
 ``figures/figure2_attention.png`` and prints their paths. Each PNG records the size of
-its smallest text in points, and Figure 2 carries its phone layout, its two panels
-stacked (machinery/figures.py), so that the web page shows every text at 11 CSS px or
-more: Figure 1 at its real size (8.4 inches, 806 CSS px, 1.33 px per point) from 8.5 pt,
-Figure 2's phone layout in a 323-px column (1.1 px per point) from 10 pt.
+its smallest text in points and carries its phone layout (machinery/figures.py):
+Figure 1 in one column, the encoder below the decoder; Figure 2 with its two panels
+stacked. The web page so shows every text at 11 CSS px or more: Figure 1 at its real
+size (8.4 inches, 806 CSS px, 1.33 px per point) from 8.5 pt, Figure 2 in a 928-px
+column from 10 pt, and both phone layouts in a 323-px column (1.1 px per point) from
+10 pt.
 """
 
 import sys
@@ -128,9 +130,11 @@ def note(ax, x, y, s, size=FIG1_SMALL_PT, **kw):
     ax.text(x, y, s, fontsize=size, color="#333333", **kw)
 
 
-def box(ax, x, y, w, h, label, kind, code=None, size=10, stack=0, zorder=3) -> Box:
+def box(
+    ax, x, y, w, h, label, kind, code=None, size=10, stack=0, zorder=3, code_size=None
+) -> Box:
     """A rounded box centred at (x, y); ``stack`` > 0 draws that many copies behind
-    it."""
+    it; ``code`` (grey, ``code_size`` points) under its label."""
     for i in range(stack, -1, -1):
         dx = dy = 0.07 * i
         ax.add_patch(
@@ -155,7 +159,9 @@ def box(ax, x, y, w, h, label, kind, code=None, size=10, stack=0, zorder=3) -> B
             fontsize=size,
             zorder=zorder + 1,
         )
-        code_text(ax, x, y - 0.135, code, zorder=zorder + 1)
+        code_text(
+            ax, x, y - 0.135, code, size=code_size or FIG1_SMALL_PT, zorder=zorder + 1
+        )
     else:
         ax.text(x, y, label, ha="center", va="center", fontsize=size, zorder=zorder + 1)
     return Box(x, y, w, h)
@@ -461,7 +467,165 @@ def draw_figure1(path: Path) -> None:
         linespacing=1.5,
     )
 
-    save(fig, path)
+    save(fig, path, narrow=figure1_stacked())
+
+
+# Figure 1 for a phone (our addition): one column, the encoder below the decoder, its
+# output (the memory) climbing the right-hand side into the decoder's keys and values;
+# every text 10 pt in 4 inches, so that it reads at 11 CSS px in a phone's column.
+PHONE_W, PHONE_BOX_W, PHONE_PT = 4.0, 2.5, 10
+
+
+def phone_stack(ax, cx, y0, blocks, memory_x=None):
+    """One layer of the phone's Figure 1 from ``y0`` up: each sub-layer and its Add &
+    Norm, residual lines on the left; a cross-attention takes its query from below
+    (left) and its keys and values from the memory line at ``memory_x``. Returns the
+    boxes and the frame's bottom and top."""
+    rows = sublayer_rows(y0 + 0.65, [b[1] for b in blocks])
+    if memory_x is not None:
+        rows[2:] = [y + 0.2 for y in rows[2:]]  # room for the memory line
+    bottom, top = y0, rows[-1] + BOX_H / 2 + 0.22
+    half = PHONE_BOX_W / 2 + FRAME_PAD
+    ax.add_patch(
+        FancyBboxPatch(
+            (cx - half, bottom),
+            2 * half,
+            top - bottom,
+            boxstyle="round,pad=0,rounding_size=0.15",
+            facecolor=COLORS["stack"],
+            edgecolor=EDGE,
+            linewidth=1.1,
+            zorder=1,
+        )
+    )
+    drawn, prev_top, split_y = [], y0 - 0.35, None
+    x_res = cx - PHONE_BOX_W / 2 - RES_GAP
+    for (label, kind, code, inputs), y in zip(blocks, rows):
+        b = box(ax, cx, y, PHONE_BOX_W, BOX_H, label, kind, code=code,
+                size=PHONE_PT, code_size=PHONE_PT)  # fmt: skip
+        if kind == "norm":
+            arrow(ax, (cx, drawn[-1].top), (cx, b.bottom))
+            arrow(ax, (cx, split_y), (x_res, split_y), (x_res, b.y), (b.left, b.y))
+        else:
+            split_y = b.bottom - SPLIT if inputs != "q" else prev_top + 0.13
+            arrow(ax, (cx, prev_top), (cx, split_y), head=False)
+            if inputs == "qkv":
+                fan_in(ax, split_y, b.bottom, [cx - 0.6, cx, cx + 0.6], cx)
+            elif inputs == "q":
+                fan_in(ax, split_y, b.bottom, [cx - 0.6], cx)
+                y_kv = b.bottom - 0.16
+                arrow(ax, (memory_x, y_kv), (cx, y_kv), head=False)
+                for x in (cx, cx + 0.6):
+                    arrow(ax, (x, y_kv), (x, b.bottom))
+            else:
+                arrow(ax, (cx, split_y), (cx, b.bottom))
+        drawn.append(b)
+        prev_top = b.top
+    return drawn, bottom, top
+
+
+def phone_embedding(ax, cx, y0, label_text, emb_label, y_label=None):
+    """Input label (unless ``y_label`` is None) → embedding → ⊕ with the positional
+    encoding's icon on the right, from ``y0`` up; returns the ⊕."""
+    emb = box(ax, cx, y0 + 0.85, PHONE_BOX_W, BOX_H, emb_label, "embed",
+              code="Embeddings", size=PHONE_PT, code_size=PHONE_PT)  # fmt: skip
+    if y_label is not None:
+        ax.text(cx, y_label, label_text, ha="center", va="center", fontsize=11)
+        arrow(ax, (cx, y_label + 0.17), (cx, emb.bottom))
+    plus = adder(ax, cx, emb.top + 0.62)
+    arrow(ax, (cx, emb.top), (cx, plus.bottom))
+    icon = sine_icon(ax, cx + 0.65, plus.y)
+    arrow(ax, (icon.x - icon.w / 2, icon.y), (cx + plus.w / 2, plus.y))
+    ax.text(icon.x + 0.26, plus.y, "Positional\nEncoding", ha="left", va="center",
+            fontsize=PHONE_PT, linespacing=1.0)  # fmt: skip
+    code_text(ax, cx + 0.12, emb.top + 0.2, "PositionalEncoding", ha="left",
+              size=PHONE_PT)  # fmt: skip
+    return plus, emb
+
+
+def figure1_stacked():
+    """Figure 1 of the paper (§3) for a phone's column: the encoder's layer, then the
+    decoder's above it, then the output head; the paper's dimensions at the top."""
+    enc_blocks = [
+        ("Multi-Head Attention", "attention", "MultiHeadedAttention", "qkv"),
+        ("Add & Norm", "norm", "SublayerConnection", None),
+        ("Feed Forward", "ffn", "PositionwiseFeedForward", "x"),
+        ("Add & Norm", "norm", "SublayerConnection", None),
+    ]
+    dec_blocks = [
+        ("Masked Multi-Head Attention", "attention", "MultiHeadedAttention", "qkv"),
+        ("Add & Norm", "norm", "SublayerConnection", None),
+        ("Multi-Head Attention", "attention", "MultiHeadedAttention", "q"),
+        ("Add & Norm", "norm", "SublayerConnection", None),
+        ("Feed Forward", "ffn", "PositionwiseFeedForward", "x"),
+        ("Add & Norm", "norm", "SublayerConnection", None),
+    ]
+    fig, ax = new_axes(PHONE_W, 18)
+    cx, memory_x = 1.95, PHONE_W - 0.32
+
+    enc_plus, _ = phone_embedding(ax, cx, 0.2, "Inputs", "Input Embedding", 0.2)
+    enc, enc_bottom, enc_top = phone_stack(ax, cx, enc_plus.top + 0.45, enc_blocks)
+    arrow(ax, (cx, enc_plus.top), (cx, enc_bottom - 0.35), head=False)
+    layer_label(ax, enc_bottom, enc_top, "N = 6 × EncoderLayer (Encoder)")
+
+    dec_y0 = enc_top + 0.55
+    ax.text(0.25, dec_y0 + 0.02, "Outputs (shifted right)", ha="left", va="center",
+            fontsize=11)  # fmt: skip
+    dec_plus, dec_emb = phone_embedding(ax, cx, dec_y0 - 0.05, "", "Output Embedding")
+    arrow(ax, (0.95, dec_y0 + 0.17), (0.95, dec_emb.bottom))
+    dec, dec_bottom, dec_top = phone_stack(
+        ax, cx, dec_plus.top + 0.45, dec_blocks, memory_x=memory_x
+    )
+    arrow(ax, (cx, dec_plus.top), (cx, dec_bottom - 0.35), head=False)
+    layer_label(ax, dec_bottom, dec_top, "N = 6 × DecoderLayer (Decoder)")
+
+    # The memory: from the encoder's last Add & Norm up the right-hand side.
+    y_out = enc_top + 0.22
+    y_kv = dec[2].bottom - 0.16
+    arrow(ax, (cx, enc[-1].top), (cx, y_out), (memory_x, y_out), (memory_x, y_kv),
+          head=False)  # fmt: skip
+    note(ax, memory_x + 0.15, (y_out + y_kv) / 2,
+         "encoder output (memory): keys $K$, values $V$", rotation=90,
+         size=PHONE_PT)  # fmt: skip
+
+    lin = box(ax, cx, dec_top + 0.6, PHONE_BOX_W, BOX_H, "Linear", "linear",
+              code="Generator", size=PHONE_PT, code_size=PHONE_PT)  # fmt: skip
+    soft = box(ax, cx, lin.top + 0.5, PHONE_BOX_W, BOX_H, "Softmax", "softmax",
+               code="(log-softmax)", size=PHONE_PT, code_size=PHONE_PT)  # fmt: skip
+    arrow(ax, (cx, dec[-1].top), (cx, lin.bottom))
+    arrow(ax, (cx, lin.top), (cx, soft.bottom))
+    arrow(ax, (cx, soft.top), (cx, soft.top + 0.3))
+    ax.text(cx, soft.top + 0.37, "Output Probabilities", ha="center", va="bottom",
+            fontsize=11)  # fmt: skip
+
+    top = soft.top + 2.85  # above "Output Probabilities", the title and the notes
+    fig.set_size_inches(PHONE_W, top + 0.3)
+    ax.set_ylim(0, top + 0.3)
+    ax.text(PHONE_W / 2, top, "Transformer (post-norm)", ha="center", va="center",
+            fontsize=13, weight="bold")  # fmt: skip
+    code_text(ax, PHONE_W / 2, top - 0.3, "EncoderDecoder / make_model()",
+              size=PHONE_PT)  # fmt: skip
+    note(
+        ax,
+        PHONE_W / 2,
+        top - 1.05,
+        "Add & Norm: $\\mathrm{LayerNorm}(x + \\mathrm{Sublayer}(x))$\n"
+        "$h = 8$ heads, $d_k = d_v = d_{\\mathrm{model}}/h = 64$\n"
+        "$d_{\\mathrm{model}} = 512$ (every sub-layer's output),\n"
+        "$d_{ff} = 2048$, $N = 6$",
+        size=PHONE_PT,
+        linespacing=1.5,
+    )
+    code_text(ax, PHONE_W / 2, top - 1.85, "decoder: tgt_mask = subsequent_mask",
+              size=PHONE_PT)  # fmt: skip
+    return fig
+
+
+def layer_label(ax, bottom, top, code):
+    """ "N×" and what repeats, along the left of a layer's frame (the phone's
+    Figure 1)."""
+    ax.text(0.1, top - 0.3, "N×", rotation=90, ha="center", va="top", fontsize=12)
+    code_text(ax, 0.1, top - 0.75, code, rotation=90, va="top", size=PHONE_PT)
 
 
 # --------------------------------------------------------------------------------------

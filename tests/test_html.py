@@ -1422,9 +1422,9 @@ def test_no_figure_is_wider_than_its_column_or_scrolls_sideways(fresh, width):
 
 
 # Known to fail until the notebook is run again (its stored figures predate the ones
-# redrawn with 10-pt text and phone layouts) and until Figure 1 has a phone layout and
-# the plots Parts 1-3 draw themselves (the positional encoding, the learning rate,
-# label smoothing) are drawn about 4 inches wide: remove the mark then.
+# redrawn with larger text and phone layouts) and the plots Parts 1-3 draw themselves
+# (the positional encoding, the learning rate, label smoothing) are drawn about 4
+# inches wide: remove the mark then.
 @pytest.mark.xfail(reason="the notebook's figures are not all redrawn yet")
 @pytest.mark.parametrize("width", WIDTHS)
 def test_every_figures_smallest_text_reads_at_11_px(fresh, width):
@@ -1457,6 +1457,7 @@ def figures_site(tmp_path_factory, site) -> Path:
 
 
 PHONE_LAID_OUT = [
+    ROOT / "figures" / "figure1_transformer.png",
     ROOT / "figures" / "figure2_attention.png",
     ROOT / "results" / "table3.png",
     ROOT / "results" / "table3-curves.png",

@@ -321,8 +321,7 @@ def test_a_committed_figures_smallest_text_reads_at_11_px_where_the_page_shows_i
         f"{' (its phone layout)' if narrow else ''}"
     )
     assert text_px(png, COLUMNS[1280]) >= build.LEGIBLE_PX
-    if path.name != "figure1_transformer.png":  # it has no phone layout yet
-        assert text_px(on_phone, COLUMNS[390]) >= build.LEGIBLE_PX
+    assert text_px(on_phone, COLUMNS[390]) >= build.LEGIBLE_PX
 
 
 def test_a_phone_layout_travels_in_its_png_and_the_page_shows_it_on_a_narrow_column():
