@@ -72,7 +72,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
-from profiling import counted_flops, meta_batch, window_counts  # noqa: E402
+from profiling import (  # noqa: E402
+    counted_flops,
+    meta_batch,
+    native_stderr_quiet,
+    window_counts,
+)
 
 # Optional packages: what each one's absence costs.
 OPTIONAL = MappingProxyType(
@@ -302,6 +307,17 @@ def iwslt_folder(data: Optional[Path]) -> Optional[Path]:
     return None
 
 
+def emptied_folder(work: Path, data: Path) -> Optional[Path]:
+    """The folder under ``work`` that the check empties (the stand-in data, the runs,
+    the caches) and that holds ``data`` or lies inside it, or None."""
+    data = data.resolve()
+    for name in ("mirror", "runs", "data"):
+        folder = (work / name).resolve()
+        if folder == data or folder in data.parents:
+            return work / name
+    return None
+
+
 def build_standin(src: Optional[Path], folder: Path, pairs: int) -> dict:
     """An ``iwslt14/`` folder under ``folder``: ``src``'s training pairs repeated to
     ``pairs`` pairs, its valid and test splits (shortened in the smoke mode); random
@@ -443,7 +459,8 @@ class Recorder:
             if self.device.type == "cuda":
                 acts.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=acts)
-            self.prof.start()
+            with native_stderr_quiet(self.device.type != "cuda"):
+                self.prof.start()
         out = self.real(run, micro)  # ends in the update's one host sync
         self.ends.append(time.perf_counter())
         self.tokens.append(out[1])
@@ -459,7 +476,8 @@ class Recorder:
             self.smi_result, self.smi = self.smi.close(), None
         if self.prof is not None and n == self.warm + self.timed + self.profiled:
             self.sync()
-            self.prof.stop()
+            with native_stderr_quiet(self.device.type != "cuda"):
+                self.prof.stop()
             counts = window_counts(list(self.prof.events()))
             self.prof = None
             self.window = {
@@ -481,7 +499,8 @@ class Recorder:
     def __exit__(self, *exc):
         self.training.update = self.real
         if self.prof is not None:
-            self.prof.stop()
+            with native_stderr_quiet(self.device.type != "cuda"):
+                self.prof.stop()
         if self.smi is not None:
             self.smi.close()
 
@@ -584,8 +603,32 @@ def main(argv=None) -> int:
     if not cuda:  # the smoke mode measures nothing; one thread stays out of the way
         torch.set_num_threads(1)
     work = args.work or args.out / ("work-smoke" if smoke else "work")
-    work.mkdir(parents=True, exist_ok=True)
-    args.out.mkdir(parents=True, exist_ok=True)
+    if source is not None and (clash := emptied_folder(work, source)):
+        print(
+            f"gpu_check: --data {args.data} lies in {clash}, which the check empties "
+            "and refills under --work; it never deletes what it reads: give a --work "
+            "outside the data",
+            file=sys.stderr,
+        )
+        return 2
+    for folder, option in ((args.out, "--out"), (work, "--work")):
+        if folder.exists() and not folder.is_dir():
+            print(
+                f"gpu_check: {option} {folder} is a file, not a folder", file=sys.stderr
+            )
+            return 2
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            probe = folder / f".gpu-check-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            print(
+                f"gpu_check: cannot write in {option} {folder}: "
+                f"{e.strerror or e}{' (' + e.filename + ')' if e.filename else ''}",
+                file=sys.stderr,
+            )
+            return 2
     report: dict = {
         "smoke": smoke,
         "when": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

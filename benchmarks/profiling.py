@@ -8,6 +8,9 @@ Needs only torch, and reads only attributes every torch 2.x profiler event has
 
 from __future__ import annotations
 
+import os
+import sys
+from contextlib import contextmanager
 from types import SimpleNamespace
 from typing import Callable, Iterable, Sequence
 
@@ -95,3 +98,23 @@ def meta_batch(src_shape: Sequence[int], tgt_shape: Sequence[int]) -> SimpleName
         src_mask=torch.empty(b, 1, s, dtype=torch.bool, device="meta"),
         tgt_mask=torch.empty(b, t, t, dtype=torch.bool, device="meta"),
     )
+
+
+@contextmanager
+def native_stderr_quiet(quiet: bool = True):
+    """Within the block, the C++ side's standard error goes nowhere when ``quiet``:
+    the profiler's own start and stop lines ("USDT: … profiler_start"), which no
+    environment variable turns off on a CPU (our addition). Python's own messages are
+    flushed first."""
+    if not quiet:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

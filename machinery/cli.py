@@ -16,6 +16,7 @@ import os
 import re
 import signal
 import sys
+from pathlib import Path
 from typing import NoReturn, Optional, Sequence
 
 import torch.distributed as dist
@@ -60,6 +61,35 @@ def _parse_value(text: str, like, name: str = ""):
         ) from None
 
 
+# The fields of the data step (reading, vocabulary, filtering) that the copy task, whose
+# data is generated, never uses.
+COPY_UNUSED = ("vocab", "bpe_size", "min_freq", "max_tokens", "data_dir", "data_mirror")
+
+
+def repeated_option(argv: Sequence[str]) -> Optional[str]:
+    """A line naming an option given more than once (``--beam 1 --beam 5``: which one
+    was meant?), or None (our addition). ``--run-dir`` and ``--run_dir`` are one
+    option; nothing after ``--`` is an option."""
+    seen: dict = {}
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            break
+        if not arg.startswith("--") or len(arg) == 2:
+            continue
+        name = arg[2:].split("=", 1)[0].replace("-", "_")
+        if "=" in arg:
+            value = arg.split("=", 1)[1]
+        else:
+            value = argv[i + 1] if i + 1 < len(argv) else ""
+        if name in seen:
+            return (
+                f"--{name} is given twice ({shorten(repr(seen[name]))} and "
+                f"{shorten(repr(value))}): give it once"
+            )
+        seen[name] = value
+    return None
+
+
 def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
     """(command, Config) from ``train --config NAME --field value ...``."""
     parser = OneLineParser(
@@ -93,13 +123,22 @@ def config_from_args(argv: Sequence[str]) -> tuple[str, Config]:
         for f in dataclasses.fields(Config)
         if getattr(args, f.name) is not None
     }
+    if overrides.get("run_dir") is not None and not overrides["run_dir"].strip():
+        parser.error("--run_dir must name a folder, not an empty string")
     preset = args.config or default_preset()
     try:  # the preset with the overrides: Config.__post_init__ checks every field
         cfg = get_config(preset, **overrides)
     except ValueError as e:
         parser.error(str(e))
+    if cfg.dataset == "copy" and (unused := [n for n in COPY_UNUSED if n in overrides]):
+        parser.error(
+            f"{', '.join('--' + n for n in unused)}: the copy task makes its data "
+            "rather than reading it, so these have no effect on it; leave them out"
+        )
     if not cfg.run_dir:
         cfg = dataclasses.replace(cfg, run_dir=str(run_dir_for(cfg, preset)))
+    if ".." in Path(cfg.run_dir).parts:  # one meaning of ".." for every file: the OS's
+        cfg = dataclasses.replace(cfg, run_dir=os.path.realpath(cfg.run_dir))
     return args.command, cfg
 
 
@@ -224,6 +263,9 @@ def main(argv: Sequence[str]) -> int:
             )
             return 2
         return 0 if argv else 2
+    if problem := repeated_option(argv):
+        print(f"the_annotated_transformer.py: error: {problem}", file=sys.stderr)
+        return 2
     if argv[0] not in COMMANDS and not argv[0].startswith("-"):
         print(
             f"the_annotated_transformer.py: error: unknown command {argv[0]!r} "

@@ -108,8 +108,9 @@ def _config_rules(c: "Config") -> list:
         ),
         (
             "adam_eps",
-            _finite(c.adam_eps) and c.adam_eps > 0,
-            "must be a finite number above 0",
+            _finite(c.adam_eps) and 0 < c.adam_eps <= 1,
+            "must be above 0 and at most 1 (§5.3: 1e-9; a larger ε shrinks every "
+            "update until the model cannot learn)",
         ),
         (
             "weight_decay",

@@ -50,10 +50,17 @@ def atomic_file(path: Path, mode: str = "wb"):
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     try:
-        with os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with os.fdopen(
+                fd, mode, **({} if "b" in mode else {"encoding": "utf-8"})
+            ) as f:
+                yield f
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:  # a full disk while writing: name the file asked for
+            if e.filename or e.errno is None:
+                raise
+            raise OSError(e.errno, e.strerror, str(path)) from None
         try:
             os.replace(tmp, path)
         except OSError as e:  # name the file asked for, not the temporary one
@@ -709,7 +716,18 @@ def lock_run_dir(run_dir: Path):
         import fcntl
     except ImportError:  # no flock on this system: runs are not locked
         return None
-    f = open(Path(run_dir) / "run.lock", "a+", encoding="utf-8")
+    path = Path(run_dir) / "run.lock"
+    try:  # never through a symbolic link: the lock's text would overwrite its target
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    except OSError as e:
+        if path.is_symlink():
+            raise RunDirectoryError(
+                f"{path} is a symbolic link (to {os.readlink(path)}); a run writes its "
+                "lock only into a file of its own: remove the link, or give another "
+                "--run_dir"
+            ) from None
+        raise OSError(e.errno, e.strerror, str(path)) from None
+    f = os.fdopen(fd, "r+", encoding="utf-8")
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -734,6 +752,12 @@ def lock_run_dir(run_dir: Path):
 def open_run_dir(run_dir: Path):
     """Create and lock ``run_dir`` (:func:`lock_run_dir`); remove temporary files a
     killed run left — our addition."""
+    if run_dir.is_symlink() and not run_dir.exists():
+        raise RunDirectoryError(
+            f"run directory {run_dir} is a symbolic link to {os.readlink(run_dir)}, "
+            "which does not exist (or is a loop): create its target, or give another "
+            "--run_dir"
+        )
     if run_dir.exists() and not run_dir.is_dir():
         raise RunDirectoryError(f"run directory {run_dir} is a file, not a directory")
     if run_dir.is_dir():

@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import pytest
 import torch
@@ -41,6 +41,26 @@ TRAIN = [
     "fp32",
 ]
 NORMAL = ["1 2 3 4 5", "7 7 8", "9 10 1 2", "3"]
+
+
+def given_once(base: Sequence[str], more: Sequence[str]) -> list:
+    """``base`` then ``more``, without those of ``base``'s options (and their values)
+    that ``more`` gives again: an option is given once (a repeated one is refused)."""
+    given = {o for o in more if o.startswith("--")}
+    out, skip = [], False
+    for arg in base:
+        if skip:
+            skip = False
+        elif arg in given:
+            skip = True
+        else:
+            out.append(arg)
+    return [*out, *more]
+
+
+def train_with(*opt: str) -> list:
+    """TRAIN with the options in ``opt`` given instead of TRAIN's own."""
+    return given_once(TRAIN, opt)
 
 
 @pytest.fixture(scope="module")
@@ -106,20 +126,25 @@ def write(path: Path, data) -> Path:
 
 
 def translate(ctx, *more):
-    return ["translate", "--checkpoint", str(ctx.ck), "--beam", "1", *more]
+    """translate with the test model, greedy unless ``more`` gives --beam."""
+    beam = [] if "--beam" in more else ["--beam", "1"]
+    return ["translate", "--checkpoint", str(ctx.ck), *beam, *more]
 
 
-def evaluate(ctx, src, ref):
+def evaluate(ctx, src, ref, *more):
+    """evaluate the test model on files ``src`` and ``ref``, greedy unless ``more``
+    gives --beam."""
+    beam = [] if "--beam" in more else ["--beam", "1"]
     return [
         "evaluate",
         "--checkpoint",
         str(ctx.ck),
-        "--beam",
-        "1",
+        *beam,
         "--src",
         str(ctx.tmp / src),
         "--ref",
         str(ctx.tmp / ref),
+        *more,
     ]
 
 
@@ -186,14 +211,14 @@ OPTIONS = [
     ),
     Case(
         "evaluate beam 0",
-        lambda c: evaluate(c, "s", "r") + ["--beam", "0"],
+        lambda c: evaluate(c, "s", "r", "--beam", "0"),
         2,
         ("--beam",),
     ),
     *[
         Case(
             f"train {' '.join(opt)}",
-            lambda c, opt=opt: [*TRAIN, *opt, "--run_dir", str(c.tmp / "run")],
+            lambda c, opt=opt: [*train_with(*opt), "--run_dir", str(c.tmp / "run")],
             2,
             words,
             check=lambda c, r: not (c.tmp / "run").exists(),
@@ -244,7 +269,11 @@ if not torch.cuda.is_available():
     OPTIONS.append(
         Case(
             "train --device cuda on a CPU-only machine",
-            lambda c: [*TRAIN, "--device", "cuda", "--run_dir", str(c.tmp / "run")],
+            lambda c: [
+                *train_with("--device", "cuda"),
+                "--run_dir",
+                str(c.tmp / "run"),
+            ],
             2,
             ("no CUDA",),
         )
@@ -659,14 +688,14 @@ ROUND_THREE = [
     ),
     Case(
         "evaluate --beam 99999999999",
-        lambda c: evaluate(c, "s", "r") + ["--beam", "99999999999"],
+        lambda c: evaluate(c, "s", "r", "--beam", "99999999999"),
         2,
         ("--beam", "1,000"),
     ),
     *[
         Case(
             f"train {' '.join(opt)}",
-            lambda c, opt=opt: [*TRAIN, *opt, "--run_dir", str(c.tmp / "run")],
+            lambda c, opt=opt: [*train_with(*opt), "--run_dir", str(c.tmp / "run")],
             2,
             words,
             check=lambda c, r: not (c.tmp / "run").exists(),
@@ -679,7 +708,7 @@ ROUND_THREE = [
     ],
     Case(
         "train --max_len 3, shorter than the data",
-        lambda c: [*TRAIN, "--max_len", "3", "--run_dir", str(c.tmp / "run")],
+        lambda c: [*train_with("--max_len", "3"), "--run_dir", str(c.tmp / "run")],
         2,
         ("--max_len 3", "12 positions", "--max_len 12"),
         check=lambda c, r: not machinery.checkpoint_paths(c.tmp / "run")
@@ -869,6 +898,75 @@ ROUND_THREE = [
 ]
 
 
+# --- round five: repeated options, options the copy task ignores, symbolic links -----
+
+
+def planted_lock(c):
+    """A run directory whose run.lock is a symbolic link to a file of results."""
+    (c.tmp / "run").mkdir()
+    write(c.tmp / "results.json", '{"bleu": 27.3}\n')
+    (c.tmp / "run" / "run.lock").symlink_to(c.tmp / "results.json")
+
+
+def dangling_run_dir(c):
+    (c.tmp / "run").symlink_to(c.tmp / "nowhere")
+
+
+ROUND_FIVE = [
+    *[
+        Case(
+            f"train {' '.join(opt)}",
+            lambda c, opt=opt: [*train_with(*opt), "--run_dir", str(c.tmp / "run")],
+            2,
+            words,
+            check=lambda c, r: not (c.tmp / "run").exists()
+            and not (c.tmp / "A").exists(),
+        )
+        for opt, words in [
+            (["--adam_eps", "1e300"], ("adam_eps", "at most 1", "cannot learn")),
+            (["--adam_eps", "1e20"], ("adam_eps", "at most 1")),
+            (["--epochs", "2", "--epochs", "1"], ("--epochs", "twice", "'2'", "'1'")),
+            (["--run_dir", str(Path("A"))], ("--run_dir", "twice")),
+            (["--run-dir", "A"], ("--run_dir", "twice")),
+            (
+                ["--vocab", "words", "--min_freq", "1000000"],
+                ("--vocab", "--min_freq", "copy task"),
+            ),
+            (["--max_tokens", "1"], ("--max_tokens", "copy task", "no effect")),
+        ]
+    ],
+    Case(
+        "translate --beam 1 --beam 5",
+        lambda c: ["translate", "--checkpoint", str(c.ck), "--beam", "1"]
+        + ["--beam", "5", "1 2"],
+        2,
+        ("--beam", "twice", "'1'", "'5'"),
+    ),
+    Case(
+        "train --run_dir ''",
+        lambda c: [*TRAIN, "--run_dir", ""],
+        2,
+        ("--run_dir", "empty"),
+    ),
+    Case(
+        "train into a run directory whose run.lock is a symbolic link",
+        lambda c: [*TRAIN, "--max_steps", "1", "--run_dir", str(c.tmp / "run")],
+        2,
+        ("run.lock", "symbolic link", "results.json"),
+        setup=planted_lock,
+        check=lambda c, r: (c.tmp / "results.json").read_text() == '{"bleu": 27.3}\n',
+    ),
+    Case(
+        "train into a dangling symbolic link",
+        lambda c: [*TRAIN, "--max_steps", "1", "--run_dir", str(c.tmp / "run")],
+        2,
+        ("symbolic link", "nowhere", "does not exist"),
+        setup=dangling_run_dir,
+        check=lambda c, r: not (c.tmp / "nowhere").exists(),
+    ),
+]
+
+
 class FailingStdout(io.TextIOWrapper):
     """Standard output whose file descriptor went away (EBADF on writing)."""
 
@@ -899,7 +997,7 @@ def run_main(argv, stdin, monkeypatch, capsys, env=None, streams=""):
 
 
 @pytest.mark.parametrize(
-    "case", OPTIONS + FILES + LINES + ROUND_THREE, ids=lambda c: c.name
+    "case", OPTIONS + FILES + LINES + ROUND_THREE + ROUND_FIVE, ids=lambda c: c.name
 )
 def test_bad_input_is_one_clear_line_and_loses_nothing(
     case, model, tmp_path, monkeypatch, capsys
@@ -931,7 +1029,7 @@ def test_debug_shows_the_traceback(model, monkeypatch, capsys):
 
 
 def train(run_dir: Path, *more: str) -> list:
-    return [*TRAIN, "--run_dir", str(run_dir), *more]
+    return given_once([*TRAIN, "--run_dir", str(run_dir)], more)
 
 
 def metrics(run_dir: Path) -> list:
@@ -1141,17 +1239,19 @@ def full_disk_on_metrics(c, monkeypatch):
 
 def full_disk_on_curve(c, monkeypatch):
     """A finished run of 16 steps with its curve.png; then the next one finds the disk
-    full half-way through the figure."""
-    from matplotlib.figure import Figure
-
+    full when the figure's bytes go to the disk (fsync of its temporary file)."""
+    if not Path("/proc/self/fd").is_dir():
+        pytest.skip("needs /proc/self/fd to tell the figure's file from the others")
     c.main(train(c.run, "--max_steps", "16"))
     c.curve = (c.run / "curve.png").read_bytes()
+    real = os.fsync
 
-    def savefig(self, path, *a, **k):
-        Path(path).write_bytes(b"\x89PNG partial")
-        raise OSError(28, "No space left on device")
+    def fsync(fd):
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).name.startswith(".curve.png."):
+            raise OSError(28, "No space left on device")
+        return real(fd)
 
-    monkeypatch.setattr(Figure, "savefig", savefig)
+    monkeypatch.setattr(os, "fsync", fsync)
 
 
 def copied_checkpoint(c, monkeypatch):
@@ -1391,7 +1491,7 @@ def tiny_mirror(c, damage: Optional[Callable] = None) -> Path:
 
 def mirror_train(c, *more) -> list:
     """Train the tiny preset on the mirror of :func:`tiny_mirror`, offline."""
-    return [
+    base = [
         "train",
         "--config",
         "tiny",
@@ -1413,8 +1513,8 @@ def mirror_train(c, *more) -> list:
         "2",
         "--run_dir",
         str(c.tmp / "run"),
-        *more,
     ]
+    return given_once(base, more)
 
 
 def replaced_by(what: str) -> Callable:
@@ -1500,7 +1600,7 @@ ROUND_FOUR = [
     *[
         Case(
             f"train {' '.join(opt)}",
-            lambda c, opt=opt: [*TRAIN, *opt, "--run_dir", str(c.tmp / "run")],
+            lambda c, opt=opt: [*train_with(*opt), "--run_dir", str(c.tmp / "run")],
             2,
             words,
             check=no_run,
@@ -1930,3 +2030,29 @@ def test_a_model_too_large_is_refused_under_a_memory_limit(tmp_path):
     assert "MemoryError" not in err and not (tmp_path / "run").exists()
     peak_mib = int(r.stdout.split()[-1]) / 1024  # ru_maxrss: KiB on Linux
     assert peak_mib < 500, f"{peak_mib:.0f} MiB before the refusal"
+
+
+def test_dot_dot_after_a_link_means_one_folder_for_every_file(tmp_path, capsys):
+    """--run_dir X/link/../run: ".." is taken as the operating system takes it (the
+    link's target's parent), for the lock and every other file alike."""
+    (tmp_path / "elsewhere" / "a").mkdir(parents=True)
+    (tmp_path / "X").mkdir()
+    (tmp_path / "X" / "link").symlink_to(tmp_path / "elsewhere" / "a")
+    run = str(tmp_path / "X" / "link" / ".." / "run")
+    status = machinery.main([*TRAIN, "--max_steps", "2", "--run_dir", run])
+    assert status == 0, capsys.readouterr().err
+    assert (tmp_path / "elsewhere" / "run" / "run.lock").is_file()
+    assert machinery.checkpoint_paths(tmp_path / "elsewhere" / "run")
+    assert sorted(p.name for p in (tmp_path / "X").iterdir()) == ["link"]
+
+
+def test_the_training_log_names_its_threads_and_their_waiting(tmp_path, capsys):
+    from machinery.devices import usable_cores
+
+    status = machinery.main([*TRAIN, "--max_steps", "1", "--run_dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert status == 0
+    first = out.splitlines()[0]
+    assert first.startswith("threads: ") and "OMP_WAIT_POLICY" in first
+    threads = int(first.split()[1])
+    assert 1 <= threads <= usable_cores() or "OMP_NUM_THREADS=" in first

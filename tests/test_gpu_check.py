@@ -84,6 +84,8 @@ def test_with_every_optional_package_blocked_and_synthetic_data_the_run_survives
     assert list(report["steps"]) == STEPS and report["failed"] == []
     for name, result in report["steps"].items():  # skipped, with the cause named
         assert result["ok"] or any(p in result["skipped"] for p in NEEDS), result
+    # the profiler's own start and stop lines stay out of a CPU run's output
+    assert "profiler_start" not in proc.stderr and "USDT" not in proc.stderr
 
 
 @pytest.mark.parametrize("package", list(NEEDS))
@@ -190,3 +192,52 @@ def test_the_checks_cpu_name_is_the_machinerys_copied():
     from machinery.runs import machine_name
 
     assert gpu_check.cpu_name() == cpu_name() == machine_name("cpu") != ""
+
+
+def check_with(tmp_path, *args) -> subprocess.CompletedProcess:
+    """gpu_check.py with exactly ``args``, on the CPU."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), *args]
+    return subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def one_line(proc) -> str:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    return proc.stderr
+
+
+def test_the_check_never_deletes_the_data_it_was_given(tmp_path):
+    """--data W/mirror --work W: the stand-in would be built where the data is;
+    refused, and every data file is left as it was."""
+    data = tmp_path / "W" / "mirror" / "iwslt14"
+    data.mkdir(parents=True)
+    files = {
+        f"{split}.{side}": f"{split} {side} sentence\n"
+        for split in ("train-sample", "valid", "test")
+        for side in ("de", "en")
+    }
+    for name, text in files.items():
+        (data / name).write_text(text)
+    proc = check_with(
+        tmp_path,
+        *("--data", str(tmp_path / "W" / "mirror"), "--work", str(tmp_path / "W")),
+        *("--out", str(tmp_path / "out")),
+    )
+    assert "--work" in one_line(proc) and "never deletes" in proc.stderr
+    assert {p.name: p.read_text() for p in data.iterdir()} == files
+
+
+def test_an_out_folder_that_cannot_be_one_is_one_line(tmp_path):
+    regular = tmp_path / "a-file"
+    regular.write_text("kept\n")
+    for out, words in (
+        (regular, ("--out", "is a file")),
+        (Path("/proc/gpu-check-out"), ("cannot write in --out", "/proc")),
+    ):
+        proc = check_with(tmp_path, "--synthetic", "--out", str(out))
+        assert all(w in one_line(proc) for w in words), proc.stderr
+    assert regular.read_text() == "kept\n"
