@@ -116,10 +116,11 @@ def recorded_smallest_text_pt(png: bytes) -> float | None:
 
 
 def figure_png(fig, dpi: int, narrow=None, tight: bool = False) -> bytes:
-    """``fig`` as PNG bytes, carrying ``narrow`` (a figure, its phone layout) when
-    given; both record their smallest text."""
+    """``fig`` as PNG bytes (``tight``: cropped to what it draws), carrying ``narrow``
+    (a figure, its phone layout, kept at the width it was drawn for) when given; both
+    record their smallest text."""
     png = png_bytes(fig, dpi, tight)
-    return with_narrow_layout(png, png_bytes(narrow, dpi, tight)) if narrow else png
+    return with_narrow_layout(png, png_bytes(narrow, dpi)) if narrow else png
 
 
 def save_figure(fig, out: Path, dpi: int = 100, narrow=None) -> Path:

@@ -324,6 +324,35 @@ def test_a_committed_figures_smallest_text_reads_at_11_px_where_the_page_shows_i
     assert text_px(on_phone, COLUMNS[390]) >= build.LEGIBLE_PX
 
 
+def test_the_figures_the_notebook_draws_through_the_package_read_at_11_px(tmp_path):
+    import json
+
+    import torch
+    from machinery import figures
+
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text(
+        "\n".join(
+            json.dumps({"step": s, "train_loss": 5 - s / 100, "valid_loss": 5 - s / 90})
+            for s in range(10, 300, 10)
+        )
+    )
+    curve = figures.plot_curves(metrics, tmp_path / "curve.png").read_bytes()
+    torch.manual_seed(0)
+    maps = {k: torch.rand(3, 8, 9, 9).softmax(-1) for k in figures.ATTENTION_KINDS}
+    overview = figures.figure_png(  # as show_attention displays it
+        figures.draw_attention_overview(maps),
+        dpi=200,
+        narrow=figures.draw_attention_overview(maps, figures.NARROW_WIDTH, True),
+        tight=True,
+    )
+    for png in (curve, overview):
+        narrow = figures.narrow_layout(png)
+        assert narrow and figures.recorded_smallest_text_pt(narrow) >= 10
+        assert text_px(png, COLUMNS[1280]) >= build.LEGIBLE_PX
+        assert text_px(narrow, COLUMNS[390]) >= build.LEGIBLE_PX
+
+
 def test_a_phone_layout_travels_in_its_png_and_the_page_shows_it_on_a_narrow_column():
     import io
 
