@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -356,6 +357,7 @@ class Child:
         self.proc: Optional[subprocess.Popen] = None
         self.stopped: Optional[int] = None
         self.parent_death = parent_death if sys.platform == "linux" else None
+        self.read_at = 0  # how far the stderr file has been passed on
 
     def launch(self, args: list[str]) -> list[str]:
         """``args`` as started: behind the parent-death launcher where one is set."""
@@ -384,28 +386,45 @@ class Child:
             proc.kill()
 
     def run(self, args: list[str], threads: int) -> tuple[int, str]:
-        """Run ``args`` to its end, output passed on: (exit status, stderr tail)."""
+        """Run ``args`` to its end, output passed on: (exit status, stderr tail).
+        With ``parent_death`` its stderr goes to an unlinked file that this process
+        follows, not to a pipe: a process whose parent died writes on (a pipe
+        without a reader would end it before it saves its checkpoint)."""
         if self.stopped is not None:
             return -self.stopped, ""
-        self.proc = subprocess.Popen(
-            self.launch(args),
-            cwd=ROOT,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            env=child_env(threads),
-        )
-        tail = b""
-        try:
-            while chunk := os.read(self.proc.stderr.fileno(), 65536):
-                sys.stderr.buffer.write(chunk)
-                sys.stderr.flush()
-                tail = (tail + chunk)[-8192:]
-        except KeyboardInterrupt:  # a Ray task cancelled, or Ctrl-C in a job
-            self.stop(signal.SIGINT)
-            self.wait_stopped()
-        code = self.proc.wait()
+        with tempfile.TemporaryFile() as log:
+            self.proc = subprocess.Popen(
+                self.launch(args),
+                cwd=ROOT,
+                stderr=subprocess.PIPE if self.parent_death is None else log,
+                start_new_session=True,
+                env=child_env(threads),
+            )
+            tail, self.read_at = b"", 0
+            try:
+                while chunk := self._read(log):
+                    sys.stderr.buffer.write(chunk)
+                    sys.stderr.flush()
+                    tail = (tail + chunk)[-8192:]
+            except KeyboardInterrupt:  # a Ray task cancelled, or Ctrl-C in a job
+                self.stop(signal.SIGINT)
+                self.wait_stopped()
+            code = self.proc.wait()
         self.proc = None
         return code, tail.decode("utf-8", "replace")
+
+    def _read(self, log) -> bytes:
+        """The running process's next stderr output; empty once it has ended."""
+        if self.parent_death is None:
+            return os.read(self.proc.stderr.fileno(), 65536)
+        while True:  # pread: the process moves the file's offset, not this reader
+            ended = self.proc.poll() is not None
+            if chunk := os.pread(log.fileno(), 65536, self.read_at):
+                self.read_at += len(chunk)
+                return chunk
+            if ended:
+                return b""
+            time.sleep(0.2)
 
     def capture(self, args: list[str], threads: int) -> tuple[int, str, str]:
         """Run ``args`` to its end: (exit status, stdout, stderr)."""
