@@ -28,6 +28,7 @@ def load_script(path: Path, name: str):
 
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a dataclass in it looks its module up by name
     spec.loader.exec_module(module)
     return module
 
