@@ -742,10 +742,10 @@ class PositionalEncoding(nn.Module):
 def _():
     pe = PositionalEncoding(d_model=20, dropout=0.0)
     y = pe(torch.zeros(1, 100, 20))
-    fig, ax = plt.subplots(figsize=(8, 3))
+    fig, ax = plt.subplots(figsize=(4, 2.8))
     for dim in (4, 5, 6, 7):
         ax.plot(y[0, :, dim].numpy(), label=f"dim {dim}")
-    ax.set(xlabel="position", title="Positional encoding, four dimensions (d_model 20)")
+    ax.set(xlabel="position", title="PE, four dimensions (d_model 20)")
     ax.legend()
     plt.show()
 
@@ -1318,7 +1318,7 @@ def make_optimizer(model: nn.Module, cfg) -> tuple[torch.optim.Optimizer, Lambda
 
 @example
 def _():
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = plt.subplots(figsize=(4, 3.2))
     steps = range(1, 20000)
     for d_model, warmup in ((512, 4000), (512, 8000), (256, 4000)):
         label = f"d_model={d_model}, warmup={warmup}"
@@ -1332,6 +1332,8 @@ def _():
 # ## §5.4 Regularization
 #
 # > We employ three types of regularization during training:
+#
+# — §5.4
 #
 # The section names two; the third, on the usual reading, is the dropout on the
 # embedding sums, inside the first (`PositionalEncoding` applies it).
@@ -1410,10 +1412,10 @@ def _():
 # %%
 @example
 def _():
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.5))
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(4, 6.4))  # stacked: fits a phone
     rows = [smoothed_target(5, y, 0.4) for y in (1, 0, 3, 4)] + [torch.zeros(5)]
     ax1.imshow(torch.stack(rows), cmap="viridis")
-    ax1.set(title="target q (ε = 0.4); rows: positions, last <blank>", xlabel="class")
+    ax1.set(title="target q, ε = 0.4", xlabel="class", ylabel="position (last: blank)")
     xs = torch.arange(1, 100)
     losses = []
     # the model puts x/(x+2) on the true class 1 and 1/(x+2) on two others
@@ -1421,8 +1423,8 @@ def _():
         p = torch.tensor([[1e-9, x / (x + 2), 1e-9, 1 / (x + 2), 1 / (x + 2)]])
         losses.append(float(loss_sum((p / p.sum()).log(), torch.tensor([1]), 0.1)))
     ax2.plot(xs, losses)
-    ax2.set(xlabel="confidence x (the true class: x / (x + 2))", ylabel="loss")
-    ax2.set_title("label smoothing penalises over-confidence")
+    ax2.set(xlabel="confidence x (true class: x/(x+2))", ylabel="loss")
+    ax2.set_title("over-confidence penalised")
     plt.show()
 
 
