@@ -9,6 +9,7 @@ yet measured at the full budget" — all the group says where none has finished.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,11 +57,34 @@ def _p(p: float) -> str:
     return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
 
+# The table marks a verdict's qualifiers; its legend spells them out.
+MARKS = {
+    "one seed": "¹",
+    "still learning at the end of its schedule": "²",
+    "a seed failed to train": "³",
+}
+
+
 def _short(verdict: str) -> str:
     """A verdict as the table's cell shows it: "no difference detected (the test
-    would see ≥ X)" as "none detected (≥ X)"; qualifiers kept."""
-    return verdict.replace("no difference detected (the test would see ", "none "
-                           "detected (").replace(" perplexity)", ")")  # fmt: skip
+    would see ≥ X)" as "none (≥ X)", and each qualifier as its mark."""
+    marks = "".join(mark for words, mark in MARKS.items() if words in verdict)
+    for words in MARKS:
+        verdict = verdict.replace(words, "")
+    verdict = re.sub(r"\s*\((;\s*)*\)$", "", verdict).strip()  # emptied qualifiers
+    verdict = re.sub(
+        r"no difference detected \(the test would see ≥ ([\d.]+%?)[^)]*\)",
+        r"none (≥ \1)",
+        verdict,
+    )
+    return verdict + marks
+
+
+def _paper_row(label: str) -> str:
+    """The paper's row as the table names it, briefly."""
+    return label.replace("d_k=d_v=", "d_k=").replace(
+        "positional embedding instead of sinusoids", "learned positions"
+    )
 
 
 def _changed(fields: dict) -> str:
@@ -126,41 +150,41 @@ class Table3:
         own differences; a variation not finished yet shows the paper's and "not yet
         run"."""
         head = (
-            "| row | changed | paper row | seeds | valid PPL | valid BLEU "
-            "| Δ BLEU (95% CI) | p | BLEU verdict | Δ PPL (95% CI) | p | PPL verdict "
-            "| paper Δ BLEU, PPL |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+            "| row | paper row | seeds | valid PPL | valid BLEU | Δ BLEU (95% CI) | p "
+            "| BLEU verdict | Δ PPL (95% CI) | p | PPL verdict | paper Δ BLEU, PPL |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
         )
         done = {s["variation"]: s for s in self.summary}
         plan = self.data.get("plan") or list(done.values())
         lines = []
         for entry in plan:
             name, p = entry["variation"], entry["paper"]
-            fields = entry.get("fields") or self._fields(name)
             theirs = (
                 ""
                 if name == "base"
                 else f"{p['bleu_dev'] - 25.8:+.1f}, {p['ppl_dev'] - 4.92:+.2f}"
             )
-            row = "—" if entry.get("control") else p["row"]
+            row = "—" if entry.get("control") else _paper_row(p["row"])
             s = done.get(name)
             if s is None:
                 lines.append(
-                    f"| {name} | {_changed(fields)} | {row} | 0 of "
-                    f"{len(entry['seeds'])} | | | not yet run | | | | | | {theirs} |"
+                    f"| {name} | {row} | 0 of {len(entry['seeds'])} | | "
+                    f"| not yet run | | | | | | {theirs} |"
                 )
                 continue
             runs, planned = len(s["seeds"]), len(entry["seeds"])
             seeds = f"{runs}" if runs >= planned else f"{runs} of {planned}"
             if failed := s.get("failed_seeds"):
-                seeds += f" ({len(failed)} failed to train)"
+                seeds += f" ({len(failed)} failed)"
             cells = [self._test_cells(s, m) for m in ("bleu", "ppl")]
             lines.append(
-                f"| {name} | {_changed(fields)} | {row} | {seeds} "
+                f"| {name} | {row} | {seeds} "
                 f"| {_spread(s['valid_ppl'])} | {_spread(s['valid_bleu'])} "
                 f"| {' | '.join(cells)} | {theirs} |"
             )
-        note = f"\n\nThe test: {self.data['rule']}" if self.data.get("rule") else ""
+        legend = "; ".join(f"{m} {w}" for w, m in MARKS.items())
+        note = f"\n\nMarks: {legend}; a control's Δ is from its width at Eq. 3's rate."
+        note += f"\n\nThe test: {self.data['rule']}" if self.data.get("rule") else ""
         if not lines:
             return "No Table 3 file here yet." + note
         return head + "\n".join(lines) + note

@@ -360,7 +360,7 @@ def test_part_4_shows_the_file_as_a_table_and_claims_nothing_unmeasured(smoke):
         assert "not yet run" not in body[name]
     assert "not yet run" in body["C-N3"]  # the paper's columns only
     cell = lambda name, column: body[name].split("|")[header.index(column)].strip()  # noqa: E731
-    assert cell("A-h1", "paper row") == "(A) h=1, d_k=d_v=512"  # the row it is read by
+    assert cell("A-h1", "paper row") == "(A) h=1, d_k=512"  # the row it is read by
     assert cell("C-d128-lr", "paper row") == "—"  # a control: no paper row
     assert "1 thread(s) (2 for a row wider than the base)" in table.budget_line
     findings = table.findings()
@@ -372,8 +372,8 @@ def test_part_4_shows_the_file_as_a_table_and_claims_nothing_unmeasured(smoke):
         str(smoke.with_name("table3.png")),
     ]
     # more to run; five updates are too few to learn to read the source
-    assert cell("base", "seeds") == "2 of 3 (2 failed to train)"
-    assert cell("A-h1", "seeds") == "1 of 2 (1 failed to train)"
+    assert cell("base", "seeds") == "2 of 3 (2 failed)"
+    assert cell("A-h1", "seeds") == "1 of 2 (1 failed)"
     # no seed of the base trained: no verdict is read against it, and none counted
     assert cell("B-dk4", "BLEU verdict") in ("fails to train", "base fails to train")
     counts = table.counts("bleu")
@@ -492,8 +492,9 @@ def test_a_run_that_does_not_read_its_source_failed_to_train():
     data |= {"summary": list(summary.values()), "plan": runner.plan_of(
         runner.BASE, runner.BUDGET)}  # fmt: skip
     table = Table3(data, Path("."))
-    body = {line.split("|")[1].strip(): line for line in table.markdown().splitlines()}
-    assert "| 2 (1 failed to train) |" in body["A-h1"]
+    lines = table.markdown().splitlines()
+    body = {line.split("|")[1].strip(): line for line in lines if line.startswith("|")}
+    assert "| 2 (1 failed) |" in body["A-h1"]
     assert "fails to train" in body["D-drop0.2"]
     group_d = table.findings().split("**(D)**")[1]
     assert "2 seeds, none trained" in group_d and "**fails to train**" in group_d
@@ -814,3 +815,22 @@ def test_the_drivers_own_results_file_does_not_count_as_a_change(tmp_path):
     assert runner.commit(root=tmp_path) == head + "+changes"
     (tmp_path / "code.py").write_text("x = 2\n")  # a change to the code is one
     assert runner.commit((out,), root=tmp_path) == head + "+changes"
+
+
+def test_the_tables_verdicts_mark_their_qualifiers_and_the_legend_names_them():
+    from machinery.table3view import MARKS, _short
+
+    said = "agrees (one seed; still learning at the end of its schedule)"
+    assert _short(said) == "agrees¹²"
+    missed = "no difference detected (the test would see ≥ 2.75 BLEU) (one seed)"
+    assert _short(missed) == "none (≥ 2.75)¹"
+    assert _short("no difference detected (the test would see ≥ 6.9% perplexity)") == (
+        "none (≥ 6.9%)"
+    )
+    from machinery import read_table3
+
+    table = read_table3(ROOT / "results" / "table3.json").markdown()
+    legend = table.split("Marks: ")[1].splitlines()[0]
+    for words, mark in MARKS.items():
+        assert f"{mark} {words}" in legend
+        assert words not in table.split("Marks: ")[0]  # in the cells, only the mark
