@@ -6,6 +6,7 @@ fixed slice of the test set and on the whole of it, what was recorded for it."""
 import dataclasses
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +19,13 @@ import the_annotated_transformer as tat
 from machinery.export import (
     BPE,
     META,
+    SHIPPED,
     WEIGHTS,
     export_model,
+    folder_bytes,
     load_model,
     read_meta,
+    score_model,
     write_meta,
 )
 from machinery.inference import translate_lines
@@ -223,3 +227,125 @@ def test_a_hypotheses_file_that_cannot_be_written_is_one_line(tmp_path):
         cwd=tmp_path,
     )
     assert got.returncode == 2 and len(got.stderr.splitlines()) == 1
+
+
+# The shipped model: exported from the run the README reports (models/multi30k-small).
+
+
+def shipped_meta() -> dict:
+    if not (SHIPPED / META).is_file():
+        pytest.fail(f"no shipped model at {SHIPPED}")
+    return read_meta(SHIPPED)
+
+
+def test_the_shipped_model_is_small_checked_and_says_where_it_came_from():
+    meta = shipped_meta()
+    assert folder_bytes(SHIPPED) <= 32_000_000
+    model, cfg, src, tgt, subwords, _ = load_model(SHIPPED)  # every digest checked
+    assert cfg.dataset == "multi30k" and subwords is not None
+    source = meta["source"]
+    assert len(source["checkpoints"]) == cfg.average_last == 5
+    assert re.fullmatch(r"[0-9a-f]{40}(-dirty)?", source["commit"])
+    assert "EPYC" in (source.get("cpu") or source["machine"])
+    recorded = json.loads((ROOT / "results" / "multi30k-small.json").read_text())
+    assert source["steps"] == recorded["steps"]
+    # the score the file itself was measured at, beam and greedy
+    assert meta["score"]["sentences"] == recorded["test_sentences"]
+
+
+def test_translate_answers_from_the_shipped_model_with_no_data_set(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    got = subprocess.run(
+        ["make", "-s", "-C", str(ROOT), "translate", f"TEXT={SENTENCES[0]}"],
+        capture_output=True,
+        text=True,
+        env={
+            **os.environ,
+            "DATA_MIRROR": str(tmp_path / "no-mirror"),
+            "ANNOTATED_TRANSFORMER_DATA": str(data),
+            "OMP_NUM_THREADS": "1",
+        },
+        timeout=300,
+    )
+    assert got.returncode == 0, got.stderr
+    lines = got.stdout.strip().splitlines()
+    assert len(lines) == 1 and "dog" in lines[-1].lower()
+    assert not list(data.iterdir()) and not (tmp_path / "no-mirror").exists()
+
+
+@pytest.fixture
+def threads_as_scored():
+    """The number of threads the shipped model was scored with (sums of floats may
+    round otherwise with another number)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(shipped_meta()["score"]["threads"])
+    yield
+    torch.set_num_threads(before)
+
+
+def test_the_shipped_model_scores_the_recorded_figure_on_a_fixed_slice(
+    mirror, threads_as_scored
+):
+    meta = shipped_meta()
+    piece = meta["score"]["slice"]
+    model, cfg, src_vocab, tgt_vocab, subwords, _ = load_model(SHIPPED)
+    import argparse
+
+    args = argparse.Namespace(
+        src=None, ref=None, split="test", first=piece["first"], data_mirror=str(mirror)
+    )
+    lines, refs = machinery.inference.evaluation_pairs(args, cfg)
+    hyps, _ = translate_lines(
+        lines, model, cfg, src_vocab, tgt_vocab, subwords, "cpu", 4, 0.6
+    )
+    result = tat.bleu(hyps, refs, machinery.CORPORA["multi30k"])
+    assert result.score == piece["bleu"]
+    assert (
+        machinery.export.sha256_of(machinery.inference.hypotheses_text(hyps))
+        == (piece["hypotheses_sha256"])
+    )
+
+
+def test_the_shipped_model_reproduces_the_readme_bleu_to_every_digit(
+    mirror, threads_as_scored
+):
+    # slow: the whole test split, beam and greedy (skipped without the data set)
+    meta = shipped_meta()
+    score = score_model(SHIPPED, meta["score"]["slice"]["first"], str(mirror), print)
+    assert score == meta["score"] | {"machine": score["machine"]}
+    readme = (ROOT / "README.md").read_text()
+    row = f"{score['bleu']:.2f} / {score['greedy']['bleu']:.2f}"
+    assert "| `multi30k-small` |" in readme and row in readme
+
+
+def test_part_4_loads_the_shipped_model_from_any_working_directory(
+    tmp_path, monkeypatch
+):
+    # a hosted kernel or a clone with no runs: the shipped model stands in
+    meta = shipped_meta()
+    monkeypatch.chdir(tmp_path)
+    cfg = machinery.get_config("multi30k-small", run_dir=str(tmp_path / "runs" / "m"))
+    said = []
+    summary = machinery.run_or_load(cfg, log=said.append)
+    assert said == [
+        f"loaded the model {SHIPPED} ({machinery.export.score_line(meta)}); no run here"
+    ]
+    assert summary["bleu"] == meta["score"]["bleu"]
+    assert machinery.runs.trained_model(summary).where == f"the model {SHIPPED}"
+
+
+def test_the_stored_part_4_outputs_name_no_folder_a_clone_lacks():
+    cells = json.loads((ROOT / "annotated_transformer.ipynb").read_text())["cells"]
+    start = next(i for i, c in enumerate(cells) if "# Part 4" in "".join(c["source"]))
+    text = "\n".join(
+        "".join(out.get("text", ""))
+        + "".join(out.get("data", {}).get("text/plain", ""))
+        for cell in cells[start:]
+        for out in cell.get("outputs", [])
+    )
+    trained_here = re.findall(r"training here, into (\S+)", text)
+    for folder in re.findall(r"runs/[\w./-]*\w", text):
+        assert any(folder.startswith(made) for made in trained_here), folder
+    assert "loaded the model models/multi30k-small (" in text
+    assert "maps from the model models/multi30k-small" in text
