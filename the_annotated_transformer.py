@@ -1974,8 +1974,9 @@ def bleu(hypotheses: Sequence[str], references: Sequence[str], record) -> Bleu:
 # precisions, around the same `batch_loss`.
 #
 # Every training cell calls `machinery.run_or_load`, which says in one line what it did:
-# loaded a finished run of the same recipe (or the reported run's summary in
-# `results/`), resumed one, or trained here; it never deletes a run.
+# loaded a finished run of the same recipe, else the shipped model of that recipe
+# (`models/`), else the reported run's summary in `results/`; or resumed one, or trained
+# here. What does not match the recipe is set aside in one line; no run is deleted.
 # `NOTEBOOK_PROFILE=full` (the default) produced the stored outputs; `smoke` runs a few
 # updates of each.
 
