@@ -41,7 +41,7 @@ def report(tmp_path_factory):
         capture_output=True,
         text=True,
         env=env,
-        timeout=300,
+        timeout=900,  # eight policy processes in the smoke run
     )
     assert result.returncode == 0, result.stderr
     return {
