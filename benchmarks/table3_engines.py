@@ -39,11 +39,12 @@ class EngineError(Exception):
 
 
 def usable_cores() -> int:
-    """The cores this process may run on (its affinity, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # macOS, Windows
-        return os.cpu_count() or 1
+    """The cores this process may keep busy: its affinity, less where a container's
+    CPU quota allows less (`machinery.devices.usable_cores`), not the machine's
+    count."""
+    from machinery.devices import usable_cores as cores
+
+    return cores()
 
 
 def _import(name: str):
