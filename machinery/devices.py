@@ -108,10 +108,17 @@ class SilentBar:
 
 
 def progress_bar(iterable=None, **options):
-    """A ``tqdm.auto`` progress bar over ``iterable`` with ``options``, or a
-    :class:`SilentBar` where tqdm is not installed (our addition)."""
+    """A ``tqdm.auto`` progress bar over ``iterable`` with ``options`` (its text bar
+    where ipywidgets, which its notebook bar needs, is not installed: no warning in a
+    notebook's output), or a :class:`SilentBar` where tqdm is not installed (our
+    addition)."""
+    import importlib.util
+
     try:
-        from tqdm.auto import tqdm
+        if importlib.util.find_spec("ipywidgets") is None:
+            from tqdm.std import tqdm
+        else:
+            from tqdm.auto import tqdm
     except ModuleNotFoundError:
         return SilentBar(iterable)
     return tqdm(iterable, **options)
