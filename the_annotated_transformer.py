@@ -1318,7 +1318,7 @@ def make_optimizer(model: nn.Module, cfg) -> tuple[torch.optim.Optimizer, Lambda
 
 @example
 def _():
-    fig, ax = plt.subplots(figsize=(4, 3.2))
+    fig, ax = plt.subplots(figsize=(3.6, 3.0))
     steps = range(1, 20000)
     for d_model, warmup in ((512, 4000), (512, 8000), (256, 4000)):
         label = f"d_model={d_model}, warmup={warmup}"

@@ -183,7 +183,10 @@ class Table3:
                 f"| {' | '.join(cells)} | {theirs} |"
             )
         legend = "; ".join(f"{m} {w}" for w, m in MARKS.items())
-        note = f"\n\nMarks: {legend}; a control's Δ is from its width at Eq. 3's rate."
+        note = (
+            f"\n\nMarks: {legend}. A control's Δ is from the same width at Eq. 3's "
+            "own rate (C-d128-lr from C-d128, C-d512-lr from C-d512)."
+        )
         note += f"\n\nThe test: {self.data['rule']}" if self.data.get("rule") else ""
         if not lines:
             return "No Table 3 file here yet." + note
@@ -200,8 +203,7 @@ class Table3:
         delta = t["delta_pct"] if pct else t["delta"]
         low, high = t["interval_pct"] if pct else t["interval"]
         unit = "%" if pct else ""
-        against = f"vs {t['against']}: " if "against" in t else ""
-        cell = f"{against}{delta:+.2f}{unit} ({low:+.2f}, {high:+.2f})"
+        cell = f"{delta:+.{1 if pct else 2}f}{unit} ({low:+.1f}, {high:+.1f})"
         verdict = _short((s.get("verdict") or {}).get(measure, ""))
         return f"{cell} | {_p(t['p'])} | {verdict}"
 
