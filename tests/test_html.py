@@ -1423,19 +1423,29 @@ def test_no_figure_is_wider_than_its_column_or_scrolls_sideways(fresh, width):
     assert page.evaluate("document.documentElement.scrollWidth") <= width
 
 
-# Known to fail until the notebook is run again (its stored figures predate the ones
-# redrawn with larger text and phone layouts) and the plots Parts 1-3 draw themselves
-# (the positional encoding, the learning rate, label smoothing) are drawn about 4
-# inches wide: remove the mark then.
-@pytest.mark.xfail(reason="the notebook's figures are not all redrawn yet")
-@pytest.mark.parametrize("width", WIDTHS)
+# On a phone, the IWSLT14 sample's training curve (results/iwslt14-sample-curve.png)
+# still reads below 11 px: it was drawn by its run before figures carried a phone
+# layout, and no run here holds its metrics to redraw it. It is redrawn when
+# results/iwslt14-sample.json is made again; remove the mark then.
+@pytest.mark.parametrize(
+    "width",
+    [
+        pytest.param(
+            w,
+            marks=pytest.mark.xfail(reason="the IWSLT14 curve predates phone layouts"),
+        )  # fmt: skip
+        if w < 1100
+        else w
+        for w in WIDTHS
+    ],
+)
 def test_every_figures_smallest_text_reads_at_11_px(fresh, width):
     small = [
         f"{f['alt'][:40]}: {f['px']:.1f} px"
         for f in figure_numbers(fresh(width).page)
         if f["px"] < build.LEGIBLE_PX
     ]
-    assert small == []
+    assert small == [], "; ".join(small)
 
 
 @pytest.fixture(scope="module")
