@@ -144,19 +144,24 @@ class Table3:
         return {}
 
     def markdown(self) -> str:
-        """The table: every variation the file plans, the paper's row it is read
-        against, our validation perplexity and BLEU, and for each measure the test's
-        difference from the base (95% interval), p and verdict, beside the paper's
-        own differences; a variation not finished yet shows the paper's and "not yet
-        run"."""
+        """Two tables. The first: every variation the file plans, the paper's row it
+        is read against, its seeds, and for each measure the test's difference from
+        the base (95% interval) and verdict, beside the paper's own differences. The
+        second: the scores themselves (validation perplexity and BLEU, test BLEU)
+        and each test's p. A variation not finished yet shows the paper's numbers and
+        "not yet run"."""
         head = (
-            "| row | paper row | seeds | valid PPL | valid BLEU | Δ BLEU (95% CI) | p "
-            "| BLEU verdict | Δ PPL (95% CI) | p | PPL verdict | paper Δ BLEU, PPL |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|---|\n"
+            "| row | paper row | seeds | Δ BLEU (95% CI) | BLEU verdict "
+            "| Δ PPL (95% CI) | PPL verdict | paper Δ BLEU, PPL |\n"
+            "|---|---|---|---|---|---|---|---|\n"
+        )
+        scores = (
+            "| row | valid PPL | valid BLEU | test BLEU | p, BLEU | p, PPL |\n"
+            "|---|---|---|---|---|---|\n"
         )
         done = {s["variation"]: s for s in self.summary}
         plan = self.data.get("plan") or list(done.values())
-        lines = []
+        lines, numbers = [], []
         for entry in plan:
             name, p = entry["variation"], entry["paper"]
             theirs = (
@@ -168,8 +173,8 @@ class Table3:
             s = done.get(name)
             if s is None:
                 lines.append(
-                    f"| {name} | {row} | 0 of {len(entry['seeds'])} | | "
-                    f"| not yet run | | | | | | {theirs} |"
+                    f"| {name} | {row} | 0 of {len(entry['seeds'])} | not yet run "
+                    f"| | | | {theirs} |"
                 )
                 continue
             runs, planned = len(s["seeds"]), len(entry["seeds"])
@@ -178,34 +183,43 @@ class Table3:
                 seeds += f" ({len(failed)} failed)"
             cells = [self._test_cells(s, m) for m in ("bleu", "ppl")]
             lines.append(
-                f"| {name} | {row} | {seeds} "
-                f"| {_spread(s['valid_ppl'])} | {_spread(s['valid_bleu'])} "
-                f"| {' | '.join(cells)} | {theirs} |"
+                f"| {name} | {row} | {seeds} | {' | '.join(c[0] for c in cells)} "
+                f"| {theirs} |"
+            )
+            numbers.append(
+                f"| {name} | {_spread(s['valid_ppl'])} | {_spread(s['valid_bleu'])} "
+                f"| {_spread(s['test_bleu'])} | {cells[0][1]} | {cells[1][1]} |"
             )
         legend = "; ".join(f"{m} {w}" for w, m in MARKS.items())
         note = (
             f"\n\nMarks: {legend}. A control's Δ is from the same width at Eq. 3's "
             "own rate (C-d128-lr from C-d128, C-d512-lr from C-d512)."
         )
-        note += f"\n\nThe test: {self.data['rule']}" if self.data.get("rule") else ""
         if not lines:
-            return "No Table 3 file here yet." + note
-        return head + "\n".join(lines) + note
+            rule = f"\n\nThe test: {self.data['rule']}" if self.data.get("rule") else ""
+            return "No Table 3 file here yet." + rule
+        out = head + "\n".join(lines) + note
+        if numbers:
+            out += "\n\nThe scores (mean ± sd over the seeds that trained) and each "
+            out += "test's p:\n\n" + scores + "\n".join(numbers)
+        if self.data.get("rule"):
+            out += f"\n\nThe test: {self.data['rule']}"
+        return out
 
-    def _test_cells(self, s: dict, measure: str) -> str:
-        """Three cells of one measure's test: Δ (95% interval), p, and the verdict
-        (a control's Δ is from the same width at Eq. 3's rate)."""
+    def _test_cells(self, s: dict, measure: str) -> tuple[str, str]:
+        """One measure's test as two cells, "Δ (95% interval) | verdict" (a
+        control's Δ is from the same width at Eq. 3's rate), and its p."""
         t = (s.get("tests") or {}).get(measure)
         if t is None:
             verdict = (s.get("verdict") or {}).get(measure, "")
-            return f" | | {verdict}"
+            return f" | {verdict}", ""
         pct = measure == "ppl"
         delta = t["delta_pct"] if pct else t["delta"]
         low, high = t["interval_pct"] if pct else t["interval"]
         unit = "%" if pct else ""
         cell = f"{delta:+.{1 if pct else 2}f}{unit} ({low:+.1f}, {high:+.1f})"
         verdict = _short((s.get("verdict") or {}).get(measure, ""))
-        return f"{cell} | {_p(t['p'])} | {verdict}"
+        return f"{cell} | {verdict}", _p(t["p"])
 
     def figures(self) -> list[tuple[str, str]]:
         """(path, alt text) of the figures drawn from the file, where they exist."""
