@@ -273,12 +273,13 @@ def to_device(batch: Batch, device) -> Batch:
     """``batch`` on ``device``; to a GPU through pinned memory, so that the copy of a
     batch built ahead overlaps computation (from pageable memory it would be
     synchronous; our addition)."""
-    if torch.device(device).type == "cuda":
-        for name, t in list(vars(batch).items()):
-            if torch.is_tensor(t):  # slices made contiguous: one block each
-                t = t.contiguous().pin_memory()
-                setattr(batch, name, t.to(device, non_blocking=True))
-    return batch.to(device)
+    if torch.device(device).type != "cuda":
+        return batch.to(device)
+    for name, t in list(vars(batch).items()):
+        if torch.is_tensor(t):  # slices made contiguous: one block each
+            t = t.contiguous().pin_memory()
+            setattr(batch, name, t.to(device, non_blocking=True))
+    return batch
 
 
 # ### One epoch

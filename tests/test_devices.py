@@ -855,7 +855,7 @@ def test_a_batch_bound_for_a_gpu_pins_contiguous_tensors_and_copies_without_wait
     assert not batch.tgt.is_contiguous() and not batch.tgt_y.is_contiguous()
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
     monkeypatch.setattr(torch.Tensor, "to", to)
-    batch.to("cuda")
+    machinery.training.to_device(batch, "cuda")
     assert pinned == [True] * 5, pinned
     assert copies == [("cuda", True)] * 5
 
