@@ -379,10 +379,11 @@ def spread(values: list[float]) -> dict:
 
 def seeds_by_variation(data: dict) -> dict[str, list[dict]]:
     """The finished rows of a Table 3 (§6.2) file, grouped by the variation whose seeds
-    they are."""
+    they are; a row whose epoch-1 check found another perplexity than its record is
+    left out until it is trained again."""
     by: dict[str, list[dict]] = {}
     for r in data["rows"]:
-        if finished(r):
+        if finished(r) and not check_failed(r):
             by.setdefault(r.get("variation", r["name"]), []).append(r)
     return by
 
@@ -1268,7 +1269,7 @@ class Loop:
             f"epoch-1 check of {job.name}: {result['epoch1_ppl']!r} against the "
             f"recorded {recorded!r}: {verdict}"
         )
-        if not match:
+        if not match and not self.args.checks_only:
             row = next((r for r in self.rows if r["name"] == job.name), None)
             if row is not None and row not in self.pending:
                 self.pending.append(row)

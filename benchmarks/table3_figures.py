@@ -23,8 +23,10 @@ DPI = 110
 
 
 def finished(row: dict) -> bool:
-    """Whether a record of Table 3 (§6.2) is a finished row."""
-    return row.get("status") == "done"
+    """Whether a record of Table 3 (§6.2) is a finished row (one whose epoch-1 check
+    found another perplexity than its record is not, until trained again)."""
+    check = (row.get("provenance") or {}).get("epoch1_check") or {}
+    return row.get("status") == "done" and check.get("match") is not False
 
 
 def trained(row: dict) -> bool:

@@ -115,7 +115,13 @@ class Table3:
         b = self.data["budget"]
         if b is None:
             return f"no {self.data['missing']} here: `make table3` writes it"
-        done = [r for r in self.data["rows"] if r.get("status") == "done"]
+        done = [
+            r
+            for r in self.data["rows"]
+            if r.get("status") == "done"
+            and ((r.get("provenance") or {}).get("epoch1_check") or {}).get("match")
+            is not False  # a row whose epoch-1 check failed trains again
+        ]
         names = {r.get("variation", r["name"]): set() for r in done}
         for r in done:
             names[r.get("variation", r["name"])].add(r.get("seed", 1))
