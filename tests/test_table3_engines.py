@@ -267,6 +267,23 @@ def wait_for_an_update(log: Path, after: str = "", timeout: float = 240.0) -> in
     return seen[0]
 
 
+def freeze_after_an_update(proc: psutil.Process, log: Path, timeout=240.0) -> None:
+    """Let ``proc`` train in short slices, frozen in between, until ``log`` shows an
+    update of the row done, and leave it frozen: mid-row however fast the machine."""
+    give_up = time.monotonic() + timeout
+    proc.send_signal(signal.SIGSTOP)
+    while time.monotonic() < give_up:
+        time.sleep(0.3)  # the runner copies what the program printed into its log
+        text = log.read_text(errors="replace") if log.is_file() else ""
+        if [n for n in re.findall(r"\| *(\d+)/\d+ \[", text) if 1 <= int(n)]:
+            return
+        proc.send_signal(signal.SIGCONT)
+        time.sleep(0.02)
+        proc.send_signal(signal.SIGSTOP)
+    proc.send_signal(signal.SIGCONT)
+    raise AssertionError(f"no training update in {log}")
+
+
 def kill_mid_row(proc: psutil.Process, kill_parent) -> int:
     """Kill the process that runs a row (``kill_parent(parent)``) while its training
     process ``proc`` is frozen mid-row; the parent's pid."""
@@ -378,7 +395,7 @@ def test_submitit_job_interrupted_mid_row_checkpoints_requeues_and_resumes(tmp_p
         trainer = training_process(runs / "B-dk4-seed2")
         job = trainer.parent().environ()["SUBMITIT_LOCAL_JOB_ID"]
         job_log = runs / "slurm-logs" / f"{job}_0_log.err"
-        wait_for_an_update(job_log)
+        freeze_after_an_update(trainer, job_log)
         # what submitit's controller sends a job near its time limit, and SLURM on
         # preemption: the job calls RowJob.checkpoint and is queued again
         preempt = submitit.local.local.LocalJobEnvironment._usr_sig()
