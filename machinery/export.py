@@ -39,6 +39,19 @@ STORAGE = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "multi30k-small"
 
 
+def model_sizes(cfg, src_vocab, tgt_vocab) -> dict:
+    """The sizes a model folder records and its loader checks: N, d_model, d_ff, h
+    (§3) and both vocabularies."""
+    return {
+        "N": cfg.N,
+        "d_model": cfg.d_model,
+        "d_ff": cfg.d_ff,
+        "h": cfg.h,
+        "src_vocab": len(src_vocab),
+        "tgt_vocab": len(tgt_vocab),
+    }
+
+
 def sha256_of(data: bytes) -> str:
     """The SHA-256 of ``data`` in hex."""
     return hashlib.sha256(data).hexdigest()
@@ -109,15 +122,8 @@ def export_model(
     meta = {
         "format": FORMAT,
         "config": dataclasses.asdict(cfg),
-        "sizes": {
-            "N": cfg.N,
-            "d_model": cfg.d_model,
-            "d_ff": cfg.d_ff,
-            "h": cfg.h,
-            "src_vocab": len(src_vocab),
-            "tgt_vocab": len(tgt_vocab),
-            "parameters": sum(t.numel() for t in tensors.values()),
-        },
+        "sizes": model_sizes(cfg, src_vocab, tgt_vocab)
+        | {"parameters": sum(t.numel() for t in tensors.values())},
         "storage": storage,
         "tied": {
             name: first
@@ -248,14 +254,7 @@ def load_model(
                     f"vocabulary {len(src_vocab):,}: they are of different models"
                 )
         sizes = meta["sizes"]
-        built = {
-            "N": cfg.N,
-            "d_model": cfg.d_model,
-            "d_ff": cfg.d_ff,
-            "h": cfg.h,
-            "src_vocab": len(src_vocab),
-            "tgt_vocab": len(tgt_vocab),
-        }
+        built = model_sizes(cfg, src_vocab, tgt_vocab)
         if differ := [k for k in built if sizes.get(k) != built[k]]:
             raise CheckpointError(
                 f"{folder}/{META}: the sizes ({', '.join(differ)}) disagree with its "
