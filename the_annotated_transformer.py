@@ -59,6 +59,10 @@ IN_NOTEBOOK = __name__ == "__main__" and "ipykernel" in sys.modules
 if __name__ == "__main__" and not IN_NOTEBOOK:
     import signal
 
+    try:  # torch cannot load its libraries from a deleted working directory
+        os.getcwd()
+    except FileNotFoundError:
+        sys.exit("the working directory was deleted: cd to one that exists, then rerun")
     signal.signal(
         signal.SIGINT, lambda *_: (print("interrupted", file=sys.stderr), os._exit(130))
     )
@@ -1147,6 +1151,24 @@ class Subwords:
 
 
 # %% [markdown]
+# Our shipped Multi30k model's BPE on Multi30k's first test sentence, to ids and back:
+
+
+# %%
+@example
+def _():
+    where = Path("models/multi30k-small/bpe.model")
+    if not where.is_file():
+        return print(f"no {where} in this copy: skipped")
+    subwords = Subwords(where.read_bytes())
+    de = "Ein Mann mit einem orangefarbenen Hut, der etwas anstarrt."
+    pieces = subwords.encode([de])[0]
+    ids = subwords.vocab(pieces)
+    print(f"{len(subwords.vocab):,} pieces:", " ".join(pieces), "\nids:", ids)
+    print("back:", subwords.decode([subwords.vocab.lookup_tokens(ids)])[0])
+
+
+# %% [markdown]
 # ### Batches and masks
 #
 # `Batch` holds one batch of padded source and target ids with their masks (True = may
@@ -1954,9 +1976,20 @@ def bleu(hypotheses: Sequence[str], references: Sequence[str], record) -> Bleu:
 
 
 # %% [markdown]
-# That is the paper's model, training and decoding. By lines, over 90% of Parts 1–3 is
-# the paper's material: all but the two asides and the lines naming our own options,
-# checks and departures (`paper_share` in `tests/test_notebook.py` counts them).
+# Two made-up translations scored against two references (Multi30k's way, "13a"):
+
+
+# %%
+@example
+def _():
+    hyps = ["A man in an orange hat looks at something.", "A dog runs on the grass."]
+    refs = ["A man in an orange hat starring at something.", "A dog runs on grass."]
+    print(bleu(hyps, refs, SimpleNamespace(bleu_tokenize="13a")).text)
+
+
+# %% [markdown]
+# That is the paper's model, training and decoding; by lines, over 90% of Parts 1–3 is
+# the paper's material (`paper_share` in `tests/test_notebook.py` counts it).
 
 
 # %% [markdown]
@@ -2009,21 +2042,6 @@ if IN_NOTEBOOK:
     )
     for ex in copy_run["examples"][:2]:
         print(f"  {ex['source']}\n→ {ex['output']}")
-
-# %% [markdown]
-# The joint BPE vocabulary of Multi30k (Part 2) in action: it spells a rare German
-# compound with several known pieces — no `<unk>` — and decoding the pieces gives the
-# sentence back exactly.
-
-# %%
-if IN_NOTEBOOK:
-    m30k_small = machinery.get_config("multi30k-small")
-    m30k_files = machinery.locate_dataset("multi30k", m30k_small).files["train"]
-    bpe = machinery.build_subwords(machinery.read_parallel(*m30k_files)[0], m30k_small)
-    pieces = bpe.encode(["Ein Mann repariert das Kinderwagenrad vor der Brücke."])[0]
-    print(
-        f"{len(bpe.vocab):,} pieces: {pieces}\ndecoded back: {bpe.decode([pieces])[0]}"
-    )
 
 # %% [markdown]
 # ## A real example: Multi30k German→English

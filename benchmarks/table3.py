@@ -7,39 +7,41 @@ reports each row's perplexity, BLEU and parameter count on the development set
 d_model=256, d_ff=1024, h=8, d_k=32, P_drop=0.1, eps_ls=0.1): every row is that preset
 with a few fields changed and trained on the preset's whole schedule (15 epochs, 3,225
 updates, warm-up 1,000), so the base row is the headline run's model and schedule.
-Each variation runs with seeds 1 and 2, the base with 1–3; a (C) variation (the
-costlier sizes, run last) skips seed 2 where seed 1 already lies beyond the noise
-rule's 2·s of the base.
-Two more rows (C-d128-lr, C-d512-lr) hold Eq. 3's d_model^-0.5 apart from the width.
-Every row is trained through the command line with the same explicit precision and
-attention path, on one thread (two for a row wider than the base, trained alone)::
+Each variation runs with seeds 1 and 2, the base with 1–3, and a third seed where
+either measure's test lies within 20% of its threshold (``table3_stats.py`` holds the
+test). Two more rows (C-d128-lr, C-d512-lr) hold Eq. 3's d_model^-0.5 apart from the
+width. Every row is trained through the command line with the same explicit precision
+and attention path, on one thread (two for a row wider than the base)::
 
     OMP_NUM_THREADS=1 python the_annotated_transformer.py train --config \
         multi30k-small --run_dir runs/table3/<row> --precision fp32 ... --<field> <v>
 
 then scored on the validation set (``evaluate --split valid``, beam 4, last
-checkpoint: no averaging, as §6.2), and checked for whether its model reads its source
-(``benchmarks/source_use.py``: the validation loss with each pair's own source and with
-another's; below a 1-nat gap the run failed to train). It talks to the program only
-through those two command lines and the files a run writes; it never imports it.
+checkpoint: no averaging, as §6.2), its translations kept, and checked for whether its
+model reads its source (``benchmarks/source_use.py``: the validation loss with each
+pair's own source and with another's; below a 1-nat gap the run failed to train). It
+trains and scores rows only through those command lines and the files a run writes;
+the package's readers give it the validation references for the paired
+sentence-level test of each run against its seed's base.
 
 Run from the repository root::
 
-    python benchmarks/table3.py --jobs 2          # every row, two at a time (days)
+    python benchmarks/table3.py                   # every row, on this machine's cores
     python benchmarks/table3.py --rows base,A     # some rows (names or groups)
+    python benchmarks/table3.py --engine ray --address HOST:PORT   # a Ray cluster
+    python benchmarks/table3.py --engine slurm --partition P       # SLURM (submitit)
     python benchmarks/table3.py --smoke           # copy preset, a few updates (<60 s)
     python benchmarks/table3.py --refresh         # summary and figures again, no run
     python benchmarks/table3.py --status          # how far each row has got
 
-Writes ``results/table3.json`` (atomically, under a lock, after every row) and
-``results/table3.png``; each row's run directory keeps its ``valid_bleu.json`` and
-``source_use.json``. A row already in the JSON is skipped; a row that was
-interrupted continues from the checkpoints in its run directory; a row another worker
-holds (its lock file) is left to it; a row wider than the base starts only while no
-other row trains, and no other row starts while it does (``--jobs N`` trains the wide
-rows its workers left for later at its end). The file records one budget
-(updates, warm-up, lr_factor, batch size, precision, attention, threads) and refuses a
-row trained with another, or on another thread count than its own.
+This process is the one writer of ``results/table3.json`` (atomically, after every
+run), ``results/table3.png``, ``results/table3-curves.png`` and the kept translations
+``results/table3-hypotheses/<row>.txt``; each row's run directory keeps its
+``valid_bleu.json`` and ``source_use.json``. A run already in the file is not made
+again; an interrupted one continues from the checkpoints in its run directory. The
+file records one budget (updates, warm-up, lr_factor, batch size, precision,
+attention, threads) and refuses a row trained with another, or on another thread
+count than its own.
 """
 
 from __future__ import annotations
@@ -310,11 +312,11 @@ def row_overrides(row: dict, base: dict, options: set[str]) -> tuple[dict, str]:
     return fields, note
 
 
-def commit(outputs: tuple = (), root: Path = ROOT) -> str:
+def commit(outputs: tuple = (), kept: Optional[Path] = None, root: Path = ROOT) -> str:
     """The commit the program was at when a row started (``+changes`` when the tree
     had uncommitted changes to tracked files other than the driver's own
-    ``outputs``: the results file and its figures), for a Table 3 (§6.2) row's
-    provenance."""
+    ``outputs``, the results file and its figures, and the files in its folder of
+    kept translations ``kept``), for a Table 3 (§6.2) row's provenance."""
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True
@@ -330,6 +332,9 @@ def commit(outputs: tuple = (), root: Path = ROOT) -> str:
     inside = [Path(o).absolute() for o in outputs]  # outside the tree: untracked
     ours = {str(o.relative_to(root)) for o in inside if o.is_relative_to(root)}
     changed = [line[3:].strip() for line in status.splitlines() if line.strip()]
+    if kept is not None and kept.absolute().is_relative_to(root):
+        folder = kept.absolute().relative_to(root)
+        ours |= {c.split(" -> ")[-1] for c in changed if Path(c).parent == folder}
     dirty = [c for c in changed if c.split(" -> ")[-1] not in ours]
     return (head or "unknown") + ("+changes" if dirty else "")
 
@@ -475,6 +480,13 @@ def summarise(data: dict) -> list[dict]:
             "paper": first["paper"],
             "paper_row": first["paper"]["row"],
         }
+        paired = [
+            {"seed": r.get("seed", 1)} | {k: r["paired"][k] for k in ("delta", "p")}
+            for r in rs
+            if r.get("paired")
+        ]
+        if paired:
+            entry["paired"] = paired  # the sentence-level test, seed by seed
         if name != "base":
             quals = qualifiers(rs)
             entry["qualifiers"] = quals
@@ -734,6 +746,97 @@ def write_table(out: Path, data: dict) -> None:
     write_json(out, data)
     draw(data, out.with_suffix(".png"))
     draw_curves(data, out.with_name(out.stem + "-curves.png"))
+
+
+def hypotheses_folder(out: Path) -> Path:
+    """Where the rows' validation translations are kept beside the table file:
+    ``results/table3-hypotheses/<row>.txt`` for ``results/table3.json``."""
+    return out.with_name(out.stem + "-hypotheses")
+
+
+def base_of(record: dict) -> str:
+    """The name of the base run of ``record``'s seed (the run it is paired with)."""
+    seed = record.get("seed", 1)
+    return "base" if seed == 1 else f"base-seed{seed}"
+
+
+def kept_hypotheses(record: dict, folder: Path) -> Optional[Path]:
+    """The file of ``record``'s validation translations beside the table, copied
+    there from its run directory the first time; None where neither holds the
+    translations the record's SHA-256 names."""
+    from table3_work import sha256_of
+
+    sha = (record.get("provenance") or {}).get("hypotheses_sha256")
+    if not finished(record) or not sha:
+        return None
+    kept = folder / f"{record['name']}.txt"
+    if kept.is_file() and sha256_of(kept) == sha:
+        return kept
+    source = ROOT / record["provenance"].get("hypotheses", "")
+    if not source.is_file() or sha256_of(source) != sha:
+        return None
+    from machinery.runfiles import write_atomic
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_atomic(kept, source.read_bytes())
+    return kept
+
+
+def valid_references(budget: dict, seed: int) -> tuple[list[str], str]:
+    """The validation references a row of ``seed`` was scored against (read as
+    ``evaluate --split valid`` reads them) and the data set's BLEU tokenizer."""
+    from types import SimpleNamespace
+
+    import machinery
+    from machinery.inference import evaluation_pairs
+
+    cfg = machinery.get_config(budget["preset"], seed=seed)
+    first = budget.get("max_eval_sentences")
+    args = SimpleNamespace(src=None, ref=None, split="valid", first=first)
+    _, refs = evaluation_pairs(SimpleNamespace(**vars(args), data_mirror=None), cfg)
+    return refs, machinery.CORPORA[cfg.dataset].bleu_tokenize
+
+
+def pair_with_base(data: dict, out: Path, budget: dict) -> list[str]:
+    """Each finished run's validation translations kept beside the table, and, where
+    its seed's base run's are kept too, the paired sentence-level test of the run
+    against that base (table3_stats.paired_bleu_test) recorded in its ``paired``
+    (computed again only when either file changes). Returns what could not be done,
+    one line each."""
+    from table3_work import sha256_of
+
+    folder, said = hypotheses_folder(out), []
+    kept = {r["name"]: kept_hypotheses(r, folder) for r in data["rows"]}
+    references: dict[int, tuple] = {}
+    for record in data["rows"]:
+        name, against = record["name"], base_of(record)
+        if record.get("group") == "base" or against not in kept:
+            continue
+        mine, theirs = kept[name], kept[against]
+        if mine is None or theirs is None:
+            record.pop("paired", None)
+            continue
+        shas = {"sha256": sha256_of(mine), "base_sha256": sha256_of(theirs)}
+        if all((record.get("paired") or {}).get(k) == v for k, v in shas.items()):
+            continue
+        seed = record.get("seed", 1)
+        try:
+            if seed not in references:
+                references[seed] = valid_references(budget, seed)
+        except Exception as e:  # noqa: BLE001 - no data here: said in one line
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            said.append(f"no paired test of {name}: references unreadable ({first})")
+            continue
+        refs, tokenize = references[seed]
+        # one sentence a line, each ended by "\n" (evaluate --hypotheses)
+        read = lambda p: p.read_bytes().decode().split("\n")[:-1]  # noqa: E731
+        try:
+            test = stats.paired_bleu_test(read(theirs), read(mine), refs, tokenize)
+        except ValueError as e:
+            said.append(f"no paired test of {name}: {e}")
+            continue
+        record["paired"] = {"against": against, **shas, **test}
+    return said
 
 
 def refreshed(data: dict, base: dict, budget: dict) -> dict:
@@ -1082,11 +1185,14 @@ def drive(args, base: dict, budget: dict, out: Path, runs: Path, smoke: bool) ->
         print("\n".join(progress(data, rows, runs, base, budget)))
         return 0
     if args.refresh:
+        for line in pair_with_base(data, out, budget):
+            log(line)
         write_table(out, refreshed(data, base, budget))
         log(f"{out}: summary, tests and figures rewritten from its rows")
         return 0
     head = commit(
-        (out, out.with_suffix(".png"), out.with_name(out.stem + "-curves.png"))
+        (out, out.with_suffix(".png"), out.with_name(out.stem + "-curves.png")),
+        hypotheses_folder(out),
     )
     if not smoke and head.endswith("+changes"):
         raise TableError(
@@ -1145,6 +1251,8 @@ class Loop:
         self.rows: list[dict] = []
 
     def write(self) -> None:
+        for line in pair_with_base(self.data, self.out, self.budget):
+            log(line)
         write_table(self.out, refreshed(self.data, self.base, self.budget))
 
     def submit(self, job: RowJob) -> None:
@@ -1225,6 +1333,9 @@ class Loop:
             return 0 if record.get("signal") in ("SIGINT", "SIGTERM", "SIGHUP") else 1
         if job.kind == "check":
             return self.checked(job, record)
+        earlier = record_of(self.data, job.name)
+        if earlier and untranslated_base(earlier) and finished(record):
+            record["provenance"]["retrained"] = retrained(earlier, record)
         refusal = merge(self.data, record, self.base, self.budget, self.order)
         if refusal:
             log(f"run {job.name} not added: {refusal}")
@@ -1282,8 +1393,36 @@ def smoke_budget(budget: dict) -> bool:
 
 
 def finished_names(data: dict) -> set[str]:
-    """The runs the file holds as finished, less those whose epoch-1 check failed."""
-    return {r["name"] for r in data["rows"] if finished(r) and not check_failed(r)}
+    """The runs the file holds as finished, less those whose epoch-1 check failed and
+    the base runs whose validation translations were not kept (trained again: every
+    variation's paired sentence-level test needs its seed's base)."""
+    return {
+        r["name"]
+        for r in data["rows"]
+        if finished(r) and not check_failed(r) and not untranslated_base(r)
+    }
+
+
+def untranslated_base(record: dict) -> bool:
+    """Whether ``record`` is a finished base run recorded without its validation
+    translations (before they were kept)."""
+    return (
+        record.get("group") == "base"
+        and finished(record)
+        and not (record.get("provenance") or {}).get("hypotheses_sha256")
+    )
+
+
+def retrained(earlier: dict, record: dict) -> dict:
+    """What a run trained again records of its earlier record: the earlier scores and
+    commit, and whether this run gave them back to the last digit."""
+    keys = ("valid_ppl", "valid_bleu", "bleu")
+    return {
+        "why": "its validation translations were not kept",
+        "commit": (earlier.get("provenance") or {}).get("commit"),
+        **{k: earlier.get(k) for k in keys},
+        "same": all(earlier.get(k) == record.get(k) for k in keys),
+    }
 
 
 def record_of(data: dict, name: str) -> Optional[dict]:

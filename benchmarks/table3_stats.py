@@ -275,3 +275,77 @@ def design_power(
     c[names.index("v")], c[names.index("base")] = 1.0, -1.0
     se = sigma * math.sqrt(float(c @ np.linalg.pinv(X.T @ X) @ c))
     return power_at(delta, se, ALPHA, dof)
+
+
+# The sentence-level test: one seed's variation against the same seed's base on the
+# same validation sentences, by sacreBLEU's approximate randomization: each trial
+# swaps the two systems' translations of each sentence with probability one half and
+# recomputes both corpus BLEU scores; p = (1 + trials whose |difference| exceeds the
+# one seen) / (1 + trials). It asks a narrower question than the seed-blocked test
+# above: whether these two trained models translate these sentences differently, not
+# whether another seed would.
+PAIRED_TRIALS = 10_000
+PAIRED_SEED = 12345  # sacreBLEU's own default seed for its paired tests
+
+
+def paired_bleu_test(
+    base: list[str],
+    variation: list[str],
+    references: list[str],
+    tokenize: str = "13a",
+    trials: int = PAIRED_TRIALS,
+) -> dict:
+    """Paired approximate randomization (sacreBLEU's ``PairedTest``, ``ar``) of a
+    variation's translations against the base's, sentence by sentence, for corpus
+    BLEU (§6.1's metric): {"base", "variation", "delta", "p", "trials", "sentences",
+    "test"}."""
+    import os
+
+    from sacrebleu.metrics import BLEU
+    from sacrebleu.significance import PairedTest
+
+    if not (len(base) == len(variation) == len(references)) or not references:
+        raise ValueError(
+            f"a paired test needs as many translations as references: {len(base)}, "
+            f"{len(variation)} and {len(references)}"
+        )
+    metric = BLEU(tokenize=tokenize, force=tokenize == "none")
+    if list(base) == list(variation):  # sacreBLEU's count would give p = 1/(1+trials)
+        score = metric.corpus_score(list(base), [list(references)]).score
+        return paired_result(score, score, 1.0, trials, len(references), tokenize)
+    seed = os.environ.get("SACREBLEU_SEED")
+    os.environ["SACREBLEU_SEED"] = str(PAIRED_SEED)  # read by PairedTest itself
+    try:
+        test = PairedTest(
+            [("base", list(base)), ("variation", list(variation))],
+            {"BLEU": metric},
+            [list(references)],
+            test_type="ar",
+            n_samples=trials,
+        )
+        _, scores = test()
+    finally:
+        if seed is None:
+            os.environ.pop("SACREBLEU_SEED", None)
+        else:
+            os.environ["SACREBLEU_SEED"] = seed
+    ours, theirs = scores["BLEU"][1], scores["BLEU"][0]
+    return paired_result(
+        theirs.score, ours.score, float(ours.p_value), trials, len(references), tokenize
+    )
+
+
+def paired_result(
+    base: float, variation: float, p: float, trials: int, sentences: int, tokenize: str
+) -> dict:
+    """The record of one paired sentence-level test (see :func:`paired_bleu_test`)."""
+    return {
+        "base": base,
+        "variation": variation,
+        "delta": variation - base,
+        "p": p,
+        "trials": trials,
+        "sentences": sentences,
+        "test": f"sacreBLEU paired approximate randomization, {trials:,} trials, "
+        f"seed {PAIRED_SEED}, tokenize {tokenize}",
+    }

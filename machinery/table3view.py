@@ -80,6 +80,14 @@ def _short(verdict: str) -> str:
     return verdict + marks
 
 
+def _paired(s: dict) -> str:
+    """A variation's paired sentence-level tests, seed by seed ("s1 -0.42, p 0.120");
+    "—" where none was possible."""
+    tests = s.get("paired") or []
+    said = [f"s{t['seed']} {t['delta']:+.2f}, p {_p(t['p'])}" for t in tests]
+    return "; ".join(said) or "—"
+
+
 def _paper_row(label: str) -> str:
     """The paper's row as the table names it, briefly."""
     return label.replace("d_k=d_v=", "d_k=").replace(
@@ -162,8 +170,8 @@ class Table3:
             "|---|---|---|---|---|---|---|---|\n"
         )
         scores = (
-            "| row | valid PPL | valid BLEU | test BLEU | p, BLEU | p, PPL |\n"
-            "|---|---|---|---|---|---|\n"
+            "| row | valid PPL | valid BLEU | test BLEU | p, BLEU | p, PPL "
+            "| sentence test |\n|---|---|---|---|---|---|---|\n"
         )
         done = {s["variation"]: s for s in self.summary}
         plan = self.data.get("plan") or list(done.values())
@@ -194,7 +202,8 @@ class Table3:
             )
             numbers.append(
                 f"| {name} | {_spread(s['valid_ppl'])} | {_spread(s['valid_bleu'])} "
-                f"| {_spread(s['test_bleu'])} | {cells[0][1]} | {cells[1][1]} |"
+                f"| {_spread(s['test_bleu'])} | {cells[0][1]} | {cells[1][1]} "
+                f"| {_paired(s)} |"
             )
         legend = "; ".join(f"{m} {w}" for w, m in MARKS.items())
         note = (
@@ -206,8 +215,10 @@ class Table3:
             return "No Table 3 file here yet." + rule
         out = head + "\n".join(lines) + note
         if numbers:
-            out += "\n\nThe scores (mean ± sd over the seeds that trained) and each "
-            out += "test's p:\n\n" + scores + "\n".join(numbers)
+            out += "\n\nThe scores (mean ± sd over the seeds that trained), each "
+            out += "test's p, and the paired sentence-level test of each seed against "
+            out += "its seed's base (Δ valid BLEU, p; where both runs' translations "
+            out += "are kept):\n\n" + scores + "\n".join(numbers)
         if self.data.get("rule"):
             out += f"\n\nThe test: {self.data['rule']}"
         return out

@@ -2056,3 +2056,18 @@ def test_the_training_log_names_its_threads_and_their_waiting(tmp_path, capsys):
     assert first.startswith("threads: ") and "OMP_WAIT_POLICY" in first
     threads = int(first.split()[1])
     assert 1 <= threads <= usable_cores() or "OMP_NUM_THREADS=" in first
+
+
+def test_a_deleted_working_directory_is_one_line(tmp_path):
+    # torch would die loading its native libraries from a folder that no longer exists
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    r = subprocess.run(
+        ["bash", "-c", f'cd "{gone}" && rmdir "{gone}" && exec "$0" "$1" train',
+         sys.executable, str(SCRIPT)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert r.returncode == 1 and "working directory was deleted" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr

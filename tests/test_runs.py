@@ -211,3 +211,15 @@ def test_part_4_decodes_with_the_weights_its_summary_was_scored_with(tmp_path):
     assert machinery.runs.live_examples(None, data, finished["examples"], n=1) == (
         "  {source}\n→ {output}\n  ({reference})".format(**finished["examples"][0])
     )
+
+
+@pytest.mark.parametrize("name", ["multi30k-small", "iwslt14-sample"])
+def test_a_reported_run_names_its_machine_and_only_settings_the_code_has(name):
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[1] / "results"
+    summary = json.loads((results / f"{name}.json").read_text())
+    assert "EPYC" in machinery.runs.machine_of(summary)  # the CPU it ran on, named
+    fields = {f.name for f in dataclasses.fields(machinery.Config)}
+    assert set(summary["config"]) <= fields, set(summary["config"]) - fields
+    assert summary["config"]["dataset"] and summary["steps"] > 0

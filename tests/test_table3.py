@@ -620,6 +620,67 @@ def test_more_seeds_never_lower_the_tests_power():
     assert all(b >= a - 1e-12 for a, b in zip(more_base, more_base[1:]))
 
 
+def made_up_sentences(n: int, seed: int = 0) -> list[str]:
+    """``n`` made-up reference sentences of 8–14 words from a small vocabulary."""
+    import random
+
+    rng = random.Random(seed)
+    words = [f"w{i}" for i in range(60)]
+    return [" ".join(rng.choices(words, k=rng.randint(8, 14))) for _ in range(n)]
+
+
+def damaged(sentence: str) -> str:
+    """A worse translation of ``sentence``: its second half's words reversed."""
+    words = sentence.split()
+    half = len(words) // 2
+    return " ".join(words[:half] + words[half:][::-1])
+
+
+def test_the_sentence_level_test_tells_a_better_system_from_an_equal_one():
+    stats = stats_module()
+    refs = made_up_sentences(200)
+    worse = [damaged(r) for r in refs]
+    clear = stats.paired_bleu_test(worse, refs, refs, trials=2000)
+    assert clear["delta"] > 20 and clear["p"] == 1 / 2001  # no trial reached it
+    assert abs(clear["variation"] - 100) < 1e-9 and clear["sentences"] == 200
+    # each system right on a different half of the sentences: equally good
+    a = [r if i % 2 else damaged(r) for i, r in enumerate(refs)]
+    b = [damaged(r) if i % 2 else r for i, r in enumerate(refs)]
+    even = stats.paired_bleu_test(a, b, refs, trials=2000)
+    assert abs(even["delta"]) < 2 and even["p"] > 0.2
+    assert stats.paired_bleu_test(a, b, refs, trials=2000) == even  # seeded
+    same = stats.paired_bleu_test(a, list(a), refs, trials=2000)
+    assert (same["delta"], same["p"]) == (0, 1.0)  # no difference at all
+    with pytest.raises(ValueError, match="as many translations as references"):
+        stats.paired_bleu_test(a[:-1], b, refs)
+
+
+def test_each_run_is_paired_with_its_seeds_base_sentence_by_sentence(smoke):
+    rows = rows_of(smoke)
+    folder = smoke.with_name("table3-hypotheses")
+    import hashlib
+
+    for r in rows.values():  # every run's translations kept beside the table
+        kept = (folder / f"{r['name']}.txt").read_bytes()
+        assert hashlib.sha256(kept).hexdigest() == r["provenance"]["hypotheses_sha256"]
+        assert len(kept.decode().split("\n")) == 20 + 1  # --first 20, each ended
+    base = rows["base"]
+    for name in ("A-h1", "B-dk4", "E-learned"):
+        paired = rows[name]["paired"]
+        assert paired["against"] == "base"
+        assert paired["base_sha256"] == base["provenance"]["hypotheses_sha256"]
+        # the kept translations and the references give the recorded scores back
+        assert abs(paired["base"] - base["valid_bleu"]) < 0.006
+        assert abs(paired["variation"] - rows[name]["valid_bleu"]) < 0.006
+        assert 0 < paired["p"] <= 1 and paired["sentences"] == 20
+    assert "paired" not in base and "paired" not in rows["base-seed2"]
+    summary = {e["variation"]: e for e in json.loads(smoke.read_text())["summary"]}
+    assert summary["A-h1"]["paired"] == [
+        {"seed": 1, "delta": rows["A-h1"]["paired"]["delta"],
+         "p": rows["A-h1"]["paired"]["p"]}
+    ]  # fmt: skip
+
+
 def test_holm_stops_at_the_first_p_value_above_its_level():
     stats = stats_module()
     got = stats.holm_levels({"a": 0.001, "b": 0.02, "c": 0.011, "d": 0.5})
@@ -719,7 +780,9 @@ def test_a_row_whose_process_is_killed_names_the_signal_and_is_left_to_resume(tm
 
 def test_a_row_is_recorded_only_from_a_commit(tmp_path, monkeypatch):
     runner = load_script(SCRIPT, "table3_runner")
-    monkeypatch.setattr(runner, "commit", lambda outputs=(): "0" * 40 + "+changes")
+    monkeypatch.setattr(
+        runner, "commit", lambda outputs=(), kept=None: "0" * 40 + "+changes"
+    )
     args = runner.parse_args(["--out", str(tmp_path / "t.json")])
     with pytest.raises(runner.TableError, match="uncommitted changes"):
         runner.drive(args, runner.BASE, runner.BUDGET, tmp_path / "t.json",
@@ -807,9 +870,11 @@ def test_the_drivers_own_results_file_does_not_count_as_a_change(tmp_path):
         subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args],
                        cwd=tmp_path, check=True, capture_output=True)  # fmt: skip
 
-    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "table3-hypotheses").mkdir(parents=True)
     out = tmp_path / "results" / "table3.json"
     out.write_text("{}")
+    kept = tmp_path / "results" / "table3-hypotheses"
+    (kept / "base.txt").write_text("a\n")
     (tmp_path / "code.py").write_text("x = 1\n")
     git("init", "-q")
     git("add", ".")
@@ -817,7 +882,9 @@ def test_the_drivers_own_results_file_does_not_count_as_a_change(tmp_path):
     head = runner.commit(root=tmp_path)
     assert len(head) == 40
     out.write_text('{"rows": []}')  # as the driver leaves it between two rows
-    assert runner.commit((out,), root=tmp_path) == head  # its own output
+    (kept / "base.txt").write_text("b\n")  # a run's translations, kept again
+    assert runner.commit((out,), kept, root=tmp_path) == head  # its own output
+    assert runner.commit((out,), root=tmp_path) == head + "+changes"
     assert runner.commit(root=tmp_path) == head + "+changes"
     (tmp_path / "code.py").write_text("x = 2\n")  # a change to the code is one
     assert runner.commit((out,), root=tmp_path) == head + "+changes"

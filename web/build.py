@@ -302,14 +302,14 @@ def words(value, limit: int = 80) -> str:
 
 def where_trained(run: dict) -> str:
     """ "on a 2-core AMD EPYC (no GPU)", "on a CPU (no GPU)" or "on 2 GPUs", from a
-    run's summary (its ``cpu`` line, where it has one)."""
+    run's summary (its ``machine`` line, or the ``cpu`` line of older summaries)."""
     device = str(run.get("device", ""))
     n = int(number(run.get("world_size")) or 1)
     if device.startswith("cuda"):
         return f"on {n} GPU{'s' if n > 1 else ''}"
     if device != "cpu":
         return f"on {words(device, 30) or '?'}"
-    cpu = str(run.get("cpu") or "")
+    cpu = str(run.get("machine") or run.get("cpu") or "")
     name = words(cpu.split(" (")[0].split(",")[0], 60)
     cores = re.search(r"(\d+) cores?\b", cpu)
     if name and cores:
