@@ -162,7 +162,8 @@ def test_table(
     holds Eq. 3's rate apart from. Returns per variation Δ (BLEU points, or the
     ratio of perplexities − 1), its 95% interval, p, Holm's level and decision, the
     threshold |Δ| at that level, the detectable difference, and (paper variations)
-    the word; a control gets its difference from the variation it controls."""
+    the word; a control gets its difference from the variation it controls (from
+    the base where that variation is not in ``runs``) and from the base."""
     flat = [
         (v, seed, observation(r, measure)) for v, rs in runs.items() for seed, r in rs
     ]
@@ -198,7 +199,8 @@ def test_table(
         )
         out[v] = entry | shown(entry, measure)
     for v, against in controls.items():
-        if v in runs and against in runs:
+        if v in runs:  # from its width where that was tested, else from the base
+            against = against if against in runs else "base"
             c = contrast(model, v, against)
             half = critical(0.05, model["dof"]) * c["se"]
             entry = {

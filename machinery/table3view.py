@@ -206,9 +206,15 @@ class Table3:
                 f"| {_paired(s)} |"
             )
         legend = "; ".join(f"{m} {w}" for w, m in MARKS.items())
+        froms = [
+            f"{s['variation']} from {t['against']}"
+            for s in self.summary
+            if s.get("control") and (t := (s.get("tests") or {}).get("bleu"))
+        ]
         note = (
             f"\n\nMarks: {legend}. A control's Δ is from the same width at Eq. 3's "
-            "own rate (C-d128-lr from C-d128, C-d512-lr from C-d512)."
+            "own rate, or from the base where that width is not tested"
+            + (f" ({', '.join(froms)})." if froms else ".")
         )
         if not lines:
             rule = f"\n\nThe test: {self.data['rule']}" if self.data.get("rule") else ""
@@ -228,7 +234,7 @@ class Table3:
         control's Δ is from the same width at Eq. 3's rate), and its p."""
         t = (s.get("tests") or {}).get(measure)
         if t is None:
-            verdict = (s.get("verdict") or {}).get(measure, "")
+            verdict = _short((s.get("verdict") or {}).get(measure, ""))
             return f" | {verdict}", ""
         pct = measure == "ppl"
         delta = t["delta_pct"] if pct else t["delta"]

@@ -727,6 +727,38 @@ def test_the_words_say_what_the_runs_show():
     assert stats.sign_word(-2.0, 25.6 - 25.8, "bleu") == "agrees"  # two steps
 
 
+def test_a_variation_still_learning_enters_no_test_and_leaves_the_noise_alone():
+    runner = load_script(SCRIPT, "table3_runner")
+    late = [{"epoch": e, "valid_ppl": 30.0 - 2 * e} for e in range(1, 9)]  # falling
+
+    def row(name, bleu, curve=None):
+        return made_up_row(runner, name, bleu, curve=curve)
+
+    steady = [row("base", 40.0), row("base-seed2", 40.9), row("base-seed3", 40.2),
+              row("A-h4", 39.9), row("A-h4-seed2", 40.6),
+              row("A-h1", 37.0), row("A-h1-seed2", 37.8)]  # fmt: skip
+    # C-d128's pattern: one seed as good as the base, the other still learning far
+    # below it
+    split = [row("C-d128", 15.6, late), row("C-d128-seed2", 40.8)]
+    alone = runner.summarise({"rows": steady})
+    both = runner.summarise({"rows": steady + split})
+    test = {s["variation"]: s["tests"]["bleu"] for s in both if s.get("tests")}
+    assert runner.unsettled({"rows": steady + split}) == {"C-d128"}
+    assert "C-d128" not in test  # no test, and
+    for s in alone:  # every other test is as it was without it
+        if s.get("tests"):
+            assert test[s["variation"]]["se"] == s["tests"]["bleu"]["se"]
+    d128 = next(s for s in both if s["variation"] == "C-d128")
+    assert d128["verdict"]["bleu"] == (
+        "not tested (still learning at the end of its schedule)"
+    )
+    assert d128["counted"] == {"bleu": "not counted", "ppl": "not counted"}
+    # a learning-rate control of an untested width is read against the base
+    control = runner.summarise({"rows": steady + split + [row("C-d128-lr", 40.0)]})
+    lr = next(s for s in control if s["variation"] == "C-d128-lr")
+    assert lr["tests"]["bleu"]["against"] == "base"
+
+
 def full_table(runner, bleu_of) -> dict:
     """Made-up records for every run the plan always makes; ``bleu_of(variation,
     seed)`` gives each its validation BLEU."""
