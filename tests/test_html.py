@@ -1205,7 +1205,7 @@ def test_the_findings_box_under_the_title_says_what_results_holds(fresh, width):
         f"{run['train_minutes']:.1f} minutes",
         f"{run['steps']:,} updates",
         f"{sample['bleu']:.1f} BLEU",
-        f"{sample['train_minutes']:.1f} minutes",
+        f"{sample['steps']:,} updates",
     ):
         assert number in text, number
     table3 = build.table3_state(build.read_json(ROOT / "results" / build.TABLE3))
@@ -1423,22 +1423,7 @@ def test_no_figure_is_wider_than_its_column_or_scrolls_sideways(fresh, width):
     assert page.evaluate("document.documentElement.scrollWidth") <= width
 
 
-# On a phone, the IWSLT14 sample's training curve (results/iwslt14-sample-curve.png)
-# still reads below 11 px: it was drawn by its run before figures carried a phone
-# layout, and no run here holds its metrics to redraw it. It is redrawn when
-# results/iwslt14-sample.json is made again; remove the mark then.
-@pytest.mark.parametrize(
-    "width",
-    [
-        pytest.param(
-            w,
-            marks=pytest.mark.xfail(reason="the IWSLT14 curve predates phone layouts"),
-        )  # fmt: skip
-        if w < 1100
-        else w
-        for w in WIDTHS
-    ],
-)
+@pytest.mark.parametrize("width", WIDTHS)
 def test_every_figures_smallest_text_reads_at_11_px(fresh, width):
     small = [
         f"{f['alt'][:40]}: {f['px']:.1f} px"

@@ -407,18 +407,18 @@ def findings(results: Path, links: dict) -> list[str]:
     else:
         out.append(missing(HEADLINE, run, ("bleu", "train_minutes", "steps")))
     sample = read_json(results / SAMPLE)
-    bleu, minutes = number(sample.get("bleu")), number(sample.get("train_minutes"))
-    if bleu is not None and minutes is not None:
+    bleu, steps = number(sample.get("bleu")), number(sample.get("steps"))
+    if bleu is not None and steps is not None:
         out.append(
             f"On a {IWSLT14_SAMPLE / IWSLT14_PAIRS:.0%} sample of IWSLT14's "
             f"German→English training data ({IWSLT14_SAMPLE:,} of {IWSLT14_PAIRS:,} "
-            f"pairs), trained {where_trained(sample)} for {minutes:.1f} minutes, it "
+            f"pairs), trained {where_trained(sample)} for {steps:,.0f} updates, it "
             f"reaches {bleu:.1f} BLEU ({words(sample.get('bleu_kind', ''), 30)}), "
             f"against {IWSLT14_PUBLISHED} published for 6-layer models trained on "
             f"the full data on a GPU ([Results]({links['results']}))."
         )
     else:
-        out.append(missing(SAMPLE, sample, ("bleu", "train_minutes")))
+        out.append(missing(SAMPLE, sample, ("bleu", "steps")))
     table3 = read_json(results / TABLE3)
     if not table3:
         return out + [missing(TABLE3, table3, ())]
