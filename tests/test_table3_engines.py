@@ -251,30 +251,18 @@ def training_process(run_dir: Path, timeout: float = 240.0) -> psutil.Process:
     return found[0]
 
 
-def wait_for_an_update(log: Path, after: str = "", timeout: float = 240.0) -> int:
-    """The first training update a progress bar in ``log`` shows done (after the
-    last occurrence of ``after``), once there is one."""
-    seen: list = []
-
-    def updated() -> bool:
-        text = log.read_text(errors="replace") if log.is_file() else ""
-        text = text[text.rfind(after) :] if after else text
-        steps = [int(n) for n in re.findall(r"\| *(\d+)/\d+ \[", text)]
-        seen[:] = [s for s in steps if 1 <= s < SMOKE_UPDATES]
-        return bool(seen)
-
-    wait_until(updated, timeout, f"a training update in {log}")
-    return seen[0]
-
-
-def freeze_after_an_update(proc: psutil.Process, log: Path, timeout=240.0) -> None:
+def freeze_after_an_update(
+    proc: psutil.Process, log: Path, after: str = "", timeout=240.0
+) -> None:
     """Let ``proc`` train in short slices, frozen in between, until ``log`` shows an
-    update of the row done, and leave it frozen: mid-row however fast the machine."""
+    update of the row done (after the last occurrence of ``after``), and leave it
+    frozen: mid-row however fast the machine."""
     give_up = time.monotonic() + timeout
     proc.send_signal(signal.SIGSTOP)
     while time.monotonic() < give_up:
         time.sleep(0.3)  # the runner copies what the program printed into its log
         text = log.read_text(errors="replace") if log.is_file() else ""
+        text = text[text.rfind(after) :] if after else text
         if [n for n in re.findall(r"\| *(\d+)/\d+ \[", text) if 1 <= int(n)]:
             return
         proc.send_signal(signal.SIGCONT)
@@ -319,7 +307,7 @@ def test_ray_row_whose_worker_is_killed_is_retried_and_resumes_slowest(
         worker = trainer.parent()
         logs = [Path(n.get_logs_dir_path()) for n in ray_cluster.list_all_nodes()]
         worker_log = next(p for d in logs for p in d.glob(f"worker-*-{worker.pid}.err"))
-        wait_for_an_update(worker_log, after=":task_name:E-learned-seed2")
+        freeze_after_an_update(trainer, worker_log, ":task_name:E-learned-seed2")
 
         def lose_worker(parent: psutil.Process) -> None:
             parent.kill()
