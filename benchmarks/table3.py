@@ -814,8 +814,10 @@ def valid_references(budget: dict, seed: int) -> tuple[list[str], str]:
 
     cfg = machinery.get_config(budget["preset"], seed=seed)
     first = budget.get("max_eval_sentences")
-    args = SimpleNamespace(src=None, ref=None, split="valid", first=first)
-    _, refs = evaluation_pairs(SimpleNamespace(**vars(args), data_mirror=None), cfg)
+    args = SimpleNamespace(
+        src=None, ref=None, split="valid", first=first, data_mirror=None
+    )
+    _, refs = evaluation_pairs(args, cfg)
     return refs, machinery.CORPORA[cfg.dataset].bleu_tokenize
 
 
