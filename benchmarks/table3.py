@@ -77,6 +77,7 @@ from table3_work import (  # noqa: E402
     newest_checkpoint,
     program_options,
     relative,
+    sha256_of,
     write_json,
 )
 
@@ -786,8 +787,6 @@ def kept_hypotheses(record: dict, folder: Path) -> Optional[Path]:
     """The file of ``record``'s validation translations beside the table, copied
     there from its run directory the first time; None where neither holds the
     translations the record's SHA-256 names."""
-    from table3_work import sha256_of
-
     sha = (record.get("provenance") or {}).get("hypotheses_sha256")
     if not finished(record) or not sha:
         return None
@@ -827,10 +826,12 @@ def pair_with_base(data: dict, out: Path, budget: dict) -> list[str]:
     against that base (table3_stats.paired_bleu_test) recorded in its ``paired``
     (computed again only when either file changes). Returns what could not be done,
     one line each."""
-    from table3_work import sha256_of
-
     folder, said = hypotheses_folder(out), []
     kept = {r["name"]: kept_hypotheses(r, folder) for r in data["rows"]}
+    sha = {
+        r["name"]: (r.get("provenance") or {}).get("hypotheses_sha256")
+        for r in data["rows"]
+    }  # the digests kept_hypotheses checked the files against
     references: dict[int, tuple] = {}
     for record in data["rows"]:
         name, against = record["name"], base_of(record)
@@ -840,7 +841,7 @@ def pair_with_base(data: dict, out: Path, budget: dict) -> list[str]:
         if mine is None or theirs is None:
             record.pop("paired", None)
             continue
-        shas = {"sha256": sha256_of(mine), "base_sha256": sha256_of(theirs)}
+        shas = {"sha256": sha[name], "base_sha256": sha[against]}
         if all((record.get("paired") or {}).get(k) == v for k, v in shas.items()):
             continue
         seed = record.get("seed", 1)
