@@ -1456,9 +1456,10 @@ def record_of(data: dict, name: str) -> Optional[dict]:
 
 
 def set_aside(run_dir: Path) -> None:
-    """Move a run directory whose epoch-1 check failed out of the way, so that the
-    row trains again from its start."""
-    if run_dir.exists():
+    """Move the finished run whose epoch-1 check failed out of the way, so that the
+    row trains again from its start. A directory without a finished run
+    (``results.json``) holds that new training, interrupted: it is left to resume."""
+    if (run_dir / "results.json").is_file():
         stamp = int(time.time())
         run_dir.rename(run_dir.with_name(f"{run_dir.name}.failed-check-{stamp}"))
 

@@ -810,6 +810,22 @@ def test_a_row_whose_process_is_killed_names_the_signal_and_is_left_to_resume(tm
     assert record["ran_on"]["host"] and record["ran_on"]["engine"] == "local"
 
 
+def test_a_failed_checks_finished_run_is_set_aside_but_its_retraining_resumes(
+    tmp_path,
+):
+    runner = load_script(SCRIPT, "table3_runner")
+    checked = tmp_path / "C-N4"  # the finished run whose epoch-1 check failed
+    checked.mkdir()
+    (checked / "results.json").write_text("{}")
+    runner.set_aside(checked)
+    assert not checked.exists()
+    assert [p.name.split(".")[1][:12] for p in tmp_path.iterdir()] == ["failed-check"]
+    checked.mkdir()  # its retraining, stopped after a checkpoint
+    (checked / "checkpoint-00001154.pt").write_bytes(b"weights")
+    runner.set_aside(checked)  # the driver started again: the retraining resumes
+    assert (checked / "checkpoint-00001154.pt").read_bytes() == b"weights"
+
+
 def test_a_row_is_recorded_only_from_a_commit(tmp_path, monkeypatch):
     runner = load_script(SCRIPT, "table3_runner")
     monkeypatch.setattr(
