@@ -41,7 +41,7 @@ def report(tmp_path_factory):
         capture_output=True,
         text=True,
         env=env,
-        timeout=900,  # eight policy processes in the smoke run
+        timeout=900,  # ten policy processes in the smoke run
     )
     assert result.returncode == 0, result.stderr
     return {
@@ -49,6 +49,25 @@ def report(tmp_path_factory):
         "stdout": result.stdout,
         "out": out,
     }
+
+
+def test_only_beside_measures_the_wait_policies_alone(tmp_path):
+    """``--only beside``: section 6 by itself, in ``beside.json`` (no ``bench.json``),
+    its table printed."""
+    args = ["--smoke", "--quiet", "--threads", "1", "--dataset", "copy", "--only"]
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), *args, "beside", "--out", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ANNOTATED_TRANSFORMER_DATA": str(tmp_path / "data")},
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr
+    data = json.loads((tmp_path / "beside.json").read_text())
+    assert {"machine", "beside"} <= set(data) and "training" not in data
+    assert not (tmp_path / "bench.json").exists()
+    assert "| PASSIVE" in result.stdout and "beside.json" in result.stdout
 
 
 def test_every_section_is_written_with_the_machine_and_command(report):
@@ -473,13 +492,13 @@ def test_each_wait_policy_is_measured_in_the_environment_it_names(report):
 
     beside = report["json"]["beside"]
     rows = {r["policy"]: r for r in beside["rows"]}
-    assert set(rows) == {"default (unset)", "ACTIVE", "PASSIVE", "GOMP_SPINCOUNT=10000"}
+    counts = ("1000", "3000", "10000")
+    spins = {f"GOMP_SPINCOUNT={n}" for n in counts}
+    assert set(rows) == {"default (unset)", "PASSIVE", *spins}
     for name, r in rows.items():
         env = r["environment"]
-        assert env["OMP_WAIT_POLICY"] == (
-            name if name in ("ACTIVE", "PASSIVE") else None
-        )
-        assert env["GOMP_SPINCOUNT"] == ("10000" if "SPINCOUNT" in name else None)
+        assert env["OMP_WAIT_POLICY"] == ("PASSIVE" if name == "PASSIVE" else None)
+        assert env["GOMP_SPINCOUNT"] == (name.split("=")[1] if name in spins else None)
         assert env["OMP_NUM_THREADS"] == str(usable_cores()) == str(env["threads"])
         assert positive(r["quiet_ms"]) and positive(r["busy_ms"])
         assert r["slowdown"] == pytest.approx(r["busy_ms"] / r["quiet_ms"])
