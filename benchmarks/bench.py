@@ -925,21 +925,32 @@ def bench_scaling(st: Settings, log: Callable) -> dict:
 # so that the machine's slow phases hit all of them alike.
 
 # Between libgomp's default (a long spin before sleeping) and passive waiting (none), a
-# spin count sets how long an idle thread spins: the counts measured are the search for
+# spin count sets how long an idle thread spins: the count measured is the search for
 # one that is as fast as spinning quiet and as steady as passive waiting beside a busy
-# process. (`ACTIVE`, spinning without end, measured as the default does on the EPYC of
+# process. The last row is the other way out, threads chosen from the load: one thread
+# beside a process that keeps a core busy (the default waiting; with one thread nothing
+# waits). (`ACTIVE`, spinning without end, measured as the default does on the EPYC of
 # `results/README.md`, is left out.)
+ONE_THREAD = "one thread (as the load would choose)"
 BESIDE_POLICIES = MappingProxyType(
     {
         "default (unset)": {},
         "PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
-        **{
-            f"GOMP_SPINCOUNT={n}": {"GOMP_SPINCOUNT": str(n)}
-            for n in (1000, 3000, 10000)
-        },
+        "GOMP_SPINCOUNT=1000": {"GOMP_SPINCOUNT": "1000"},
+        "GOMP_SPINCOUNT=10000": {"GOMP_SPINCOUNT": "10000"},
+        ONE_THREAD: {"OMP_NUM_THREADS": "1"},
     }
 )
-BUSY_LOOP = "while True: pass"
+# The busy process: a pure-Python loop that looks up, every million turns, whether the
+# process that started it is still there, and ends when it is not (a bench stopped by a
+# signal leaves no loop spinning behind).
+BUSY_LOOP = (
+    "import os\n"
+    "parent = os.getppid()\n"
+    "while os.getppid() == parent:\n"
+    "    for _ in range(1_000_000):\n"
+    "        pass\n"
+)
 
 
 def policy_environment(policy: dict, environ=None) -> dict:

@@ -7,9 +7,11 @@ No timing is asserted (CI machines vary); only that the benchmark runs and repor
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -423,6 +425,38 @@ def test_profile_categories_tell_the_kinds_of_work_apart(monkeypatch):
     )  # the labels are gone again
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_the_busy_process_ends_when_the_bench_that_started_it_is_gone(monkeypatch):
+    """A bench killed mid-measurement (no ``finally`` runs) leaves no busy loop."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import bench
+
+    starter = (
+        "import os, subprocess, sys\n"
+        f"busy = subprocess.Popen([sys.executable, '-c', {bench.BUSY_LOOP!r}])\n"
+        "print(busy.pid, flush=True)\n"
+        "os._exit(0)  # gone without a word, as a SIGKILL leaves it\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", starter], capture_output=True, text=True, timeout=60
+    )
+    pid = int(out.stdout)
+
+    def running() -> bool:  # a zombie waiting for its new parent counts as ended
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+    deadline = time.monotonic() + 30
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if running():
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail("the busy loop outlived the bench that started it")
+
+
 def test_the_bench_adam_per_tensor_is_neither_fused_nor_foreach(monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     import bench
@@ -485,21 +519,23 @@ def test_flops_are_counted_right_where_h_times_d_k_is_not_d_model(monkeypatch, d
 
 def test_each_wait_policy_is_measured_in_the_environment_it_names(report):
     """Section 6: every policy quiet and beside one busy process, each measuring
-    process started with that policy alone and the usable cores' threads; the
-    machinery's default is marked; no timing is asserted, only that it was taken."""
+    process started with that policy alone and the usable cores' threads (one in the
+    one-thread row); the machinery's default is marked; no timing is asserted, only
+    that it was taken."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench
     from machinery.devices import WAIT_POLICY, usable_cores
 
     beside = report["json"]["beside"]
     rows = {r["policy"]: r for r in beside["rows"]}
-    counts = ("1000", "3000", "10000")
-    spins = {f"GOMP_SPINCOUNT={n}" for n in counts}
-    assert set(rows) == {"default (unset)", "PASSIVE", *spins}
+    spins = {f"GOMP_SPINCOUNT={n}" for n in ("1000", "10000")}
+    assert set(rows) == {"default (unset)", "PASSIVE", *spins, bench.ONE_THREAD}
     for name, r in rows.items():
         env = r["environment"]
         assert env["OMP_WAIT_POLICY"] == ("PASSIVE" if name == "PASSIVE" else None)
         assert env["GOMP_SPINCOUNT"] == (name.split("=")[1] if name in spins else None)
-        assert env["OMP_NUM_THREADS"] == str(usable_cores()) == str(env["threads"])
+        threads = 1 if name == bench.ONE_THREAD else usable_cores()
+        assert env["OMP_NUM_THREADS"] == str(threads) == str(env["threads"])
         assert positive(r["quiet_ms"]) and positive(r["busy_ms"])
         assert r["slowdown"] == pytest.approx(r["busy_ms"] / r["quiet_ms"])
         assert min(x["quiet_vs_best"] for x in rows.values()) == pytest.approx(1.0)
