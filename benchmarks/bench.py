@@ -942,15 +942,26 @@ BESIDE_POLICIES = MappingProxyType(
     }
 )
 # The busy process: a pure-Python loop that looks up, every million turns, whether the
-# process that started it is still there, and ends when it is not (a bench stopped by a
-# signal leaves no loop spinning behind).
+# process that started it (its pid, the loop's argument: read from the loop itself, it
+# could already be another's) is still its parent, and ends when it is not (a bench
+# stopped by a signal leaves no loop spinning behind). Started by `busy_process`.
 BUSY_LOOP = (
-    "import os\n"
-    "parent = os.getppid()\n"
-    "while os.getppid() == parent:\n"
+    "import os, sys\n"
+    "while os.getppid() == int(sys.argv[1]):\n"
     "    for _ in range(1_000_000):\n"
     "        pass\n"
 )
+
+
+def busy_process(env: Optional[dict] = None) -> subprocess.Popen:
+    """One process keeping a core busy (:data:`BUSY_LOOP`) until it is killed or this
+    process is gone."""
+    return subprocess.Popen(
+        [sys.executable, "-c", BUSY_LOOP, str(os.getpid())],
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 def policy_environment(policy: dict, environ=None) -> dict:
@@ -1042,7 +1053,7 @@ def bench_beside(
             for condition in ("quiet", "beside one busy process"):
                 busy = None
                 if condition != "quiet":
-                    busy = subprocess.Popen([sys.executable, "-c", BUSY_LOOP], env=env)
+                    busy = busy_process(env)
                 try:
                     out = measure_in_process(spec, env)
                 finally:

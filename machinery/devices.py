@@ -508,7 +508,10 @@ def allocator_note(device: torch.device, environ=None) -> str:
 # before torch is imported at the program's start. And threads default to the cores
 # this process may use — its CPU affinity (`taskset`, a scheduler's allocation) and a
 # container's CPU quota (cgroup `cpu.max`, `docker --cpus`) — rather than every core of
-# the machine, unless `OMP_NUM_THREADS` says otherwise.
+# the machine, unless `OMP_NUM_THREADS` says otherwise. Passive waiting costs some speed
+# on a quiet machine (`make bench`'s last section measures it beside spin counts and one
+# thread: `results/README.md`). Threads are never chosen from the load of the moment: a
+# run's numbers depend on its thread count, and a run must give back the same bits.
 
 WAIT_POLICY = "PASSIVE"
 

@@ -426,16 +426,13 @@ def test_profile_categories_tell_the_kinds_of_work_apart(monkeypatch):
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
-def test_the_busy_process_ends_when_the_bench_that_started_it_is_gone(monkeypatch):
+def test_the_busy_process_ends_when_the_bench_that_started_it_is_gone():
     """A bench killed mid-measurement (no ``finally`` runs) leaves no busy loop."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    import bench
-
     starter = (
-        "import os, subprocess, sys\n"
-        f"busy = subprocess.Popen([sys.executable, '-c', {bench.BUSY_LOOP!r}])\n"
-        "print(busy.pid, flush=True)\n"
-        "os._exit(0)  # gone without a word, as a SIGKILL leaves it\n"
+        f"import os, sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+        "import bench\n"
+        "print(bench.busy_process().pid, flush=True)\n"
+        "os._exit(0)  # gone at once, without a word, as a SIGKILL leaves it\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", starter], capture_output=True, text=True, timeout=60
