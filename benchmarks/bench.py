@@ -961,6 +961,7 @@ def busy_process(env: Optional[dict] = None) -> subprocess.Popen:
         env=env,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
 
 
@@ -1386,7 +1387,9 @@ def main(argv: Sequence[str]) -> int:
         help="tiny model, a handful of everything (for tests)",
     )
     parser.add_argument(
-        "--out", default="runs/bench", help="output folder for bench.json and bench.png"
+        "--out",
+        default="runs/bench",
+        help="output folder for bench.json and bench.png (beside.json with --only)",
     )
     parser.add_argument(
         "--dataset",

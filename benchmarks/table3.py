@@ -78,6 +78,7 @@ from table3_work import (  # noqa: E402
     program_options,
     relative,
     sha256_of,
+    valid_curve,
     write_json,
 )
 
@@ -1311,8 +1312,9 @@ class Loop:
                     log(f"run {row['name']}: not needed: {why}")
                     self.pending.remove(row)
                 elif verb == "run":
-                    if check_failed(record_of(self.data, row["name"]) or {}):
-                        set_aside(self.runs / row["name"])
+                    record = record_of(self.data, row["name"]) or {}
+                    if check_failed(record):
+                        set_aside(self.runs / row["name"], record)
                     job = job_for(row, self.base, self.budget, self.args, self.runs,
                                   self.options, self.head)  # fmt: skip
                     log(
@@ -1455,11 +1457,16 @@ def record_of(data: dict, name: str) -> Optional[dict]:
     return next((r for r in data["rows"] if r["name"] == name), None)
 
 
-def set_aside(run_dir: Path) -> None:
-    """Move the finished run whose epoch-1 check failed out of the way, so that the
-    row trains again from its start. A directory without a finished run
-    (``results.json``) holds that new training, interrupted: it is left to resume."""
-    if (run_dir / "results.json").is_file():
+def set_aside(run_dir: Path, record: dict) -> None:
+    """Move the run ``record`` came from, whose epoch-1 check failed, out of the way, so
+    that the row trains again from its start. It is told by its first validation
+    perplexity, the recorded one; a directory with another (the check's, as the row's
+    new training gives it again) or none yet holds that new training, stopped before
+    it was recorded: it is left to resume or to be scored."""
+    metrics = run_dir / "metrics.jsonl"
+    curve = valid_curve(metrics) if metrics.is_file() else []
+    recorded = (record.get("curve") or [{}])[0].get("valid_ppl")
+    if curve and curve[0]["valid_ppl"] == recorded:
         stamp = int(time.time())
         run_dir.rename(run_dir.with_name(f"{run_dir.name}.failed-check-{stamp}"))
 

@@ -9,6 +9,7 @@ score is asserted beyond what five updates can show.
 """
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -810,20 +811,30 @@ def test_a_row_whose_process_is_killed_names_the_signal_and_is_left_to_resume(tm
     assert record["ran_on"]["host"] and record["ran_on"]["engine"] == "local"
 
 
-def test_a_failed_checks_finished_run_is_set_aside_but_its_retraining_resumes(
-    tmp_path,
-):
+def test_a_failed_checks_run_is_set_aside_but_the_rows_new_training_is_kept(tmp_path):
     runner = load_script(SCRIPT, "table3_runner")
-    checked = tmp_path / "C-N4"  # the finished run whose epoch-1 check failed
-    checked.mkdir()
-    (checked / "results.json").write_text("{}")
-    runner.set_aside(checked)
-    assert not checked.exists()
+    record = {"curve": [{"epoch": 1, "valid_ppl": math.exp(5.17)}]}
+
+    def run_dir(valid_loss, finished):
+        folder = tmp_path / "C-N4"
+        folder.mkdir()
+        lines = [{"step": 50, "epoch": 1, "train_loss": 8.6}]
+        if valid_loss is not None:
+            lines.append({"step": 215, "epoch": 1, "valid_loss": valid_loss})
+        text = "".join(json.dumps(x) + "\n" for x in lines)
+        (folder / "metrics.jsonl").write_text(text)
+        if finished:
+            (folder / "results.json").write_text("{}")
+        return folder
+
+    runner.set_aside(run_dir(5.17, True), record)  # the run the record came from
+    assert not (tmp_path / "C-N4").exists()
     assert [p.name.split(".")[1][:12] for p in tmp_path.iterdir()] == ["failed-check"]
-    checked.mkdir()  # its retraining, stopped after a checkpoint
-    (checked / "checkpoint-00001154.pt").write_bytes(b"weights")
-    runner.set_aside(checked)  # the driver started again: the retraining resumes
-    assert (checked / "checkpoint-00001154.pt").read_bytes() == b"weights"
+    for valid_loss, finished in ((None, False), (5.1668, False), (5.1668, True)):
+        kept = run_dir(valid_loss, finished)  # new training: stopped early, mid-way,
+        runner.set_aside(kept, record)  # or trained but not yet scored
+        assert (kept / "metrics.jsonl").is_file()
+        shutil.rmtree(kept)
 
 
 def test_a_row_is_recorded_only_from_a_commit(tmp_path, monkeypatch):
