@@ -22,7 +22,7 @@ export MALLOC_TRIM_THRESHOLD_ ?= 17179869184
 # runtime reads it when it starts; a value already in the environment wins.
 export OMP_WAIT_POLICY ?= PASSIVE
 
-.PHONY: install install-cluster test sync notebook lab html train translate evaluate export bench gpu-check table3 clean help
+.PHONY: install install-cluster test sync notebook lab html train translate evaluate export bench gpu-check table3 seeds clean help
 
 help:
 	@echo "make install            create .venv and install requirements.txt"
@@ -39,6 +39,7 @@ help:
 	@echo "make bench              performance side by side (a few minutes); ARGS=--quick for seconds"
 	@echo "make gpu-check ARGS='--data DIR'  the ten-minute check on one CUDA GPU (JSON in build/gpu-check/); a CPU runs it tiny"
 	@echo "make table3             the Table 3 runs (benchmarks/table3.py); ARGS='...'"
+	@echo "make seeds              the headline preset with seeds 2 and 3 (benchmarks/seeds.py)"
 
 install: $(STAMP)
 
@@ -108,6 +109,10 @@ gpu-check:
 
 table3: $(STAMP)
 	$(PY) benchmarks/table3.py $(ARGS)
+
+# The headline preset with other seeds (benchmarks/seeds.py): its spread.
+seeds: $(STAMP)
+	$(PY) benchmarks/seeds.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs build .pytest_cache site web/node_modules

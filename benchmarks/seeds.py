@@ -1,0 +1,172 @@
+"""The headline's spread (our addition): `multi30k-small` trained as `make train` trains
+it, with other seeds, and the test BLEU of every seed beside the recorded run's.
+
+The README's headline, 41.8 BLEU, is one run (seed 1, `results/multi30k-small.json`).
+What a user should expect on their own machine is that figure's spread over seeds, and
+which precision and attention path `auto` took in each run (a run on another CPU may
+take another, and its numbers differ with it). Each seed trains in a run directory of
+its own, resuming from its checkpoints when stopped; a seed whose run has finished is
+read, not trained again. The file records each seed's scores, what it ran with, the CPU
+and the commit its run started from, and mean, sample standard deviation and range over
+all seeds, the recorded run included::
+
+    make seeds                      # seeds 2 and 3, each as long as a make train
+    make seeds ARGS="--seeds 2,3,4"
+
+A seed is recorded only from a commit (the runner refuses a tree with uncommitted
+changes, as Table 3's does).
+"""
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
+
+from table3 import commit  # noqa: E402
+from table3_work import write_json  # noqa: E402
+
+from machinery.devices import quiet_environment  # noqa: E402
+
+# What each seed's row keeps of its run's results.json.
+KEPT = (
+    "bleu",
+    "bleu_greedy",
+    "precision",
+    "attention",
+    "auto",
+    "machine",
+    "steps",
+    "train_minutes",
+)  # and ``other_settings``: what its run ran with other than the first row's
+
+
+def seed_row(summary: dict, seed: int, started: Optional[str]) -> dict:
+    """One seed's row: its seed, the commit its run started from, and the ``KEPT``
+    values of its run's summary (an earlier summary names its machine ``cpu``)."""
+    kept = {k: summary.get(k) for k in KEPT}
+    kept["machine"] = kept["machine"] or summary.get("cpu")
+    return {"seed": seed, "commit": started, **kept}
+
+
+def differences(config: dict, reference: dict) -> dict:
+    """The settings of ``config`` other than ``reference``'s, the seed and the run
+    directory apart: {field: (this, reference's)}."""
+    return {
+        k: (config.get(k), reference.get(k))
+        for k in sorted(set(config) | set(reference))
+        if k not in ("seed", "run_dir") and config.get(k) != reference.get(k)
+    }
+
+
+def spread(rows: Sequence[dict], key: str = "bleu") -> dict:
+    """Mean, sample standard deviation (n − 1), lowest and highest of ``key`` over
+    ``rows``; the deviation is None for fewer than two."""
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return {
+        "n": len(values),
+        "mean": statistics.fmean(values) if values else None,
+        "sd": statistics.stdev(values) if len(values) > 1 else None,
+        "min": min(values, default=None),
+        "max": max(values, default=None),
+    }
+
+
+def train_seed(python: str, config: str, seed: int, run_dir: Path, extra) -> int:
+    """Train (or resume) seed ``seed`` of preset ``config`` in ``run_dir``, as `make
+    train` does; the program's exit status."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    started = run_dir / "started.json"
+    if not started.is_file():  # the commit the run starts from, kept across resumes
+        write_json(started, {"commit": commit((), None, ROOT)})
+    program = [python, str(ROOT / "the_annotated_transformer.py"), "train"]
+    options = ["--config", config, "--seed", str(seed), "--run_dir", str(run_dir)]
+    command = [*program, *options, *extra]
+    return subprocess.run(command, env=quiet_environment()).returncode
+
+
+def main(argv: Sequence[str]) -> int:
+    """Train the seeds not yet finished, then write the file; the exit status."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", default="2,3", help="comma-separated seeds")
+    parser.add_argument("--config", default="multi30k-small", help="the preset")
+    parser.add_argument(
+        "--recorded",
+        default="results/multi30k-small.json",
+        help="the recorded run's summary (seed 1), read as one more seed",
+    )
+    parser.add_argument("--runs", default="runs/seeds", help="the seeds' run folders")
+    parser.add_argument(
+        "--out", default="results/multi30k-small-seeds.json", help="the file written"
+    )
+    parser.add_argument(
+        "--python", default=sys.executable, help="the interpreter that trains"
+    )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="for the tests: a tree with uncommitted changes is allowed",
+    )
+    args, extra = parser.parse_known_args(list(argv))
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        parser.error(f"--seeds {args.seeds!r}: give whole numbers, e.g. 2,3")
+    out, runs = Path(args.out), Path(args.runs)
+    if not args.smoke and commit((out,), None, ROOT).endswith("+changes"):
+        print(
+            "seeds.py: error: the working tree has uncommitted changes: a seed is "
+            "recorded only from a commit (commit or stash them, then run again)",
+            file=sys.stderr,
+        )
+        return 2
+    rows, configs = [], []
+    recorded = Path(args.recorded)
+    if recorded.is_file():
+        summary = json.loads(recorded.read_text("utf-8"))
+        seed = (summary.get("config") or {}).get("seed")
+        rows.append({**seed_row(summary, seed, None), "recorded": str(recorded)})
+        configs.append(summary.get("config") or {})
+    for seed in seeds:
+        run_dir = runs / f"seed-{seed}"
+        if not (run_dir / "results.json").is_file():
+            print(f"[seeds] seed {seed}: training in {run_dir}", file=sys.stderr)
+            code = train_seed(args.python, args.config, seed, run_dir, extra)
+            if code != 0:
+                print(
+                    f"[seeds] seed {seed}: training ended with {code}", file=sys.stderr
+                )
+                return code
+        summary = json.loads((run_dir / "results.json").read_text("utf-8"))
+        started = json.loads((run_dir / "started.json").read_text("utf-8"))["commit"]
+        rows.append(seed_row(summary, seed, started))
+        configs.append(summary.get("config") or {})
+    for row, config in zip(rows, configs):  # a seed is the only difference meant
+        row["other_settings"] = differences(config, configs[0])
+    data = {
+        "config": args.config,
+        "rows": rows,
+        "bleu": spread(rows, "bleu"),
+        "bleu_greedy": spread(rows, "bleu_greedy"),
+    }
+    write_json(out, data)
+    s = data["bleu"]
+    if s["n"]:
+        sd = "" if s["sd"] is None else f" ± {s['sd']:.2f}"
+        print(
+            f"test BLEU over {s['n']} seed(s): {s['mean']:.2f}{sd} "
+            f"({s['min']:.2f}–{s['max']:.2f}); wrote {out}"
+        )
+    scored = all(isinstance(r["bleu"], (int, float)) for r in rows)
+    return 0 if scored and all(math.isfinite(r["bleu"]) for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
