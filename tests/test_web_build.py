@@ -788,6 +788,27 @@ def test_an_image_width_that_is_not_a_number_is_one_line(width):
     assert "\n" not in str(err.value)
 
 
+def test_the_headline_states_its_spread_once_other_seeds_are_in(tmp_path):
+    shutil.copy(ROOT / "results" / build.HEADLINE, tmp_path / build.HEADLINE)
+    headline = build.findings(tmp_path, build.README_LINKS)[0]
+    rows = [
+        {"seed": 1, "bleu": 41.79, "recorded": "results/multi30k-small.json"},
+        {"seed": 2, "bleu": 40.9, "precision": "bf16", "attention": "fast"},
+        {"seed": 3, "bleu": 41.3, "precision": "fp32", "attention": "readable"},
+    ]
+    stats = {"n": 3, "mean": 41.33, "sd": 0.445, "min": 40.9, "max": 41.79}
+    seeds = tmp_path / build.SEEDS
+    seeds.write_text(json.dumps({"rows": rows[:1], "bleu": {**stats, "n": 1}}))
+    assert build.findings(tmp_path, build.README_LINKS)[0] == headline  # one seed
+    seeds.write_text(json.dumps({"rows": rows, "bleu": stats}))
+    said = build.findings(tmp_path, build.README_LINKS)[0]
+    assert said.startswith(headline) and said != headline
+    assert "seed 2 40.9 (bf16, fast attention), seed 3 41.3 (fp32, readable" in said
+    assert "over 3 seeds 41.3 ± 0.4 BLEU (40.9–41.8)" in said
+    seeds.write_text(json.dumps({"rows": rows, "bleu": {**stats, "sd": None}}))
+    assert build.findings(tmp_path, build.README_LINKS)[0] == headline  # torn
+
+
 def test_findings_from_torn_or_nan_results_say_what_is_missing(tmp_path):
     (tmp_path / build.HEADLINE).write_text('{"bleu": NaN, "steps": "many"}')
     (tmp_path / build.SAMPLE).write_text('{"bleu": 9.1, "train_minu')

@@ -264,6 +264,7 @@ def build_stamp() -> str:
 HEADLINE = "multi30k-small.json"  # the Multi30k preset's headline run (Results)
 SAMPLE = "iwslt14-sample.json"  # the IWSLT14 sample's run
 TABLE3 = "table3.json"
+SEEDS = "multi30k-small-seeds.json"  # the headline preset's other seeds (make seeds)
 # IWSLT14 de→en: the training pairs of the full data and of the mirror's sample
 # (machinery/data.py reads both), and the tokenized test BLEU published for 6-layer
 # models trained on the full data (REPRODUCTION_NOTES.md: fairseq's recipe, 34.5–35.6).
@@ -384,6 +385,31 @@ def counted(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
 
+def spread(seeds: dict) -> str | None:
+    """The headline's spread, from `make seeds`'s file: each other seed's test BLEU
+    with the precision and attention path its run took, then mean ± sample sd and
+    range over every seed; None where it holds fewer than two scored seeds."""
+    rows = [r for r in seeds.get("rows") or [] if isinstance(r, dict)]
+    others = [
+        r for r in rows if number(r.get("bleu")) is not None and not r.get("recorded")
+    ]
+    stats = seeds.get("bleu") if isinstance(seeds.get("bleu"), dict) else {}
+    n, mean, sd, low, high = (
+        number(stats.get(k)) for k in ("n", "mean", "sd", "min", "max")
+    )
+    if not others or None in (n, mean, sd, low, high) or n < 2:
+        return None
+    each = ", ".join(
+        f"seed {words(r.get('seed'), 6)} {number(r['bleu']):.1f} "
+        f"({words(r.get('precision'), 8)}, {words(r.get('attention'), 12)} attention)"
+        for r in others
+    )
+    return (
+        f"Trained again with other seeds as `make train` chooses for itself: {each}; "
+        f"over {n:.0f} seeds {mean:.1f} ± {sd:.1f} BLEU ({low:.1f}–{high:.1f})."
+    )
+
+
 def findings(results: Path, links: dict) -> list[str]:
     """What this reproduction found, as Markdown sentences with numbers read from
     ``results``; ``links`` gives the address of "results" and "table3"."""
@@ -404,6 +430,8 @@ def findings(results: Path, links: dict) -> list[str]:
             f"BLEU on its test set (beam {words(run.get('beam_size', '?'), 4)}, "
             f"{words(run.get('bleu_kind', ''), 30)}; [Results]({links['results']}))."
         )
+        if said := spread(read_json(results / SEEDS)):
+            out[-1] += " " + said
     else:
         out.append(missing(HEADLINE, run, ("bleu", "train_minutes", "steps")))
     sample = read_json(results / SAMPLE)
