@@ -35,7 +35,9 @@ def seeds(tmp_path_factory):
     first = run(tmp, "--seeds", "5", "--recorded", str(tmp / "none.json"))
     assert first.returncode == 0, first.stderr
     recorded = tmp / "recorded.json"
-    summary = json.loads((tmp / "runs" / "seed-5" / "results.json").read_text())
+    summary = json.loads(
+        (tmp / "runs" / "copy" / "seed-5" / "results.json").read_text()
+    )
     summary["config"]["batch_tokens"] += 1  # as if trained with another setting
     recorded.write_text(json.dumps(summary))
     result = run(tmp, "--seeds", "2,3", "--recorded", str(recorded))
@@ -49,13 +51,13 @@ def test_each_seed_records_its_scores_and_what_its_run_took(seeds):
     assert data["rows"][0]["recorded"].endswith("recorded.json")
     for row in data["rows"][1:]:
         summary = json.loads(
-            (tmp / "runs" / f"seed-{row['seed']}" / "results.json").read_text()
+            (tmp / "runs" / "copy" / f"seed-{row['seed']}" / "results.json").read_text()
         )
         assert summary["config"]["seed"] == row["seed"]
         assert row["bleu"] == summary["bleu"] and row["steps"] == 2
         assert row["precision"] and row["attention"] and row["machine"]
         assert set(row["auto"]) == {"precision", "attention"}  # why each was taken
-        assert row["commit"]  # the commit its run started from
+        assert row["commit"] and row["resumed_from"] == []  # where its run started
 
 
 def test_the_spread_is_over_every_seed_the_recorded_one_included(seeds):
@@ -71,9 +73,8 @@ def test_a_setting_other_than_the_seed_is_named(seeds):
     _, data, _ = seeds
     first, *others = data["rows"]
     assert first["other_settings"] == {}
-    for row in others:
-        (field,) = row["other_settings"]
-        assert field == "batch_tokens"
+    for row in others:  # the precision and attention path taken are not "settings"
+        assert list(row["other_settings"]) == ["batch_tokens"]
 
 
 def test_a_finished_seed_is_read_not_trained_again(seeds):
@@ -89,3 +90,39 @@ def test_the_spread_of_fewer_than_two_has_no_deviation():
         "n": 1, "mean": 41.8, "sd": None, "min": 41.8, "max": 41.8
     }  # fmt: skip
     assert seeds.spread([{"bleu": 40.0}, {"bleu": 42.0}])["sd"] == pytest.approx(2**0.5)
+
+
+def test_a_seed_starts_only_from_a_commit_and_never_twice(
+    tmp_path, monkeypatch, capsys
+):
+    seeds = load_script(SCRIPT, "seeds_runner")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(seeds, "commit", lambda *a, **k: "0123abc+changes")
+    assert seeds.main(["--config", "copy", "--runs", "runs"]) == 2
+    assert "uncommitted changes" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()  # nothing started
+    monkeypatch.setattr(seeds, "commit", lambda *a, **k: "0123abc")
+    recorded = tmp_path / "recorded.json"
+    recorded.write_text(json.dumps({"config": {"seed": 1}, "bleu": 41.8}))
+    argv = ["--config", "copy", "--runs", "runs", "--recorded", str(recorded)]
+    assert seeds.main([*argv, "--seeds", "1,2"]) == 2
+    assert "seed 1 is the recorded run's" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_resumed_seed_keeps_every_commit_it_ran_from(tmp_path, monkeypatch):
+    seeds = load_script(SCRIPT, "seeds_runner")
+    monkeypatch.setattr(seeds.subprocess, "run", lambda *a, **k: finished_process())
+    run_dir = tmp_path / "seed-2"
+    seeds.train_seed("python", "copy", 2, run_dir, [], "aaa")
+    seeds.train_seed("python", "copy", 2, run_dir, [], "bbb")  # no checkpoint: anew
+    assert seeds.commits_of(run_dir) == ["bbb"]
+    (run_dir / "checkpoint-00000050.pt").write_bytes(b"")
+    seeds.train_seed("python", "copy", 2, run_dir, [], "ccc")  # resumed
+    assert seeds.commits_of(run_dir) == ["bbb", "ccc"]
+    assert seeds.commits_of(tmp_path / "by-hand") == []
+
+
+def finished_process():
+    """A finished process, as subprocess.run returns it."""
+    return subprocess.CompletedProcess([], 0)

@@ -798,15 +798,33 @@ def test_the_headline_states_its_spread_once_other_seeds_are_in(tmp_path):
     ]
     stats = {"n": 3, "mean": 41.33, "sd": 0.445, "min": 40.9, "max": 41.79}
     seeds = tmp_path / build.SEEDS
-    seeds.write_text(json.dumps({"rows": rows[:1], "bleu": {**stats, "n": 1}}))
+    one = {"config": "multi30k-small", "rows": rows[:1], "bleu": {**stats, "n": 1}}
+    seeds.write_text(json.dumps(one))
     assert build.findings(tmp_path, build.README_LINKS)[0] == headline  # one seed
-    seeds.write_text(json.dumps({"rows": rows, "bleu": stats}))
+    seeds.write_text(
+        json.dumps({"config": "multi30k-small", "rows": rows, "bleu": stats})
+    )
     said = build.findings(tmp_path, build.README_LINKS)[0]
     assert said.startswith(headline) and said != headline
-    assert "seed 2 40.9 (bf16, fast attention), seed 3 41.3 (fp32, readable" in said
-    assert "over 3 seeds 41.3 ± 0.4 BLEU (40.9–41.8)" in said
-    seeds.write_text(json.dumps({"rows": rows, "bleu": {**stats, "sd": None}}))
-    assert build.findings(tmp_path, build.README_LINKS)[0] == headline  # torn
+    assert "Seeds 2 and 3, as `make train` chooses" in said
+    assert "40.9 (bf16, fast), 41.3 (fp32, readable)" in said
+    assert "over all 3, 41.3 ± 0.4 (mean ± sample sd, 40.9–41.8)" in said
+    for torn in ({"bleu": {**stats, "sd": None}}, {"config": "copy"}):
+        seeds.write_text(json.dumps({"config": "multi30k-small", "rows": rows, **torn}))
+        assert build.findings(tmp_path, build.README_LINKS)[0] == headline
+    rows[2]["other_settings"] = {"batch_tokens": [2000, 2500]}  # not a seed apart
+    seeds.write_text(
+        json.dumps({"config": "multi30k-small", "rows": rows, "bleu": stats})
+    )
+    assert build.findings(tmp_path, build.README_LINKS)[0] == headline
+    rows[2] = {**rows[2], "other_settings": {}, "precision": "<b>x</b>"}
+    seeds.write_text(
+        json.dumps({"config": "multi30k-small", "rows": rows, "bleu": stats})
+    )
+    assert (
+        "(\\<b\\>x\\</b\\>, readable)"
+        in build.findings(tmp_path, build.README_LINKS)[0]
+    )
 
 
 def test_findings_from_torn_or_nan_results_say_what_is_missing(tmp_path):

@@ -390,6 +390,10 @@ def spread(seeds: dict) -> str | None:
     with the precision and attention path its run took, then mean ± sample sd and
     range over every seed; None where it holds fewer than two scored seeds."""
     rows = [r for r in seeds.get("rows") or [] if isinstance(r, dict)]
+    if seeds.get("config") != Path(HEADLINE).stem or any(
+        r.get("other_settings") for r in rows
+    ):  # another preset's seeds, or a seed trained with other settings
+        return None
     others = [
         r for r in rows if number(r.get("bleu")) is not None and not r.get("recorded")
     ]
@@ -399,14 +403,16 @@ def spread(seeds: dict) -> str | None:
     )
     if not others or None in (n, mean, sd, low, high) or n < 2:
         return None
+    seeds_said = " and ".join(words(r.get("seed"), 6) for r in others)
     each = ", ".join(
-        f"seed {words(r.get('seed'), 6)} {number(r['bleu']):.1f} "
-        f"({words(r.get('precision'), 8)}, {words(r.get('attention'), 12)} attention)"
+        f"{number(r['bleu']):.1f} ({words(r.get('precision'), 8)}, "
+        f"{words(r.get('attention'), 12)})"
         for r in others
     )
     return (
-        f"Trained again with other seeds as `make train` chooses for itself: {each}; "
-        f"over {n:.0f} seeds {mean:.1f} ± {sd:.1f} BLEU ({low:.1f}–{high:.1f})."
+        f"Seeds {seeds_said}, as `make train` chooses (precision, attention): {each}; "
+        f"over all {n:.0f}, {mean:.1f} ± {sd:.1f} (mean ± sample sd, "
+        f"{low:.1f}–{high:.1f})."
     )
 
 
