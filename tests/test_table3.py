@@ -837,6 +837,29 @@ def test_a_failed_checks_run_is_set_aside_but_the_rows_new_training_is_kept(tmp_
         shutil.rmtree(kept)
 
 
+def test_a_base_run_recorded_without_its_translations_trains_again():
+    # every variation's paired test needs its seed's base run's translations
+    runner = load_script(SCRIPT, "table3_runner")
+    scores = {"valid_ppl": 11.2, "valid_bleu": 40.58, "bleu": 41.0}
+    old = {"name": "base", "group": "base", "status": "done", **scores,
+           "provenance": {"commit": "a" * 40}}  # fmt: skip
+    kept = {"hypotheses_sha256": "f" * 64}
+    variation = {"name": "A-h1", "group": "A", "status": "done", "provenance": {}}
+    seed2 = {**old, "name": "base-seed2", "provenance": kept}
+    data = {"rows": [old, seed2, variation]}
+    assert runner.untranslated_base(old) and not runner.untranslated_base(seed2)
+    assert not runner.untranslated_base(variation)  # variations are not retrained
+    assert runner.finished_names(data) == {"base-seed2", "A-h1"}
+    # trained again: the earlier scores and commit kept, and whether they came back
+    again = {**old, "provenance": {"commit": "b" * 40, **kept}}
+    assert runner.retrained(old, again) == {
+        "why": "its validation translations were not kept",
+        "commit": "a" * 40, **scores, "same": True,
+    }  # fmt: skip
+    assert runner.retrained(old, {**again, "valid_bleu": 40.57})["same"] is False
+    assert runner.finished_names({"rows": [again]}) == {"base"}
+
+
 def test_a_row_is_recorded_only_from_a_commit(tmp_path, monkeypatch):
     runner = load_script(SCRIPT, "table3_runner")
     monkeypatch.setattr(
