@@ -948,7 +948,8 @@ def progress(data: dict, rows: list[dict], runs: Path, base, budget) -> list[str
     lines = []
     for row in rows:
         name = row["name"]
-        if name in done and not check_failed(done[name]):
+        again = trained_again(done.get(name))
+        if name in done and not again:
             state, r = "done", done[name]
             stretch = " (its last stretch)" if r.get("resumed") else ""
             what = (
@@ -962,6 +963,9 @@ def progress(data: dict, rows: list[dict], runs: Path, base, budget) -> list[str
         elif step := last_update(runs / name):
             state = "started"
             what = f"update {step:,}" + (f" of {updates:,}" if updates else "")
+            what += f"; {again}" if again else ""
+        elif again:
+            state, what = "to run", again
         else:
             verb, what = decide(row, data, base, budget)
             state = {"run": "to run", "skip": "not needed", "wait": "waiting"}[verb]
@@ -978,6 +982,18 @@ def progress(data: dict, rows: list[dict], runs: Path, base, budget) -> list[str
             f"{hours / cores:.1f} h"
         )
     return lines
+
+
+def trained_again(record: Optional[dict]) -> Optional[str]:
+    """Why a finished record's run trains again, or None: its epoch-1 check failed, or
+    it is a base run recorded without its validation translations."""
+    if record is None:
+        return None
+    if check_failed(record):
+        return "trained again: its epoch-1 check failed"
+    if untranslated_base(record):
+        return "trained again: its validation translations were not kept"
+    return None
 
 
 def cpu_hours(data: dict) -> Optional[float]:

@@ -317,16 +317,29 @@ def test_the_recorded_table_is_read_unchanged_and_its_summary_is_current():
 
 def test_the_status_says_how_far_each_row_has_got_and_writes_nothing(smoke, tmp_path):
     out = tmp_path / "table3.json"
-    shutil.copy(smoke, out)
+    data = json.loads(smoke.read_text())
+    rows = {r["name"]: r for r in data["rows"]}
+    del rows["base-seed2"]["provenance"]["hypotheses_sha256"]  # recorded before kept
+    rows["A-h1"]["provenance"]["epoch1_check"] = {"match": False}
+    out.write_text(json.dumps(data))
     before = out.read_bytes()
-    started = tmp_path / "table3-runs" / "A-h1-seed2"
-    started.mkdir(parents=True)
-    (started / "metrics.jsonl").write_text('{"step": 2}\n{"step": 4}\n')
+    for name, steps in (("A-h1-seed2", (2, 4)), ("A-h1", (3,))):
+        started = tmp_path / "table3-runs" / name
+        started.mkdir(parents=True)
+        text = "".join(json.dumps({"step": s}) + "\n" for s in steps)
+        (started / "metrics.jsonl").write_text(text)
     result = run(out, "--status", "--rows", "base,A,B,C,D,E")  # every planned row
     assert result.returncode == 0, result.stderr[-2000:]
     lines = {line.split()[0]: line.split()[1:] for line in result.stdout.splitlines()}
     assert lines["base"][:3] == ["done", "valid", "BLEU"]
     assert lines["A-h1-seed2"] == ["started", "update", "4", "of", "5"]
+    # runs that train again say so, started or not
+    assert " ".join(lines["A-h1"]) == (
+        "started update 3 of 5; trained again: its epoch-1 check failed"
+    )
+    assert " ".join(lines["base-seed2"]) == (
+        "to run trained again: its validation translations were not kept"
+    )
     assert lines["B-dk4-seed2"] == ["to", "run"]
     assert lines["C-d128-lr-seed2"][:2] == ["not", "needed"]  # a control's second
     assert " ".join(lines["A-h1-seed3"]).startswith("waiting a third seed is decided")
@@ -335,8 +348,8 @@ def test_the_status_says_how_far_each_row_has_got_and_writes_nothing(smoke, tmp_
     third = sum(r["if_needed"] and not r["control"] for r in plan)
     counts = [x for x in result.stdout.splitlines() if x.endswith("to run")][-1]
     assert counts == (
-        f"{len(plan)} runs: 5 done, 1 started, 2 not needed, {third} waiting, "
-        f"{len(plan) - 8 - third} to run"
+        f"{len(plan)} runs: 3 done, 2 started, 2 not needed, {third} waiting, "
+        f"{len(plan) - 7 - third} to run"
     )
     assert out.read_bytes() == before  # a look, not a run
     assert not (tmp_path / "table3-runs" / "B-dk4").exists()
