@@ -792,7 +792,8 @@ def test_the_headline_states_its_spread_once_other_seeds_are_in(tmp_path):
     shutil.copy(ROOT / "results" / build.HEADLINE, tmp_path / build.HEADLINE)
     headline = build.findings(tmp_path, build.README_LINKS)[0]
     rows = [
-        {"seed": 1, "bleu": 41.79, "recorded": "results/multi30k-small.json"},
+        {"seed": 1, "bleu": 41.79, "recorded": "results/multi30k-small.json",
+         "precision": "bf16", "attention": "readable"},  # fmt: skip
         {"seed": 2, "bleu": 40.9, "precision": "bf16", "attention": "fast"},
         {"seed": 3, "bleu": 41.3, "precision": "fp32", "attention": "readable"},
     ]
@@ -806,9 +807,21 @@ def test_the_headline_states_its_spread_once_other_seeds_are_in(tmp_path):
     )
     said = build.findings(tmp_path, build.README_LINKS)[0]
     assert said.startswith(headline) and said != headline
-    assert "Seeds 2 and 3, as `make train` chooses" in said
-    assert "40.9 (bf16, fast), 41.3 (fp32, readable)" in said
-    assert "over all 3, 41.3 ± 0.4 (mean ± sample sd, 40.9–41.8)" in said
+    assert said.endswith(
+        "Other seeds as `make train` runs them: 40.9 (seed 2: bf16, fast attention), "
+        "41.3 (seed 3: float32, readable attention); seed 1 ran bf16, readable "
+        "attention. Over 3 seeds, 41.3 ± 0.4 (mean ± sample sd, 40.9–41.8)."
+    )
+    two = {"n": 2, "mean": 41.35, "sd": 0.629, "min": 40.9, "max": 41.79}
+    seeds.write_text(  # one other seed so far
+        json.dumps({"config": "multi30k-small", "rows": rows[:2], "bleu": two})
+    )
+    said = build.findings(tmp_path, build.README_LINKS)[0]
+    assert said.endswith(
+        "Other seeds as `make train` runs them: 40.9 (seed 2: bf16, fast attention); "
+        "seed 1 ran bf16, readable attention. Over 2 seeds, 41.4 ± 0.6 (mean ± "
+        "sample sd, 40.9–41.8)."
+    )
     for torn in ({"bleu": {**stats, "sd": None}}, {"config": "copy"}):
         seeds.write_text(json.dumps({"config": "multi30k-small", "rows": rows, **torn}))
         assert build.findings(tmp_path, build.README_LINKS)[0] == headline
@@ -822,7 +835,7 @@ def test_the_headline_states_its_spread_once_other_seeds_are_in(tmp_path):
         json.dumps({"config": "multi30k-small", "rows": rows, "bleu": stats})
     )
     assert (
-        "(\\<b\\>x\\</b\\>, readable)"
+        "(seed 3: \\<b\\>x\\</b\\>, readable attention)"
         in build.findings(tmp_path, build.README_LINKS)[0]
     )
 

@@ -385,10 +385,22 @@ def counted(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
 
+PRECISION_NAMES = {"fp32": "float32"}  # as the training log names them
+
+
+def path_taken(row: dict) -> str:
+    """ "float32, fast attention": the precision and attention path a seed's run took,
+    from its row in `make seeds`'s file, safe as text."""
+    precision = row.get("precision")
+    precision = PRECISION_NAMES.get(precision, precision)
+    return f"{words(precision, 8)}, {words(row.get('attention'), 12)} attention"
+
+
 def spread(seeds: dict) -> str | None:
     """The headline's spread, from `make seeds`'s file: each other seed's test BLEU
-    with the precision and attention path its run took, then mean ± sample sd and
-    range over every seed; None where it holds fewer than two scored seeds."""
+    with the precision and attention path its run took, the recorded run's path, then
+    mean ± sample sd and range over every seed; None where it holds fewer than two
+    scored seeds."""
     rows = [r for r in seeds.get("rows") or [] if isinstance(r, dict)]
     if seeds.get("config") != Path(HEADLINE).stem or any(
         r.get("other_settings") for r in rows
@@ -397,22 +409,23 @@ def spread(seeds: dict) -> str | None:
     others = [
         r for r in rows if number(r.get("bleu")) is not None and not r.get("recorded")
     ]
+    recorded = next((r for r in rows if r.get("recorded")), None)
     stats = seeds.get("bleu") if isinstance(seeds.get("bleu"), dict) else {}
     n, mean, sd, low, high = (
         number(stats.get(k)) for k in ("n", "mean", "sd", "min", "max")
     )
     if not others or None in (n, mean, sd, low, high) or n < 2:
         return None
-    seeds_said = " and ".join(words(r.get("seed"), 6) for r in others)
     each = ", ".join(
-        f"{number(r['bleu']):.1f} ({words(r.get('precision'), 8)}, "
-        f"{words(r.get('attention'), 12)})"
+        f"{number(r['bleu']):.1f} (seed {words(r.get('seed'), 6)}: {path_taken(r)})"
         for r in others
     )
+    first = ""
+    if recorded is not None:
+        first = f"; seed {words(recorded.get('seed'), 6)} ran {path_taken(recorded)}"
     return (
-        f"Seeds {seeds_said}, as `make train` chooses (precision, attention): {each}; "
-        f"over all {n:.0f}, {mean:.1f} ± {sd:.1f} (mean ± sample sd, "
-        f"{low:.1f}–{high:.1f})."
+        f"Other seeds as `make train` runs them: {each}{first}. Over {n:.0f} seeds, "
+        f"{mean:.1f} ± {sd:.1f} (mean ± sample sd, {low:.1f}–{high:.1f})."
     )
 
 
@@ -2091,7 +2104,7 @@ README_LINKS = {"results": "#results", "table3": "results/table3.json"}
 
 def readme_findings(results: Path = ROOT / "results") -> str:
     """The findings as README.md's lines (between its two markers)."""
-    lines = [FINDINGS_START, "**What this reproduction found**", ""]
+    lines = [FINDINGS_START, "**What this reproduction found**"]  # a list follows
     for sentence in findings(results, README_LINKS):
         lines += textwrap.wrap(
             sentence,
