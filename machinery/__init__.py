@@ -103,7 +103,6 @@ from .devices import (  # noqa: F401
 )
 from .training import (  # noqa: F401
     PREFETCH,
-    PROBE_TOKENS,
     Run,
     Trainer,
     TrainingDiverged,

@@ -417,9 +417,6 @@ def probe_batch(pairs: Sequence, tokens: int) -> Batch:
         n = max(1, min(n - 1, tokens // longest))
 
 
-PROBE_TOKENS = {"cuda": 0, "cpu": 256}  # per side; 0: the run's batch_tokens
-
-
 def measure_compute(
     cfg: Config,
     data: Dataset,
@@ -429,15 +426,15 @@ def measure_compute(
     timer: Optional[Callable] = None,
 ) -> dict:
     """Seconds per forward and backward pass of the run's model, for each (precision,
-    attention path), on a real batch on ``device`` (our addition; `devices.py`).
+    attention path), on a real batch of the run's own size on ``device`` (our
+    addition; `devices.py`: a smaller batch can rank the precisions the other way).
 
     Inside ``fork_rng``: the run's random streams are as they were. ``timer`` is
     :func:`time_calls` unless given (tests give fake times).
     """
     nb = notebook()
     timer = timer or time_calls
-    tokens = PROBE_TOKENS.get(device.type, 0) or cfg.batch_tokens
-    batch = probe_batch(data.splits["train"], min(tokens, cfg.batch_tokens))
+    batch = probe_batch(data.splits["train"], cfg.batch_tokens)
     batch = batch.to(device)
     gpus = [device] if device.type == "cuda" else []
     python_state = random.getstate()

@@ -7,6 +7,7 @@ No timing is asserted (CI machines vary); only that the benchmark runs and repor
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -542,3 +543,18 @@ def test_each_wait_policy_is_measured_in_the_environment_it_names(report):
     assert report["json"]["machine"]["omp_wait_policy"] == os.environ.get(
         "OMP_WAIT_POLICY", WAIT_POLICY
     )
+
+
+def test_auto_batch_prints_each_paths_speed_and_autos_choice_per_size():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "auto_batch.py"), "--config",
+         "copy", "--tokens", "64,0", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [x for x in result.stdout.splitlines() if " tokens, measurement " in x]
+    assert len(lines) == 2 and lines[0].lstrip().startswith("64 tokens")
+    for line in lines:
+        assert "fp32/readable 1.00×" in line and "fp32/fast" in line
+        assert re.search(r"auto: (fp32|bf16|fp16) \(a clear win is 1\.10×\)", line)

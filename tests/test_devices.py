@@ -275,8 +275,22 @@ def test_time_calls_interleaves_warms_up_and_keeps_to_its_budget():
     # the README's "within about 1.6 s" is the budget a run's measurement is given
     params = inspect.signature(machinery.time_calls).parameters
     budget, most = params["budget_s"].default, params["rounds"].default
+    least = machinery.devices.MIN_ROUNDS
     readme = " ".join((ROOT / "README.md").read_text().split())  # lines joined
-    assert f"(their median, at most {most}) within about {budget} s" in readme
+    said = f"(their median, at least {least}, at most {most}) within about {budget} s"
+    assert said in readme
+
+
+def test_time_calls_times_a_few_rounds_even_of_passes_slower_than_its_budget():
+    # one sample each would let a single slow spell decide a run's precision
+    order = []
+    calls = {n: (lambda n=n: order.append(n)) for n in "ab"}
+    machinery.time_calls(calls, CPU, budget_s=0.0)
+    least = machinery.devices.MIN_ROUNDS
+    assert order == ["a", "b"] * (1 + least)  # the warm-up, then MIN_ROUNDS timed
+    order.clear()
+    machinery.time_calls(calls, CPU, budget_s=0.0, rounds=1)
+    assert order == ["a", "b"] * 2  # never more than asked for
 
 
 class FakeTimer:
@@ -410,6 +424,23 @@ def test_asked_for_settings_and_a_resumed_run_measure_nothing(
         tmp_path, monkeypatch, no_timing, name="resumed", max_steps=6
     )
     assert again["auto"] == summary["auto"]
+
+
+def test_auto_times_a_batch_of_the_runs_own_size(tmp_path, monkeypatch):
+    # a smaller batch can rank the precisions the other way (devices.py)
+    cfg = tiny_cfg(tmp_path / "run", batch_tokens=400)  # more than 256
+    asked, probe = [], machinery.training.probe_batch
+
+    def spy(pairs, tokens):
+        asked.append(tokens)
+        return probe(pairs, tokens)
+
+    monkeypatch.setattr(machinery.training, "probe_batch", spy)
+    machinery.training.measure_compute(
+        cfg, tiny_data(cfg), CPU, ["fp32"], ["readable", "fast"],
+        timer=lambda calls, device: dict.fromkeys(calls, 1.0),
+    )  # fmt: skip
+    assert asked == [400]
 
 
 def test_measuring_leaves_the_runs_random_streams_and_numbers_as_they_were(
