@@ -246,9 +246,10 @@ def precision_candidates(device: torch.device) -> tuple[list[str], str]:
 # `MIN_ROUNDS` rounds where a pass is slower), and leaves float32 and the readable path
 # only for a clear win — at least `CLEAR_WIN` times their speed — so that near-ties
 # give the same answer run after run. The batch's size matters: on a 2-core EPYC of
-# family 25, a 256-token batch measured bf16 at 0.90× float32's speed and the run's
-# 2,500-token batch at 1.19×. The times are taken inside `torch.random.fork_rng`: the
-# run's random streams, and so its numbers, do not change.
+# family 25 (`benchmarks/auto_batch.py`), bf16 measured 0.91–0.96× float32's speed on a
+# 256-token batch and 1.38–1.40× on `multi30k-small`'s 2,500 tokens. The times are
+# taken inside `torch.random.fork_rng`: the run's random streams, and so its numbers,
+# do not change.
 
 CLEAR_WIN = 1.10  # leave float32 / the readable path only for ≥ 10% more speed
 MIN_ROUNDS = 3  # timed rounds a measurement always gets, past its budget if need be
