@@ -960,15 +960,18 @@ def progress(data: dict, rows: list[dict], runs: Path, base, budget) -> list[str
                 what += "; epoch-1 check to run"
             elif (r["provenance"].get("epoch1_check") or {}).get("match"):
                 what += "; epoch-1 check passed"
-        elif step := last_update(runs / name):
+        elif (step := last_update(runs / name)) and not (
+            name in done
+            and check_failed(done[name])
+            and recorded_run(runs / name, done[name])
+        ):  # a failed check's own run, kept until the row trains again, is not it
             state = "started"
             what = f"update {step:,}" + (f" of {updates:,}" if updates else "")
             what += f"; {again}" if again else ""
-        elif again:
-            state, what = "to run", again
         else:
             verb, what = decide(row, data, base, budget)
             state = {"run": "to run", "skip": "not needed", "wait": "waiting"}[verb]
+            what = again if again and verb == "run" else what
         counts[state] += 1
         lines.append(f"{name:<16} {state:<10} {what}".rstrip())
     lines.append(
@@ -1479,12 +1482,18 @@ def set_aside(run_dir: Path, record: dict) -> None:
     perplexity, the recorded one; a directory with another (the check's, as the row's
     new training gives it again) or none yet holds that new training, stopped before
     it was recorded: it is left to resume or to be scored."""
+    if recorded_run(run_dir, record):
+        stamp = int(time.time())
+        run_dir.rename(run_dir.with_name(f"{run_dir.name}.failed-check-{stamp}"))
+
+
+def recorded_run(run_dir: Path, record: dict) -> bool:
+    """Whether ``run_dir`` holds the run ``record`` was made from, told by its first
+    validation perplexity (a run trained again has another, or none yet)."""
     metrics = run_dir / "metrics.jsonl"
     curve = valid_curve(metrics) if metrics.is_file() else []
     recorded = (record.get("curve") or [{}])[0].get("valid_ppl")
-    if curve and curve[0]["valid_ppl"] == recorded:
-        stamp = int(time.time())
-        run_dir.rename(run_dir.with_name(f"{run_dir.name}.failed-check-{stamp}"))
+    return bool(curve) and curve[0]["valid_ppl"] == recorded
 
 
 if __name__ == "__main__":

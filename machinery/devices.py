@@ -242,14 +242,14 @@ def precision_candidates(device: torch.device) -> tuple[list[str], str]:
 # flags: an AMD EPYC with AVX-512 BF16 trains 2.4× faster in bf16, an Intel Xeon with
 # the same flag but no AMX 1.56× *slower*. So `auto` times a few forward and backward
 # passes of the run's own model on a batch of the run's own size, in each candidate
-# precision and attention path, on the run's device (`time_calls`: about 1.6 s, or
-# `MIN_ROUNDS` rounds where a pass is slower), and leaves float32 and the readable path
-# only for a clear win — at least `CLEAR_WIN` times their speed — so that near-ties
-# give the same answer run after run. The batch's size matters: on a 2-core EPYC of
-# family 25 (`benchmarks/auto_batch.py`), bf16 measured 0.91–0.96× float32's speed on a
-# 256-token batch and 1.38–1.40× on `multi30k-small`'s 2,500 tokens. The times are
-# taken inside `torch.random.fork_rng`: the run's random streams, and so its numbers,
-# do not change.
+# precision and attention path, on the run's device (`time_calls`: about 1.6 s, or a
+# warm-up and `MIN_ROUNDS` timed rounds where a pass is slower), and leaves float32
+# and the readable path only for a clear win — at least `CLEAR_WIN` times their speed
+# — so that near-ties give the same answer run after run. The batch's size matters:
+# on a 2-core EPYC of family 25 (`benchmarks/auto_batch.py`), bf16 measured 0.91–0.96×
+# float32's speed on a 256-token batch and 1.38–1.40× on `multi30k-small`'s 2,500
+# tokens. The times are taken inside `torch.random.fork_rng`: the run's random
+# streams, and so its numbers, do not change.
 
 CLEAR_WIN = 1.10  # leave float32 / the readable path only for ≥ 10% more speed
 MIN_ROUNDS = 3  # timed rounds a measurement always gets, past its budget if need be
@@ -265,9 +265,12 @@ NAMES = {
 def time_calls(
     calls: dict, device: torch.device, budget_s: float = 1.6, rounds: int = 7
 ) -> dict:
-    """Median seconds per call of each of ``calls`` (name → function), timed in
-    interleaved rounds after one round of warm-up, within about ``budget_s`` but never
-    fewer than ``MIN_ROUNDS`` rounds (our addition)."""
+    """Median seconds per call of each of ``calls`` (name → function), timed in at
+    most ``rounds`` interleaved rounds after one round of warm-up, within about
+    ``budget_s`` but never fewer than ``MIN_ROUNDS`` timed rounds (``rounds`` where
+    fewer are asked for) (our addition)."""
+    if rounds < 1:
+        raise ValueError(f"time_calls needs at least one timed round, not {rounds}")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     samples: dict = {name: [] for name in calls}
     start = time.perf_counter()
@@ -280,7 +283,7 @@ def time_calls(
             if r:
                 samples[name].append(time.perf_counter() - t0)
         spent = time.perf_counter() - start
-        if r >= min(MIN_ROUNDS, rounds) and spent * (r + 2) / (r + 1) > budget_s:
+        if r >= MIN_ROUNDS and spent * (r + 2) / (r + 1) > budget_s:
             break  # the next round would not fit
     return {name: statistics.median(v) for name, v in samples.items()}
 

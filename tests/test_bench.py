@@ -557,4 +557,5 @@ def test_auto_batch_prints_each_paths_speed_and_autos_choice_per_size():
     assert len(lines) == 2 and lines[0].lstrip().startswith("64 tokens")
     for line in lines:
         assert "fp32/readable 1.00×" in line and "fp32/fast" in line
-        assert re.search(r"auto: (fp32|bf16|fp16) \(a clear win is 1\.10×\)", line)
+        choice = r"auto: (fp32|bf16|fp16), (readable|fast) attention \(a clear win"
+        assert re.search(choice, line), line

@@ -285,12 +285,14 @@ def test_time_calls_times_a_few_rounds_even_of_passes_slower_than_its_budget():
     # one sample each would let a single slow spell decide a run's precision
     order = []
     calls = {n: (lambda n=n: order.append(n)) for n in "ab"}
-    machinery.time_calls(calls, CPU, budget_s=0.0)
+    machinery.time_calls(calls, CPU, budget_s=-1.0)  # every round over budget
     least = machinery.devices.MIN_ROUNDS
     assert order == ["a", "b"] * (1 + least)  # the warm-up, then MIN_ROUNDS timed
     order.clear()
-    machinery.time_calls(calls, CPU, budget_s=0.0, rounds=1)
+    machinery.time_calls(calls, CPU, budget_s=-1.0, rounds=1)
     assert order == ["a", "b"] * 2  # never more than asked for
+    with pytest.raises(ValueError, match="at least one timed round"):
+        machinery.time_calls(calls, CPU, rounds=0)
 
 
 class FakeTimer:

@@ -320,13 +320,20 @@ def test_the_status_says_how_far_each_row_has_got_and_writes_nothing(smoke, tmp_
     data = json.loads(smoke.read_text())
     rows = {r["name"]: r for r in data["rows"]}
     del rows["base-seed2"]["provenance"]["hypotheses_sha256"]  # recorded before kept
-    rows["A-h1"]["provenance"]["epoch1_check"] = {"match": False}
+    for name in ("A-h1", "B-dk4"):
+        rows[name]["provenance"]["epoch1_check"] = {"match": False}
+    rows["B-dk4"]["curve"][0]["valid_ppl"] = math.exp(1.5)
     out.write_text(json.dumps(data))
     before = out.read_bytes()
-    for name, steps in (("A-h1-seed2", (2, 4)), ("A-h1", (3,))):
+    metrics = {
+        "A-h1-seed2": [{"step": 2}, {"step": 4}],
+        "A-h1": [{"step": 3}],  # the failed check's row, training again
+        "B-dk4": [{"step": 5, "epoch": 1, "valid_loss": 1.5}],  # its recorded run
+    }
+    for name, lines in metrics.items():
         started = tmp_path / "table3-runs" / name
         started.mkdir(parents=True)
-        text = "".join(json.dumps({"step": s}) + "\n" for s in steps)
+        text = "".join(json.dumps(x) + "\n" for x in lines)
         (started / "metrics.jsonl").write_text(text)
     result = run(out, "--status", "--rows", "base,A,B,C,D,E")  # every planned row
     assert result.returncode == 0, result.stderr[-2000:]
@@ -340,6 +347,7 @@ def test_the_status_says_how_far_each_row_has_got_and_writes_nothing(smoke, tmp_
     assert " ".join(lines["base-seed2"]) == (
         "to run trained again: its validation translations were not kept"
     )
+    assert " ".join(lines["B-dk4"]) == "to run trained again: its epoch-1 check failed"
     assert lines["B-dk4-seed2"] == ["to", "run"]
     assert lines["C-d128-lr-seed2"][:2] == ["not", "needed"]  # a control's second
     assert " ".join(lines["A-h1-seed3"]).startswith("waiting a third seed is decided")
@@ -348,11 +356,12 @@ def test_the_status_says_how_far_each_row_has_got_and_writes_nothing(smoke, tmp_
     third = sum(r["if_needed"] and not r["control"] for r in plan)
     counts = [x for x in result.stdout.splitlines() if x.endswith("to run")][-1]
     assert counts == (
-        f"{len(plan)} runs: 3 done, 2 started, 2 not needed, {third} waiting, "
-        f"{len(plan) - 7 - third} to run"
+        f"{len(plan)} runs: 2 done, 2 started, 2 not needed, {third} waiting, "
+        f"{len(plan) - 6 - third} to run"
     )
     assert out.read_bytes() == before  # a look, not a run
-    assert not (tmp_path / "table3-runs" / "B-dk4").exists()
+    assert not (tmp_path / "table3-runs" / "B-dk4-seed2").exists()
+    assert (tmp_path / "table3-runs" / "B-dk4" / "metrics.jsonl").is_file()  # kept
 
 
 def test_part_4_shows_the_file_as_a_table_and_claims_nothing_unmeasured(smoke):

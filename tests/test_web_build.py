@@ -808,7 +808,7 @@ def test_the_headline_states_its_spread_once_other_seeds_are_in(tmp_path):
     said = build.findings(tmp_path, build.README_LINKS)[0]
     assert said.startswith(headline) and said != headline
     assert said.endswith(
-        "Other seeds as `make train` runs them: 40.9 (seed 2: bf16, fast attention), "
+        "Other seeds as `make train` ran them: 40.9 (seed 2: bf16, fast attention), "
         "41.3 (seed 3: float32, readable attention); seed 1 ran bf16, readable "
         "attention. Over 3 seeds, 41.3 ± 0.4 (mean ± sample sd, 40.9–41.8)."
     )
@@ -818,7 +818,7 @@ def test_the_headline_states_its_spread_once_other_seeds_are_in(tmp_path):
     )
     said = build.findings(tmp_path, build.README_LINKS)[0]
     assert said.endswith(
-        "Other seeds as `make train` runs them: 40.9 (seed 2: bf16, fast attention); "
+        "Other seeds as `make train` ran them: 40.9 (seed 2: bf16, fast attention); "
         "seed 1 ran bf16, readable attention. Over 2 seeds, 41.4 ± 0.6 (mean ± "
         "sample sd, 40.9–41.8)."
     )

@@ -424,7 +424,7 @@ def spread(seeds: dict) -> str | None:
     if recorded is not None:
         first = f"; seed {words(recorded.get('seed'), 6)} ran {path_taken(recorded)}"
     return (
-        f"Other seeds as `make train` runs them: {each}{first}. Over {n:.0f} seeds, "
+        f"Other seeds as `make train` ran them: {each}{first}. Over {n:.0f} seeds, "
         f"{mean:.1f} ± {sd:.1f} (mean ± sample sd, {low:.1f}–{high:.1f})."
     )
 
