@@ -41,9 +41,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--tokens", default="256,0", help="batch sizes in tokens (0: the preset's)"
     )
-    parser.add_argument(
-        "--repeats", type=int, default=2, help="measurements per size"
-    )
+    parser.add_argument("--repeats", type=int, default=2, help="measurements per size")
     args = parser.parse_args(argv)
     threads = use_usable_cores()  # as a run sets its threads before it measures
     cfg = machinery.get_config(args.config)
@@ -61,8 +59,7 @@ def main(argv=None) -> int:
                 f"{q}/{a} {reference / t:.2f}×" for (q, a), t in times.items()
             )
             best = {
-                q: min(t for (r, _), t in times.items() if r == q)
-                for q in precisions
+                q: min(t for (r, _), t in times.items() if r == q) for q in precisions
             }  # each precision at its faster path, as auto compares them
             choice, _ = pick_faster(best, "fp32", precisions[1:])
             at = {a: times[(choice, a)] for a in paths}

@@ -792,8 +792,13 @@ def test_the_headline_states_its_spread_once_other_seeds_are_in(tmp_path):
     shutil.copy(ROOT / "results" / build.HEADLINE, tmp_path / build.HEADLINE)
     headline = build.findings(tmp_path, build.README_LINKS)[0]
     rows = [
-        {"seed": 1, "bleu": 41.79, "recorded": "results/multi30k-small.json",
-         "precision": "bf16", "attention": "readable"},  # fmt: skip
+        {
+            "seed": 1,
+            "bleu": 41.79,
+            "recorded": "results/multi30k-small.json",
+            "precision": "bf16",
+            "attention": "readable",
+        },  # fmt: skip
         {"seed": 2, "bleu": 40.9, "precision": "bf16", "attention": "fast"},
         {"seed": 3, "bleu": 41.3, "precision": "fp32", "attention": "readable"},
     ]
