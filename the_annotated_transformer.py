@@ -2092,7 +2092,7 @@ if IN_NOTEBOOK:
 # base row is the Multi30k run above trained again, in float32 with the fused attention
 # path on one thread (two for a row wider than the base); its last checkpoint is scored
 # (no averaging), with beam search, on the validation set (our development set) and on
-# the test set. Every variation runs two seeds, the base three. Each is compared with
+# the test set. The plan: two seeds per variation, the base three. Each is compared with
 # the paper's row of the same ratio to its base (our N=2 with the paper's N=4, our
 # $d_k=8$ with its $d_k=16$: the "paper row" column). The test, printed with the
 # table, compares seed with seed (rows of one seed share their batches), for BLEU and

@@ -355,9 +355,10 @@ RULE = (
     "score minus the base's; within one step of the paper's rounding, 0.1 BLEU or "
     "0.01 perplexity, the paper saw no change) and disagrees otherwise; a difference "
     "it does not find is reported as no difference detected, with the smallest true "
-    "difference the test would detect with probability 0.8. A variation one of whose "
-    "seeds failed to train or was still learning when its schedule ended is not "
-    "counted as agreeing. The learning-rate controls are compared with the same width "
+    "difference the test would detect with probability 0.8. A variation with a run "
+    "still learning when its schedule ended enters no test and no estimate of the "
+    "noise (its seeds measure how far each got), and one with a seed that failed to "
+    "train is not counted as agreeing. The learning-rate controls are compared with the same width "
     "at Eq. 3's own rate and get no verdict against the paper. A third seed runs "
     "where a test's difference lies within 20% of its threshold. A run whose "
     "validation loss rises by less than 1 nat per target token when each pair is "
@@ -784,17 +785,20 @@ def base_of(record: dict) -> str:
     return "base" if seed == 1 else f"base-seed{seed}"
 
 
-def kept_hypotheses(record: dict, folder: Path) -> Optional[Path]:
-    """The file of ``record``'s validation translations beside the table, copied
-    there from its run directory the first time; None where neither holds the
-    translations the record's SHA-256 names."""
-    sha = (record.get("provenance") or {}).get("hypotheses_sha256")
+def kept_hypotheses(record: dict, folder: Path, split: str = "valid") -> Optional[Path]:
+    """The file of ``record``'s validation (or test) translations beside the table,
+    ``<row>.txt`` (``<row>-test.txt``), copied there from its run directory the first
+    time; None where neither holds the translations the record's SHA-256 names."""
+    key = "hypotheses" if split == "valid" else f"{split}_hypotheses"
+    sha = (record.get("provenance") or {}).get(f"{key}_sha256")
     if not finished(record) or not sha:
         return None
-    kept = folder / f"{record['name']}.txt"
+    kept = folder / (
+        record["name"] + ("" if split == "valid" else f"-{split}") + ".txt"
+    )
     if kept.is_file() and sha256_of(kept) == sha:
         return kept
-    source = ROOT / record["provenance"].get("hypotheses", "")
+    source = ROOT / record["provenance"].get(key, "")
     if not source.is_file() or sha256_of(source) != sha:
         return None
     from machinery.runfiles import write_atomic
@@ -804,9 +808,12 @@ def kept_hypotheses(record: dict, folder: Path) -> Optional[Path]:
     return kept
 
 
-def valid_references(budget: dict, seed: int) -> tuple[list[str], str]:
-    """The validation references a row of ``seed`` was scored against (read as
-    ``evaluate --split valid`` reads them) and the data set's BLEU tokenizer."""
+def valid_references(
+    budget: dict, seed: int, split: str = "valid"
+) -> tuple[list[str], str]:
+    """The validation (or ``split``'s) references a row of ``seed`` was scored
+    against (read as ``evaluate --split valid`` reads them) and the data set's BLEU
+    tokenizer."""
     from types import SimpleNamespace
 
     import machinery
@@ -815,20 +822,22 @@ def valid_references(budget: dict, seed: int) -> tuple[list[str], str]:
     cfg = machinery.get_config(budget["preset"], seed=seed)
     first = budget.get("max_eval_sentences")
     args = SimpleNamespace(
-        src=None, ref=None, split="valid", first=first, data_mirror=None
+        src=None, ref=None, split=split, first=first, data_mirror=None
     )
     _, refs = evaluation_pairs(args, cfg)
     return refs, machinery.CORPORA[cfg.dataset].bleu_tokenize
 
 
 def pair_with_base(data: dict, out: Path, budget: dict) -> list[str]:
-    """Each finished run's validation translations kept beside the table, and, where
-    its seed's base run's are kept too, the paired sentence-level test of the run
-    against that base (table3_stats.paired_bleu_test) recorded in its ``paired``
-    (computed again only when either file changes). Returns what could not be done,
-    one line each."""
+    """Each finished run's validation and test translations kept beside the table,
+    and, where its seed's base run's are kept too, the paired sentence-level test of
+    the run against that base (table3_stats.paired_bleu_test) recorded in its
+    ``paired`` (computed again only when either file changes). Returns what could not
+    be done, one line each."""
     folder, said = hypotheses_folder(out), []
     kept = {r["name"]: kept_hypotheses(r, folder) for r in data["rows"]}
+    for r in data["rows"]:  # the test translations, kept for a reader to score
+        kept_hypotheses(r, folder, "test")
     sha = {
         r["name"]: (r.get("provenance") or {}).get("hypotheses_sha256")
         for r in data["rows"]

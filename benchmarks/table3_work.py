@@ -271,6 +271,16 @@ def source_check(python: str, run_dir: Path, budget: dict, child: "Child") -> di
     return {"source_gap": found["gap"]}
 
 
+def test_hypotheses(results: dict, run_dir: Path) -> dict:
+    """Where a row's test translations (beam 4, as its test BLEU scored them) lie and
+    their SHA-256, from its results.json: {} for a run that did not keep them."""
+    name, sha = results.get("hypotheses"), results.get("hypotheses_sha256")
+    path = run_dir / name if name else None
+    if path is None or not path.is_file() or sha256_of(path) != sha:
+        return {}
+    return {"test_hypotheses": str(relative(path)), "test_hypotheses_sha256": sha}
+
+
 def collect(row: dict, run_dir: Path, budget: dict, python: str, child) -> dict:
     """One finished row of Table 3 (§6.2) from the files its run wrote: validation
     perplexity (and its curve) and BLEU, test BLEU (beam 4 and greedy), parameters,
@@ -312,6 +322,7 @@ def collect(row: dict, run_dir: Path, budget: dict, python: str, child) -> dict:
             **{
                 k: scored[k] for k in ("hypotheses", "hypotheses_sha256") if k in scored
             },
+            **test_hypotheses(results, run_dir),
         },
         "curve": curve,
         **({"settings_differ": differ} if differ else {}),

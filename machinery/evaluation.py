@@ -49,6 +49,9 @@ def evaluate_loss(model: nn.Module, pairs: Sequence, cfg: Config, device) -> flo
 
 # At the end of training the test set is translated twice — greedy, and with beam search
 # (§6.1) — optionally with the last checkpoints averaged, and scored.
+# The beam's translations are written beside the run's results, one a line, and their
+# SHA-256 recorded with the score (our addition).
+TEST_HYPOTHESES = "test-hypotheses.txt"
 
 
 def evaluate_test(
@@ -64,7 +67,8 @@ def evaluate_test(
     the last checkpoints; BLEU.
 
     ``bleu`` is the beam-search score (``cfg.beam_size``, ``cfg.length_penalty_alpha``),
-    ``bleu_greedy`` the greedy one.
+    ``bleu_greedy`` the greedy one. With ``run_dir``, the beam's translations are
+    written to ``run_dir / TEST_HYPOTHESES`` and ``hypotheses_sha256`` names them.
     """
     nb = notebook()
     model = unwrap(model)
@@ -104,6 +108,15 @@ def evaluate_test(
     )
     hyps = nb.detokenize(tokens, CORPORA[data.name], data.subwords)
     score = nb.bleu(hyps, refs, CORPORA[data.name]).score
+    kept = {}
+    if run_dir is not None:  # the sentences scored, so the score can be checked
+        from .inference import write_hypotheses
+
+        path = Path(run_dir) / TEST_HYPOTHESES
+        kept = {
+            "hypotheses": path.name,
+            "hypotheses_sha256": write_hypotheses(path, hyps),
+        }
     unk_share = sum(t == nb.SPECIALS[nb.UNK] for toks in tokens for t in toks) / max(
         sum(map(len, tokens)), 1
     )
@@ -130,4 +143,5 @@ def evaluate_test(
         "decode_minutes": (time.time() - t0) / 60,
         "decode_minutes_greedy": (t1 - t0) / 60,
         "examples": examples,
+        **kept,
     }

@@ -406,8 +406,8 @@ class Table3:
                     f"By {what}, of {total} variations of the paper: "
                     f"{c['agrees']} agree, {c['disagrees']} disagree, "
                     f"{c['no difference detected']} show no difference the test can "
-                    f"detect, and {c['not counted']} agree but are not counted (a "
-                    "seed still learning at the end of its schedule, or one that "
+                    f"detect, and {c['not counted']} are not counted (a seed still "
+                    "learning at the end of its schedule: not tested; or one that "
                     "failed to train)."
                 )
         for g in GROUPS:

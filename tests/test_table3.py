@@ -678,7 +678,13 @@ def test_the_sentence_level_test_tells_a_better_system_from_an_equal_one():
         stats.paired_bleu_test(a[:-1], b, refs)
 
 
-def test_each_run_is_paired_with_its_seeds_base_sentence_by_sentence(smoke):
+def test_each_run_is_paired_with_its_seeds_base_sentence_by_sentence(
+    smoke, monkeypatch
+):
+    import sacrebleu
+
+    runner = load_script(SCRIPT, "table3_runner")
+    monkeypatch.setenv("ANNOTATED_TRANSFORMER_DATA", str(smoke.parent / "data"))
     rows = rows_of(smoke)
     folder = smoke.with_name("table3-hypotheses")
     import hashlib
@@ -687,6 +693,17 @@ def test_each_run_is_paired_with_its_seeds_base_sentence_by_sentence(smoke):
         kept = (folder / f"{r['name']}.txt").read_bytes()
         assert hashlib.sha256(kept).hexdigest() == r["provenance"]["hypotheses_sha256"]
         assert len(kept.decode().split("\n")) == 20 + 1  # --first 20, each ended
+        # and the test set's, the very sentences its test BLEU scored
+        test = (folder / f"{r['name']}-test.txt").read_bytes()
+        sha = r["provenance"]["test_hypotheses_sha256"]
+        assert hashlib.sha256(test).hexdigest() == sha
+        lines = test.decode().split("\n")[:-1]
+        assert len(lines) == r["test_sentences"]
+        refs, tokenize = runner.valid_references(runner.SMOKE_BUDGET, r["seed"], "test")
+        score = sacrebleu.BLEU(tokenize=tokenize).corpus_score(
+            lines, [refs[: len(lines)]]
+        )
+        assert abs(score.score - r["bleu"]) < 1e-9
     base = rows["base"]
     for name in ("A-h1", "B-dk4", "E-learned"):
         paired = rows[name]["paired"]
