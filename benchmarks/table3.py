@@ -358,12 +358,12 @@ RULE = (
     "difference the test would detect with probability 0.8. A variation with a run "
     "still learning when its schedule ended enters no test and no estimate of the "
     "noise (its seeds measure how far each got), and one with a seed that failed to "
-    "train is not counted as agreeing. The learning-rate controls are compared with the same width "
-    "at Eq. 3's own rate and get no verdict against the paper. A third seed runs "
-    "where a test's difference lies within 20% of its threshold. A run whose "
-    "validation loss rises by less than 1 nat per target token when each pair is "
-    "given another pair's source has not learnt to read its source: it failed to "
-    "train, is shown apart, and enters no test."
+    "train is not counted as agreeing. The learning-rate controls are compared with "
+    "the same width at Eq. 3's own rate and get no verdict against the paper. A "
+    "third seed runs where a test's difference lies within 20% of its threshold. A "
+    "run whose validation loss rises by less than 1 nat per target token when each "
+    "pair is given another pair's source has not learnt to read its source: it "
+    "failed to train, is shown apart, and enters no test."
 )
 # Below this gap (nats per target token) a run's decoder is a language model of the
 # target side, not a translation model (benchmarks/source_use.py measures it).
@@ -927,15 +927,17 @@ def last_update(run_dir: Path) -> int:
     return max(steps)
 
 
-def needs_check(record: dict) -> bool:
+def needs_check(record: dict, at: Optional[str] = None) -> bool:
     """Whether a finished row was recorded from a tree with uncommitted changes and
-    has no epoch-1 check yet: it is trained again for one epoch at this commit, and
-    its epoch-1 validation perplexity compared with the record, digit for digit."""
+    has no epoch-1 check yet (or, given the commit ``at``, none at that commit): it
+    is trained again for one epoch at this commit, and its epoch-1 validation
+    perplexity compared with the record, digit for digit."""
     provenance = record.get("provenance") or {}
+    check = provenance.get("epoch1_check")
     return (
         finished(record)
         and str(provenance.get("commit", "")).endswith("+changes")
-        and "epoch1_check" not in provenance
+        and (check is None or (at is not None and check.get("commit") != at))
         and bool(record.get("curve"))
     )
 
@@ -967,8 +969,8 @@ def progress(data: dict, rows: list[dict], runs: Path, base, budget) -> list[str
             )
             if needs_check(r):
                 what += "; epoch-1 check to run"
-            elif (r["provenance"].get("epoch1_check") or {}).get("match"):
-                what += "; epoch-1 check passed"
+            elif (check := r["provenance"].get("epoch1_check") or {}).get("match"):
+                what += f"; epoch-1 check passed at {str(check.get('commit'))[:7]}"
         elif (step := last_update(runs / name)) and not (
             name in done
             and check_failed(done[name])
@@ -1119,6 +1121,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="run the epoch-1 checks and no new row",
     )
     p.add_argument(
+        "--recheck",
+        action="store_true",
+        help="run the epoch-1 checks again where the last one ran at another commit, "
+        "so that every check holds at this one",
+    )
+    p.add_argument(
         "--refresh",
         action="store_true",
         help="rewrite the file's summary, tests and figures from its rows with this "
@@ -1141,6 +1149,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error("--address is for --engine ray")
     if args.checks_only and args.no_checks:
         p.error("--checks_only and --no_checks exclude each other")
+    if args.recheck and args.no_checks:
+        p.error("--recheck and --no_checks exclude each other")
     return args
 
 
@@ -1203,10 +1213,11 @@ def job_for(row: dict, base: dict, budget: dict, args, runs: Path, options, head
     )
 
 
-def check_job(record: dict, budget: dict, args, runs: Path) -> RowJob:
+def check_job(record: dict, budget: dict, args, runs: Path, head: str) -> RowJob:
     """The `RowJob` that trains a recorded row's first epoch again, as the row was
-    trained (its own options, threads and seed), into a run directory of its own."""
-    run_dir = (runs / "epoch1-checks" / record["name"]).absolute()
+    trained (its own options, threads and seed), into a run directory of its own at
+    the commit ``head`` (a check at another commit starts afresh)."""
+    run_dir = (runs / "epoch1-checks" / head[:12] / record["name"]).absolute()
     per_epoch = record["curve"][0]["step"]
     passed = dict(record["passed"]) | {"max_steps": per_epoch, "max_eval_sentences": 1}
     return RowJob(
@@ -1322,8 +1333,11 @@ class Loop:
         names = {r["name"] for r in rows}
         checks = []
         if not (self.args.no_checks or smoke_budget(self.budget)):
+            at = self.head if self.args.recheck else None
             checks = [
-                r for r in self.data["rows"] if needs_check(r) and r["name"] in names
+                r
+                for r in self.data["rows"]
+                if needs_check(r, at) and r["name"] in names
             ]
         log(
             f"{len(rows) - len(self.pending)} of {len(rows)} run(s) already in "
@@ -1332,7 +1346,7 @@ class Loop:
         )
         failed, said = 0, set()
         for record in checks:
-            self.submit(check_job(record, self.budget, self.args, self.runs))
+            self.submit(check_job(record, self.budget, self.args, self.runs, self.head))
         while not stopped:
             for row in list(self.pending):
                 verb, why = decide(row, self.data, self.base, self.budget)
@@ -1419,6 +1433,15 @@ class Loop:
         record = record_of(self.data, job.name)
         recorded = record["curve"][0]["valid_ppl"]
         match = result["epoch1_ppl"] == recorded
+        before = record["provenance"].get("epoch1_check")
+        earlier = (
+            []
+            if before is None
+            else [
+                {k: v for k, v in before.items() if k != "earlier"},
+                *before.get("earlier", []),
+            ]
+        )  # the checks at other commits, newest first
         record["provenance"]["epoch1_check"] = {
             "commit": self.head,
             "recorded": recorded,
@@ -1428,6 +1451,7 @@ class Loop:
             "threads": job.threads,
             "ran_on": result.get("ran_on"),
             "minutes": result.get("row_wall_minutes"),
+            **({"earlier": earlier} if earlier else {}),
         }
         self.write()
         verdict = "the same" if match else "DIFFERENT: the row trains again"

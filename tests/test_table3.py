@@ -1028,3 +1028,51 @@ def test_the_tables_verdicts_mark_their_qualifiers_and_the_legend_names_them():
     for words, mark in MARKS.items():
         assert f"{mark} {words}" in legend
         assert words not in table.split("Marks: ")[0]  # in the cells, only the mark
+
+
+def test_a_check_at_another_commit_runs_again_only_when_asked_and_keeps_the_last(
+    smoke, tmp_path
+):
+    runner = load_script(SCRIPT, "table3_runner")
+    data = json.loads(smoke.read_text())
+    record = data["rows"][0]
+    record["provenance"]["commit"] = "a" * 40 + "+changes"
+    assert runner.needs_check(record)  # from a changed tree, never checked
+    old = {"commit": "b" * 40, "match": True, "measured": 1.0, "recorded": 1.0}
+    record["provenance"]["epoch1_check"] = old
+    assert not runner.needs_check(record)  # checked once: enough by default
+    assert not runner.needs_check(record, "b" * 40)  # checked at this very commit
+    assert runner.needs_check(record, "c" * 40)  # --recheck at another commit
+    record["provenance"]["commit"] = "a" * 40  # a clean commit needs no check
+    assert not runner.needs_check(record, "c" * 40)
+    record["provenance"]["commit"] = "a" * 40 + "+changes"
+    # each commit's check trains in a directory of its own: none resumes another's
+    args = runner.parse_args(["--out", str(tmp_path / "t.json"), "--recheck"])
+    dirs = {
+        runner.check_job(record, runner.BUDGET, args, tmp_path, h).run_dir
+        for h in ("b" * 40, "c" * 40)
+    }
+    assert len(dirs) == 2
+    # the new check replaces the old in the record, which keeps the old beneath it
+    out = tmp_path / "t.json"
+    out.write_text(json.dumps(data))
+    loop = runner.Loop(args, None, data, runner.SMOKE_BASE, runner.SMOKE_BUDGET, out,
+                       tmp_path, [], {}, "c" * 40)  # fmt: skip
+    job = runner.check_job(record, runner.BUDGET, args, tmp_path, "c" * 40)
+    measured = record["curve"][0]["valid_ppl"]
+    assert loop.checked(job, {"status": "checked", "epoch1_ppl": measured}) == 0
+    check = record["provenance"]["epoch1_check"]
+    assert check["commit"] == "c" * 40 and check["match"] and check["earlier"] == [old]
+    with pytest.raises(SystemExit):
+        runner.parse_args(["--recheck", "--no_checks"])
+
+
+def test_every_recorded_row_is_from_a_clean_commit_or_passed_its_epoch1_check():
+    data = json.loads((ROOT / "results" / "table3.json").read_text())
+    for r in data["rows"]:
+        provenance = r.get("provenance") or {}
+        if str(provenance.get("commit", "")).endswith("+changes"):
+            check = provenance.get("epoch1_check") or {}
+            assert check.get("match") is True, r["name"]
+            assert check["measured"] == r["curve"][0]["valid_ppl"], r["name"]
+            assert not check["commit"].endswith("+changes"), r["name"]
