@@ -398,7 +398,9 @@ def seeds_by_variation(data: dict) -> dict[str, list[dict]]:
 
 def controlled(variation: str) -> str:
     """The variation a learning-rate control holds Eq. 3's rate apart from."""
-    return variation.removesuffix("-lr")
+    from machinery.table3view import controlled_name
+
+    return controlled_name(variation)
 
 
 def unsettled(data: dict) -> set[str]:
@@ -1485,11 +1487,9 @@ def finished_names(data: dict) -> set[str]:
 def untranslated_base(record: dict) -> bool:
     """Whether ``record`` is a finished base run recorded without its validation
     translations (before they were kept)."""
-    return (
-        record.get("group") == "base"
-        and finished(record)
-        and not (record.get("provenance") or {}).get("hypotheses_sha256")
-    )
+    from machinery.table3view import untranslated_base as untranslated
+
+    return untranslated(record)
 
 
 def retrained(earlier: dict, record: dict) -> dict:

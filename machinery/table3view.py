@@ -20,6 +20,28 @@ OVERFIT = 1.05
 # A seed whose validation perplexity fell by more than 10% over its last three epochs
 # was still learning when its schedule ended (the base's seeds fell by 1.7-5.0%).
 STILL_LEARNING = 0.90
+# A BLEU difference found with the paper's sign but ten times its size (or more) agrees
+# in sign only, and the paragraph says so (the two tables are on different data, so
+# only a gap of this order is worth a word).
+SIZE_APART = 10
+
+
+def untranslated_base(record: dict) -> bool:
+    """Whether ``record`` is a finished base run recorded without its validation
+    translations (before they were kept): it trains again, as every variation's
+    paired sentence-level test needs its seed's base."""
+    return (
+        record.get("group") == "base"
+        and record.get("status") == "done"
+        and not (record.get("provenance") or {}).get("hypotheses_sha256")
+    )
+
+
+def controlled_name(control: str) -> str:
+    """The variation a learning-rate control holds Eq. 3's rate apart from."""
+    return control.removesuffix("-lr")
+
+
 FIGURES = (
     (
         "table3-curves.png",
@@ -140,6 +162,11 @@ class Table3:
         runs = f"{len(done)} run(s) finished" + (
             f", {left} still to run" if left > 0 else ""
         )
+        if again := sum(map(untranslated_base, done)):
+            runs += (
+                f", {again} base run(s) to train again to keep their translations "
+                "(the sentence-level test's other half)"
+            )
         updates = f"{b['updates']:,} updates" if b.get("updates") else "updates"
         wide = b.get("wide_threads", b["threads"])
         wider = (
@@ -329,6 +356,11 @@ class Table3:
                 f"{t['interval'][1]:+.2f}), p {_p(t['p'])}"
             )
             theirs = f"the paper's {t['paper_delta']:+.1f}"
+            times = abs(t["delta"]) / max(abs(t["paper_delta"]), 0.1)
+            if t["word"] == "agrees" and times >= SIZE_APART:
+                theirs += (
+                    f"; ours is {times:.0f}× its size: the sign agrees, not the size"
+                )
         else:
             low, high = t["interval_pct"]
             said = (
@@ -347,7 +379,11 @@ class Table3:
             f"{_changed(self._fields(name))} ({name}, against the paper's "
             f'"{s["paper_row"]}"; {self._seeds(s)}): '
         )
-        said = "; ".join(self._measure(s, m) for m in ("bleu", "ppl"))
+        verdict = s.get("verdict") or {}
+        if not s.get("tests") and len(set(verdict.values())) == 1:  # one word for both
+            said = f"**{verdict['bleu']}** for either measure"
+        else:
+            said = "; ".join(self._measure(s, m) for m in ("bleu", "ppl"))
         counted = s.get("counted") or {}
         if (
             counted.get("bleu") != counted.get("ppl")
@@ -366,11 +402,17 @@ class Table3:
             if t is None:
                 continue
             key = "delta_pct" if m == "ppl" else "delta"
-            base = t["vs_base"]
+            base, what = t["vs_base"], "BLEU" if m == "bleu" else "perplexity"
+            if t["against"] == "base":  # its width at Eq. 3's rate is not tested
+                parts.append(
+                    f"{what} {base[key]:+.2f}{unit} against the base (p "
+                    f"{_p(base['p'])}; {controlled_name(s['variation'])}, not tested, "
+                    "gives no comparison at its own width)"
+                )
+                continue
             parts.append(
-                f"{'BLEU' if m == 'bleu' else 'perplexity'} {t[key]:+.2f}{unit} "
-                f"against {t['against']} (p {_p(t['p'])}) and {base[key]:+.2f}{unit} "
-                f"against the base (p {_p(base['p'])})"
+                f"{what} {t[key]:+.2f}{unit} against {t['against']} (p {_p(t['p'])}) "
+                f"and {base[key]:+.2f}{unit} against the base (p {_p(base['p'])})"
             )
         return (
             f"{_changed(self._fields(s['variation']))} ({s['variation']}, "

@@ -1076,3 +1076,36 @@ def test_every_recorded_row_is_from_a_clean_commit_or_passed_its_epoch1_check():
             assert check.get("match") is True, r["name"]
             assert check["measured"] == r["curve"][0]["valid_ppl"], r["name"]
             assert not check["commit"].endswith("+changes"), r["name"]
+
+
+def test_a_paragraph_says_when_only_the_sign_agrees_and_names_a_missing_comparison():
+    from machinery.table3view import SIZE_APART, Table3
+
+    data = json.loads((ROOT / "results" / "table3.json").read_text())
+    table = Table3(data, ROOT / "results")
+    test = {"delta": -3.0, "interval": [-4.0, -2.0], "p": 1e-4, "word": "agrees"}
+    entry = {"tests": {"bleu": test | {"paper_delta": -0.3}}, "verdict": {
+        "bleu": "agrees"}}  # fmt: skip
+    assert f"ours is {SIZE_APART}× its size" in table._measure(entry, "bleu")
+    entry["tests"]["bleu"]["paper_delta"] = -0.4  # 7.5×: the same order of size
+    assert "its size" not in table._measure(entry, "bleu")
+    entry["tests"]["bleu"]["word"] = "disagrees"  # a wrong sign says so itself
+    entry["tests"]["bleu"]["paper_delta"] = 0.1
+    assert "its size" not in table._measure(entry, "bleu")
+    # a control whose own width at Eq. 3's rate has no test is read against the base
+    # once, with why, not twice against the base under two names
+    vs = {"delta": -0.7, "p": 0.2, "delta_pct": 8.8}
+    control = {"variation": "C-d128-lr", "seeds": [1, 2], "tests": {
+        m: vs | {"against": "base", "vs_base": vs} for m in ("bleu", "ppl")}}  # fmt: skip
+    said = table._control(control)
+    assert said.count("against the base") == 2  # BLEU once, perplexity once
+    assert "C-d128, not tested" in said and "against base" not in said
+    # the base runs that train again to keep their translations are named as such
+    for r in data["rows"]:
+        if r["group"] == "base":
+            r["provenance"].pop("hypotheses_sha256", None)
+    again = sum(r["group"] == "base" and r["status"] == "done" for r in data["rows"])
+    assert f"{again} base run(s) to train again" in Table3(data, ROOT).budget_line
+    for r in data["rows"]:
+        r["provenance"]["hypotheses_sha256"] = "f" * 64
+    assert "to train again" not in Table3(data, ROOT).budget_line
