@@ -36,7 +36,8 @@ Run from the repository root::
 
 This process is the one writer of ``results/table3.json`` (atomically, after every
 run), ``results/table3.png``, ``results/table3-curves.png`` and the kept translations
-``results/table3-hypotheses/<row>.txt``; each row's run directory keeps its
+``results/table3-hypotheses/<row>.txt`` (validation) and ``.../test/<row>.txt`` (test,
+as its test BLEU scored them); each row's run directory keeps its
 ``valid_bleu.json`` and ``source_use.json``. A run already in the file is not made
 again; an interrupted one continues from the checkpoints in its run directory. The
 file records one budget (updates, warm-up, lr_factor, batch size, precision,
@@ -457,8 +458,8 @@ def qualifiers(rows: list[dict]) -> list[str]:
 def verdict_words(test: dict, quals: list[str], measure: str) -> tuple[str, str]:
     """(the words a reader sees, the category counted): "agrees", "disagrees" or
     "no difference detected (the test would see ≥ X)", with the qualifiers; a
-    variation still learning or with a failed seed is counted as "not counted"
-    where it would agree."""
+    variation with a failed seed is counted as "not counted" where it would agree
+    (one still learning is never tested: see `unsettled`)."""
     word = test["word"]
     if word == "no difference detected":
         x = (
@@ -776,8 +777,9 @@ def write_table(out: Path, data: dict) -> None:
 
 
 def hypotheses_folder(out: Path) -> Path:
-    """Where the rows' validation translations are kept beside the table file:
-    ``results/table3-hypotheses/<row>.txt`` for ``results/table3.json``."""
+    """Where the rows' translations are kept beside the table file:
+    ``results/table3-hypotheses/<row>.txt`` for ``results/table3.json`` (validation),
+    its ``test/<row>.txt`` (test)."""
     return out.with_name(out.stem + "-hypotheses")
 
 
@@ -789,15 +791,13 @@ def base_of(record: dict) -> str:
 
 def kept_hypotheses(record: dict, folder: Path, split: str = "valid") -> Optional[Path]:
     """The file of ``record``'s validation (or test) translations beside the table,
-    ``<row>.txt`` (``<row>-test.txt``), copied there from its run directory the first
+    ``<row>.txt`` (``test/<row>.txt``), copied there from its run directory the first
     time; None where neither holds the translations the record's SHA-256 names."""
     key = "hypotheses" if split == "valid" else f"{split}_hypotheses"
     sha = (record.get("provenance") or {}).get(f"{key}_sha256")
     if not finished(record) or not sha:
         return None
-    kept = folder / (
-        record["name"] + ("" if split == "valid" else f"-{split}") + ".txt"
-    )
+    kept = (folder if split == "valid" else folder / split) / f"{record['name']}.txt"
     if kept.is_file() and sha256_of(kept) == sha:
         return kept
     source = ROOT / record["provenance"].get(key, "")
@@ -805,7 +805,7 @@ def kept_hypotheses(record: dict, folder: Path, split: str = "valid") -> Optiona
         return None
     from machinery.runfiles import write_atomic
 
-    folder.mkdir(parents=True, exist_ok=True)
+    kept.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(kept, source.read_bytes())
     return kept
 
@@ -813,8 +813,8 @@ def kept_hypotheses(record: dict, folder: Path, split: str = "valid") -> Optiona
 def valid_references(
     budget: dict, seed: int, split: str = "valid"
 ) -> tuple[list[str], str]:
-    """The validation (or ``split``'s) references a row of ``seed`` was scored
-    against (read as ``evaluate --split valid`` reads them) and the data set's BLEU
+    """The references of ``split`` (validation by default) a row of ``seed`` was
+    scored against (read as ``evaluate --split`` reads them) and the data set's BLEU
     tokenizer."""
     from types import SimpleNamespace
 
@@ -931,15 +931,24 @@ def last_update(run_dir: Path) -> int:
 
 def needs_check(record: dict, at: Optional[str] = None) -> bool:
     """Whether a finished row was recorded from a tree with uncommitted changes and
-    has no epoch-1 check yet (or, given the commit ``at``, none at that commit): it
-    is trained again for one epoch at this commit, and its epoch-1 validation
-    perplexity compared with the record, digit for digit."""
+    has no epoch-1 check yet (or, given the commit ``at``, its latest check passed
+    at another commit): it is trained again for one epoch at this commit, and its
+    epoch-1 validation perplexity compared with the record, digit for digit. A row
+    whose check failed, or a base run that trains again to keep its translations, is
+    not checked again: it is trained again."""
     provenance = record.get("provenance") or {}
     check = provenance.get("epoch1_check")
+    again = (
+        at is not None
+        and check is not None
+        and check.get("match") is True
+        and check.get("commit") != at
+        and not untranslated_base(record)
+    )
     return (
         finished(record)
         and str(provenance.get("commit", "")).endswith("+changes")
-        and (check is None or (at is not None and check.get("commit") != at))
+        and (check is None or again)
         and bool(record.get("curve"))
     )
 

@@ -395,7 +395,8 @@ class Table3:
     def _control(self, s: dict) -> str:
         """A learning-rate control's sentence: what Eq. 3's rate does at its width
         (against the same width at Eq. 3's own rate) and where it lies from the
-        base; no verdict against the paper."""
+        base, or, where that width is not tested, from the base alone, saying so; no
+        verdict against the paper."""
         parts = []
         for m, unit in (("bleu", ""), ("ppl", "%")):
             t = (s.get("tests") or {}).get(m)

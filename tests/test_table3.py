@@ -694,7 +694,7 @@ def test_each_run_is_paired_with_its_seeds_base_sentence_by_sentence(
         assert hashlib.sha256(kept).hexdigest() == r["provenance"]["hypotheses_sha256"]
         assert len(kept.decode().split("\n")) == 20 + 1  # --first 20, each ended
         # and the test set's, the very sentences its test BLEU scored
-        test = (folder / f"{r['name']}-test.txt").read_bytes()
+        test = (folder / "test" / f"{r['name']}.txt").read_bytes()
         sha = r["provenance"]["test_hypotheses_sha256"]
         assert hashlib.sha256(test).hexdigest() == sha
         lines = test.decode().split("\n")[:-1]
@@ -1043,6 +1043,16 @@ def test_a_check_at_another_commit_runs_again_only_when_asked_and_keeps_the_last
     assert not runner.needs_check(record)  # checked once: enough by default
     assert not runner.needs_check(record, "b" * 40)  # checked at this very commit
     assert runner.needs_check(record, "c" * 40)  # --recheck at another commit
+    failed = old | {"match": False}  # a failed check: the row trains again instead
+    record["provenance"]["epoch1_check"] = failed
+    assert not runner.needs_check(record, "c" * 40)
+    untranslated = {k: v for k, v in record["provenance"].items()
+                    if k != "hypotheses_sha256"} | {"epoch1_check": old}  # fmt: skip
+    base = record | {"group": "base", "provenance": untranslated}
+    assert not runner.needs_check(base, "c" * 40)  # trains again for translations
+    kept = record["provenance"] | {"epoch1_check": old}  # its translations kept
+    assert runner.needs_check(base | {"provenance": kept}, "c" * 40)
+    record["provenance"]["epoch1_check"] = old
     record["provenance"]["commit"] = "a" * 40  # a clean commit needs no check
     assert not runner.needs_check(record, "c" * 40)
     record["provenance"]["commit"] = "a" * 40 + "+changes"
@@ -1063,6 +1073,12 @@ def test_a_check_at_another_commit_runs_again_only_when_asked_and_keeps_the_last
     assert loop.checked(job, {"status": "checked", "epoch1_ppl": measured}) == 0
     check = record["provenance"]["epoch1_check"]
     assert check["commit"] == "c" * 40 and check["match"] and check["earlier"] == [old]
+    loop.head = "d" * 40  # once more: every earlier check in one list, newest first
+    job = runner.check_job(record, runner.BUDGET, args, tmp_path, "d" * 40)
+    assert loop.checked(job, {"status": "checked", "epoch1_ppl": measured}) == 0
+    later = record["provenance"]["epoch1_check"]
+    assert [c["commit"] for c in later["earlier"]] == ["c" * 40, "b" * 40]
+    assert all("earlier" not in c for c in later["earlier"])
     with pytest.raises(SystemExit):
         runner.parse_args(["--recheck", "--no_checks"])
 
