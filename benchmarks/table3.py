@@ -351,7 +351,12 @@ RULE = (
     "log of validation perplexity. A variation's difference from the base is tested "
     "with t on the model's residual degrees of freedom, its standard error set by the "
     "seeds both rows have; Holm's correction holds the family-wise error rate of the "
-    "paper's variations at 5% for each measure. A difference the test finds agrees "
+    "paper's variations at 5% for each measure. The model assumes every "
+    "variation's seeds spread alike; Grubbs's test on the differences between each "
+    "variation's first two seeds (at 1%, repeated while it rejects) sets apart one "
+    "whose seeds lie further apart than that allows: it leaves the estimate of the "
+    "noise, and a comparison with it is a paired t-test on the seeds both rows have "
+    "(one degree of freedom with two seeds). A difference the test finds agrees "
     "with the paper when it has the sign of the paper's own difference (its dev "
     "score minus the base's; within one step of the paper's rounding, 0.1 BLEU or "
     "0.01 perplexity, the paper saw no change) and disagrees otherwise; a difference "
@@ -361,7 +366,8 @@ RULE = (
     "noise (its seeds measure how far each got), and one with a seed that failed to "
     "train is not counted as agreeing. The learning-rate controls are compared with "
     "the same width at Eq. 3's own rate and get no verdict against the paper. A "
-    "third seed runs where a test's difference lies within 20% of its threshold. A "
+    "third seed runs where a test's difference lies within 20% of its threshold, "
+    "or where a variation's seeds are set apart. A "
     "run whose validation loss rises by less than 1 nat per target token when each "
     "pair is given another pair's source has not learnt to read its source: it "
     "failed to train, is shown apart, and enters no test."
@@ -455,12 +461,23 @@ def qualifiers(rows: list[dict]) -> list[str]:
     return out
 
 
+def spread_words(variation: str) -> str:
+    """The qualifier of a test paired on its seeds because ``variation``'s seeds lie
+    further apart than the other variations' allow (table3_stats.spread_apart)."""
+    whose = "the base's" if variation == "base" else "its"
+    return f"{whose} seeds lie far apart: paired test on them alone"
+
+
 def verdict_words(test: dict, quals: list[str], measure: str) -> tuple[str, str]:
     """(the words a reader sees, the category counted): "agrees", "disagrees" or
     "no difference detected (the test would see ≥ X)", with the qualifiers; a
     variation with a failed seed is counted as "not counted" where it would agree
-    (one still learning is never tested: see `unsettled`)."""
+    (one still learning is never tested: see `unsettled`). A test paired on its
+    seeds because the check of σ set a row apart says which."""
     word = test["word"]
+    quals = quals + [
+        spread_words(step["variation"]) for step in test.get("spread_check", [])
+    ]
     if word == "no difference detected":
         x = (
             f"{test['detectable']:.2f} BLEU"
@@ -548,7 +565,9 @@ def decide(row: dict, data: dict, base: dict, budget: dict) -> tuple[str, str]:
     """Whether a run of the plan is to be made now: ("run", ""), ("skip", why) or
     ("wait", why). A run the plan always makes runs; a learning-rate control's second
     seed is never needed; a third seed waits for every other run, then runs where
-    either measure's test lies within 20% of its threshold."""
+    either measure's test lies within 20% of its threshold, or where the check of σ
+    set the variation's own seeds apart (a third seed gives its paired test a second
+    degree of freedom)."""
     if not row["if_needed"]:
         return "run", ""
     if row["control"]:
@@ -566,9 +585,16 @@ def decide(row: dict, data: dict, base: dict, budget: dict) -> tuple[str, str]:
         for m, t in (entry or {}).get("tests", {}).items()
         if t.get("near_threshold")
     ]
-    if near:
+    apart = [
+        m
+        for m, t in (entry or {}).get("tests", {}).items()
+        if any(c["variation"] == row["variation"] for c in t.get("spread_check", []))
+    ]
+    if near or apart:
         return "run", ""
-    return "skip", "both tests lie beyond 20% of their thresholds"
+    return "skip", (
+        "both tests lie beyond 20% of their thresholds and its seeds lie together"
+    )
 
 
 def finished(row: dict) -> bool:

@@ -24,6 +24,21 @@ fixed multiple of σ. Then
 * the smallest true difference the test detects with probability 0.8 at the level it
   was given, (t(1−α/2) + t(0.8))·se — what "no difference detected" can rule out.
 
+The model's one assumption is a common σ: every variation's seeds spread alike. It is
+checked before the fit, per measure, on the one quantity that needs no μ: under the
+model each variation's seed difference d[v] = y[v, 2] − y[v, 1] is an independent draw
+of N(β[2] − β[1], 2σ²). Grubbs's two-sided test for one outlier among the d[v] (its
+critical value from t with k − 2 degrees of freedom at α/2k, k the variations with
+both seeds) sets apart a variation whose seeds lie further apart than a common σ
+allows (at 1%), and is repeated on the rest while it rejects. When every σ is equal
+the first step rejects with probability at most 1%, so no variation is set apart in
+at least 99% of tables (tests/test_table3.py checks this too). A variation set apart
+leaves the fit and σ, and any comparison that involves it is a paired t-test on the
+seeds both rows have: D[s] = y[v, s] − y[against, s] (the seed effect cancels), t on
+n − 1 degrees of freedom from the D's own spread, so it assumes nothing about σ;
+with two seeds it has one degree of freedom and detects only a very large
+difference. Its p joins the same Holm family.
+
 Words: a difference the test finds "agrees" when it has the sign of the paper's own
 difference and "disagrees" otherwise (or where the paper's difference is within its
 table's rounding, which reads as no change); a difference not found is "no difference
@@ -43,6 +58,11 @@ from scipy import stats as sp
 ALPHA = 0.05  # the family-wise error rate of each measure's tests
 POWER = 0.8  # the power at which the detectable difference is stated
 NEAR = 0.2  # a third seed where |Δ| lies within 20% of the threshold
+# The check of the common σ sets a variation apart at 1%: removing the row whose
+# seeds lie furthest apart leaves σ̂ low, so a check that fired often on tables with
+# one σ would raise every other test's error rate (at 5% it fires in 5% of them and
+# single tests reject 5.5%; at 1%, 5.2%).
+CHECK_ALPHA = 0.01
 # The paper's Table 3 gives BLEU to 0.1 and perplexity to 0.01: a difference of one
 # step of that rounding (E's 25.7 against the base's 25.8) is read as no change.
 PAPER_NO_CHANGE = {"bleu": 0.1, "ppl": 0.01}
@@ -100,7 +120,105 @@ def contrast(model: dict, variation: str, against: str = "base") -> dict:
     se = model["sigma"] * math.sqrt(max(float(c @ model["cov"] @ c), 0.0))
     t = delta / se if se > 0 else math.inf
     p = float(2 * sp.t.sf(abs(t), model["dof"])) if se > 0 else 0.0
-    return {"delta": delta, "se": se, "t": t, "p": p}
+    return {"delta": delta, "se": se, "t": t, "p": p, "dof": model["dof"]}
+
+
+def seed_differences(values: dict[str, dict[int, float]]) -> dict[str, float]:
+    """Per variation with seeds 1 and 2 (``values``: variation → seed → y): the
+    difference y[v, 2] − y[v, 1], which the model draws from N(β[2] − β[1], 2σ²)
+    whatever the variation's μ."""
+    return {v: ys[2] - ys[1] for v, ys in values.items() if 1 in ys and 2 in ys}
+
+
+def grubbs_critical(k: int, alpha: float = CHECK_ALPHA) -> float:
+    """The two-sided critical value of Grubbs's statistic max|d − d̄|/s among ``k``
+    normal values: ((k−1)/√k)·√(t²/(k−2+t²)), t = t(1 − α/2k) on k − 2 degrees of
+    freedom."""
+    t = float(sp.t.ppf(1 - alpha / (2 * k), k - 2))
+    return (k - 1) / math.sqrt(k) * math.sqrt(t * t / (k - 2 + t * t))
+
+
+def grubbs_p(g: float, k: int) -> float:
+    """The p-value of Grubbs's two-sided statistic ``g`` among ``k`` values (the
+    bound 2k·P(T > t) that its critical value inverts, at most 1)."""
+    top = (k - 1) ** 2 - k * g * g
+    if top <= 0:
+        return 0.0
+    t = math.sqrt(k * (k - 2) * g * g / top)
+    return min(1.0, float(2 * k * sp.t.sf(t, k - 2)))
+
+
+def spread_apart(
+    values: dict[str, dict[int, float]], alpha: float = CHECK_ALPHA
+) -> list[dict]:
+    """The check of the model's common σ (see the module's note): Grubbs's test on
+    the seed differences, repeated on the rest while it rejects. Each step: the
+    variation furthest from the mean difference, its difference, G, the critical
+    value, p, k and whether it is set apart (``apart``)."""
+    d, steps = seed_differences(values), []
+    while len(d) >= 3:
+        k = len(d)
+        mean = sum(d.values()) / k
+        sd = math.sqrt(sum((x - mean) ** 2 for x in d.values()) / (k - 1))
+        if sd == 0:
+            break
+        v = max(sorted(d), key=lambda name: abs(d[name] - mean))
+        g = abs(d[v] - mean) / sd
+        cut = grubbs_critical(k, alpha)
+        step = {"variation": v, "difference": d[v], "mean": mean, "G": g}
+        steps.append(step | {"critical": cut, "p": grubbs_p(g, k), "k": k})
+        steps[-1]["apart"] = g > cut
+        if g <= cut:
+            break
+        del d[v]
+    return steps
+
+
+def paired_contrast(
+    values: dict[str, dict[int, float]], variation: str, against: str = "base"
+) -> Optional[dict]:
+    """Δ, its standard error, t, p and degrees of freedom of a paired t-test over
+    the seeds both rows have, D[s] = y[variation, s] − y[against, s] (no common σ
+    assumed); None where they share fewer than two seeds."""
+    common = sorted(set(values[variation]) & set(values[against]))
+    if len(common) < 2:
+        return None
+    diffs = [values[variation][s] - values[against][s] for s in common]
+    n = len(diffs)
+    delta = sum(diffs) / n
+    se = math.sqrt(sum((x - delta) ** 2 for x in diffs) / (n - 1) / n)
+    t = delta / se if se > 0 else math.inf
+    p = float(2 * sp.t.sf(abs(t), n - 1)) if se > 0 else 0.0
+    return {"delta": delta, "se": se, "t": t, "p": p, "dof": n - 1, "seeds": common}
+
+
+def comparisons(
+    values: dict[str, dict[int, float]], pairs: list[tuple[str, str]]
+) -> tuple[dict[tuple[str, str], dict], list[dict]]:
+    """Each (variation, against) of ``pairs`` compared: by the seed-blocked fit of
+    every variation whose seeds the check leaves together, or by a paired t-test
+    where either is set apart (see the module's note); a pair that cannot be
+    compared is left out. Also the check's steps."""
+    steps = spread_apart(values)
+    apart = {s["variation"] for s in steps if s["apart"]}
+    together = [
+        (v, seed, y)
+        for v, ys in values.items()
+        if v not in apart
+        for seed, y in ys.items()
+    ]
+    model = fit(together) if together else None
+    out = {}
+    for v, against in pairs:
+        if v in apart or against in apart:
+            c = paired_contrast(values, v, against)
+        elif model is not None:
+            c = contrast(model, v, against)
+        else:
+            c = None
+        if c is not None:
+            out[(v, against)] = c | {"apart": bool({v, against} & apart)}
+    return out, steps
 
 
 def holm_levels(p_values: dict[str, float], alpha: float = ALPHA) -> dict[str, dict]:
@@ -162,19 +280,27 @@ def test_table(
     holds Eq. 3's rate apart from. Returns per variation Δ (BLEU points, or the
     ratio of perplexities − 1), its 95% interval, p, Holm's level and decision, the
     threshold |Δ| at that level, the detectable difference, and (paper variations)
-    the word; a control gets its difference from the variation it controls (from
-    the base where that variation is not in ``runs``) and from the base."""
-    flat = [
-        (v, seed, observation(r, measure)) for v, rs in runs.items() for seed, r in rs
-    ]
-    model = fit(flat) if "base" in runs else None
-    if model is None:
+    the word; a variation whose seeds the check sets apart says so (``apart``, with
+    the check's step). A control gets its difference from the variation it controls
+    (from the base where that variation is not in ``runs``) and from the base."""
+    if "base" not in runs:
         return {}
-    tested = {v: contrast(model, v) for v in runs if v != "base" and v in paper}
+    values = {
+        v: {seed: observation(r, measure) for seed, r in rs} for v, rs in runs.items()
+    }
+    against = {
+        v: (c if c in runs else "base") for v, c in controls.items() if v in runs
+    }
+    pairs = [(v, "base") for v in runs if v != "base" and v in paper]
+    pairs += [(v, a) for v, a in against.items()]
+    pairs += [(v, "base") for v, a in against.items() if a != "base"]
+    found, steps = comparisons(values, pairs)
+    check = {s["variation"]: s for s in steps if s["apart"]}
+    tested = {v: found[(v, "base")] for v in paper if (v, "base") in found}
     holm = holm_levels({v: c["p"] for v, c in tested.items()}, alpha)
     out = {}
     for v, c in tested.items():
-        level, dof = holm[v]["level"], model["dof"]
+        level, dof = holm[v]["level"], c["dof"]
         half = critical(0.05, dof) * c["se"]
         theirs = paper_difference(paper[v], measure)
         entry = {
@@ -197,27 +323,41 @@ def test_table(
             if entry["differs"]
             else "no difference detected"
         )
-        out[v] = entry | shown(entry, measure)
-    for v, against in controls.items():
-        if v in runs:  # from its width where that was tested, else from the base
-            against = against if against in runs else "base"
-            c = contrast(model, v, against)
-            half = critical(0.05, model["dof"]) * c["se"]
-            entry = {
-                "against": against,
-                "delta": c["delta"],
-                "interval": [c["delta"] - half, c["delta"] + half],
-                "p": c["p"],
-                "se": c["se"],
-                "dof": model["dof"],
-            }
-            b = contrast(model, v)  # and from the base, at its own peak rate
-            reach = critical(0.05, model["dof"]) * b["se"]
-            base = {"delta": b["delta"], "p": b["p"], "se": b["se"]}
+        out[v] = entry | apart_record(c, check, (v, "base")) | shown(entry, measure)
+    for v, a in against.items():
+        if (v, a) not in found:
+            continue
+        c = found[(v, a)]
+        half = critical(0.05, c["dof"]) * c["se"]
+        entry = {
+            "against": a,
+            "delta": c["delta"],
+            "interval": [c["delta"] - half, c["delta"] + half],
+            "p": c["p"],
+            "se": c["se"],
+            "dof": c["dof"],
+        }
+        if (v, "base") in found:  # and from the base, at its own peak rate
+            b = found[(v, "base")]
+            reach = critical(0.05, b["dof"]) * b["se"]
+            base = {"delta": b["delta"], "p": b["p"], "se": b["se"], "dof": b["dof"]}
             base["interval"] = [b["delta"] - reach, b["delta"] + reach]
             entry["vs_base"] = base | shown(base, measure)
-            out[v] = entry | shown(entry, measure)
+        out[v] = entry | apart_record(c, check, (v, a)) | shown(entry, measure)
     return out
+
+
+def apart_record(c: dict, check: dict[str, dict], rows: tuple[str, str]) -> dict:
+    """What a comparison of ``rows`` records of the check of σ: nothing where the fit
+    made it, else that it was paired on the seeds both rows have, and the check's
+    step that set either row apart."""
+    if not c["apart"]:
+        return {}
+    return {
+        "apart": True,
+        "paired_seeds": c["seeds"],
+        "spread_check": [check[n] for n in rows if n in check],
+    }
 
 
 def shown(entry: dict, measure: str) -> dict:
@@ -241,26 +381,38 @@ def simulate_false_positives(
     sigma: float = 0.6,
     seed_effect: float = 0.9,
     rng: Optional[np.random.Generator] = None,
+    noisier: Optional[dict[str, float]] = None,
 ) -> dict:
     """Tables with no true effect (every variation equal to the base), seeds per
-    variation as ``seeds``: the share of single tests at 5% that reject, and the
-    share of tables in which Holm rejects any — the test's false-positive rates."""
+    variation as ``seeds``, each run's noise σ (times ``noisier[v]`` for the
+    variations named there), read as the file is read (the check of σ, then the
+    tests): the share of single tests at 5% that reject, the share of tables in
+    which Holm rejects any, and the share in which the check sets any variation
+    apart — the test's false-positive rates."""
     rng = rng or np.random.default_rng(0)
-    single = family = comparisons = 0
-    paper = {v: {} for v in seeds if v != "base"}
+    noisier = noisier or {}
+    single = family = comparisons_made = apart = 0
+    others = [v for v in seeds if v != "base"]
     for _ in range(tables):
         shift = rng.normal(0, seed_effect, size=max(seeds.values()) + 1)
-        flat = [
-            (v, s, 40.0 + shift[s] + rng.normal(0, sigma))
+        values = {
+            v: {
+                s: 40.0 + shift[s] + rng.normal(0, sigma * noisier.get(v, 1.0))
+                for s in range(1, n + 1)
+            }
             for v, n in seeds.items()
-            for s in range(1, n + 1)
-        ]
-        model = fit(flat)
-        ps = {v: contrast(model, v)["p"] for v in paper}
+        }
+        found, steps = comparisons(values, [(v, "base") for v in others])
+        ps = {v: c["p"] for (v, _), c in found.items()}
         single += sum(p <= ALPHA for p in ps.values())
-        comparisons += len(ps)
+        comparisons_made += len(ps)
         family += any(h["rejected"] for h in holm_levels(ps).values())
-    return {"single": single / comparisons, "family": family / tables}
+        apart += any(step["apart"] for step in steps)
+    return {
+        "single": single / comparisons_made,
+        "family": family / tables,
+        "apart": apart / tables,
+    }
 
 
 def design_power(

@@ -84,6 +84,8 @@ MARKS = {
     "one seed": "¹",
     "still learning at the end of its schedule": "²",
     "a seed failed to train": "³",
+    "its seeds lie far apart: paired test on them alone": "⁴",
+    "the base's seeds lie far apart: paired test on them alone": "⁵",
 }
 
 
@@ -390,7 +392,36 @@ class Table3:
             and "not counted" not in counted.values()
         ):
             said += "; the two measures part here"
-        return head + said + self._overfits(name) + self._still_learning(name)
+        return (
+            head
+            + said
+            + self._apart(s)
+            + self._overfits(name)
+            + self._still_learning(name)
+        )
+
+    def _apart(self, s: dict) -> str:
+        """Where the check of σ set this variation's own seeds apart: by how much,
+        for which measures, and what its test became; "" where it did not."""
+        said = []
+        for m, what in (("bleu", "BLEU"), ("ppl", "log perplexity")):
+            t = (s.get("tests") or {}).get(m) or {}
+            for c in t.get("spread_check", []):
+                if c["variation"] == s["variation"]:
+                    said.append(
+                        f"its seed 2 lies {c['difference']:+.3g} {what} from its seed "
+                        f"1, where over the {c['k']} rows with both seeds the "
+                        f"average is {c['mean']:+.3g} (Grubbs's G {c['G']:.2f} "
+                        f"against {c['critical']:.2f}, p {_p(c['p'])})"
+                    )
+        if not said:
+            return ""
+        dof = next(t["dof"] for t in s["tests"].values() if t.get("spread_check"))
+        return (
+            "; " + " and ".join(said) + ": one σ does not fit its seeds, so it "
+            "leaves the estimate of the noise and is tested on its own seeds "
+            f"(paired t, {dof} degree{'s' * (dof != 1)} of freedom)"
+        )
 
     def _control(self, s: dict) -> str:
         """A learning-rate control's sentence: what Eq. 3's rate does at its width

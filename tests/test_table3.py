@@ -623,9 +623,10 @@ def stats_module():
 def test_the_test_rejects_five_percent_of_true_nulls_and_holm_holds_the_family():
     stats = stats_module()
     design = {"base": 3} | {f"v{i}": 2 for i in range(17)}  # Table 3's shape
-    rates = stats.simulate_false_positives(1000, design)
+    rates = stats.simulate_false_positives(1000, design)  # read as the file is
     assert 0.04 <= rates["single"] <= 0.06  # each test: 5% when nothing differs
     assert rates["family"] <= 0.06  # Holm: any false "differs" in ≤ 5% of tables
+    assert rates["apart"] <= 0.015  # one σ for all: a row set apart in ≤ 1% of tables
     mixed = {"base": 3} | {f"v{i}": 1 + i % 2 for i in range(17)}  # one or two
     assert 0.04 <= stats.simulate_false_positives(1000, mixed)["single"] <= 0.06
 
@@ -799,6 +800,59 @@ def test_a_variation_still_learning_enters_no_test_and_leaves_the_noise_alone():
     assert lr["tests"]["bleu"]["against"] == "base"
 
 
+def test_the_check_of_sigma_sets_a_row_apart_in_1pct_of_tables_and_finds_a_noisy_one():
+    stats = stats_module()
+    rng = __import__("numpy").random.default_rng(7)
+    apart = {"equal": 0, "noisy": 0}
+    for _ in range(2000):
+        d = {f"v{i}": rng.normal(0.9, 0.8) for i in range(17)}  # 17 rows' seed 2 − 1
+        values = {v: {1: 40.0, 2: 40.0 + x} for v, x in d.items()}
+        apart["equal"] += any(s["apart"] for s in stats.spread_apart(values))
+        values["v0"][2] = 40.0 + rng.normal(0.9, 0.8 * 8)  # one row 8× as noisy
+        steps = stats.spread_apart(values)
+        apart["noisy"] += any(s["apart"] and s["variation"] == "v0" for s in steps)
+    assert 0.004 <= apart["equal"] / 2000 <= 0.015  # the check's stated 1%, at most
+    assert apart["noisy"] / 2000 > 0.5  # a row 8× noisier than the rest: mostly found
+    assert stats.grubbs_p(stats.grubbs_critical(17), 17) == pytest.approx(0.01)
+
+
+def test_a_variation_whose_seeds_lie_far_apart_is_paired_and_leaves_the_noise_alone():
+    runner = load_script(SCRIPT, "table3_runner")
+
+    def row(name, bleu, ppl=5.0):
+        return made_up_row(runner, name, bleu, ppl=ppl)
+
+    # seed 2 lies 0.4–1.2 above seed 1 in every row but C-N4's, 4 below
+    steady = [row("base", 40.0), row("base-seed2", 40.9), row("base-seed3", 40.2),
+              row("A-h4", 39.9), row("A-h4-seed2", 40.6),
+              row("A-h1", 37.0), row("A-h1-seed2", 37.8),
+              row("A-h16", 39.0), row("A-h16-seed2", 40.2),
+              row("A-h32", 38.0), row("A-h32-seed2", 38.4),
+              row("B-dk8", 38.5), row("B-dk8-seed2", 39.5)]  # fmt: skip
+    apart = [row("C-N4", 19.0), row("C-N4-seed2", 15.0)]
+    alone = runner.summarise({"rows": steady})
+    both = runner.summarise({"rows": steady + apart})
+    test = {s["variation"]: s["tests"]["bleu"] for s in both if s.get("tests")}
+    for s in alone:  # every other test is as it was without it
+        if s.get("tests"):
+            assert test[s["variation"]]["se"] == pytest.approx(s["tests"]["bleu"]["se"])
+    n4 = test["C-N4"]
+    assert n4["apart"] and n4["paired_seeds"] == [1, 2] and n4["dof"] == 1
+    assert n4["delta"] == pytest.approx(((19.0 - 40.0) + (15.0 - 40.9)) / 2)
+    assert n4["spread_check"][0]["variation"] == "C-N4"
+    verdict = next(s for s in both if s["variation"] == "C-N4")["verdict"]["bleu"]
+    assert verdict.endswith("(its seeds lie far apart: paired test on them alone)")
+    # without the check the pooled σ takes C-N4's spread: every other test loses power
+    stats = stats_module()
+    values = {
+        s["variation"]: {r["seed"]: r["valid_bleu"] for r in steady + apart
+                         if r["variation"] == s["variation"]}
+        for s in both
+    }  # fmt: skip
+    pooled = stats.fit([(v, k, y) for v, ys in values.items() for k, y in ys.items()])
+    assert stats.contrast(pooled, "A-h1")["se"] > 2 * test["A-h1"]["se"]
+
+
 def full_table(runner, bleu_of) -> dict:
     """Made-up records for every run the plan always makes; ``bleu_of(variation,
     seed)`` gives each its validation BLEU."""
@@ -833,6 +887,15 @@ def test_a_third_seed_runs_only_where_a_test_lies_near_its_threshold():
         assert verb == ("run" if near else "skip"), (shift["A-h4"], test["tests"])
         seen.add(verb)
     assert seen == {"run", "skip"}  # both were met on the way
+    shift["A-h4"] = 0.0
+    data = full_table(runner, bleu)
+    assert runner.decide(plan["C-N4-seed3"], data, *args)[0] == "skip"
+    for r in data["rows"]:  # C-N4's seeds lie far apart: a third seed runs
+        if r["name"] == "C-N4-seed2":
+            r["valid_bleu"] -= 6.0
+    test = next(s for s in runner.summarise(data) if s["variation"] == "C-N4")
+    assert test["tests"]["bleu"]["apart"]
+    assert runner.decide(plan["C-N4-seed3"], data, *args)[0] == "run"
     data["rows"] = data["rows"][1:]  # a run the plan always makes is missing
     assert runner.decide(plan["A-h4-seed3"], data, *args)[0] == "wait"
 
