@@ -2096,8 +2096,10 @@ if IN_NOTEBOOK:
 # the paper's row of the same ratio to its base (our N=2 with the paper's N=4, our
 # $d_k=8$ with its $d_k=16$: the "paper row" column). The test, printed with the
 # table, compares seed with seed (rows of one seed share their batches), for BLEU and
-# for perplexity, with Holm's correction; a difference it does not find is reported
-# with the smallest one it would have found, never as agreement. Two more rows
+# for perplexity, with Holm's correction. It first checks its one assumption, that
+# every variation's seeds spread alike: a variation whose seeds lie much further apart
+# is tested on its own seeds alone. A difference it does not find is reported with the
+# smallest one it would have found, never as agreement. Two more rows
 # (C-d128-lr, C-d512-lr) hold Eq. 3's peak rate at the base's: they are controls, with
 # no verdict against the paper. The paper's figures are newstest2013 EN→DE with 4.5M
 # training pairs; ours are Multi30k DE→EN with 29k, so only the direction of each change
