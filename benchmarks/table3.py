@@ -580,6 +580,9 @@ def decide(row: dict, data: dict, base: dict, budget: dict) -> tuple[str, str]:
     entry = next(
         (s for s in summarise(data) if s["variation"] == row["variation"]), None
     )
+    if entry is not None and not entry.get("tests"):
+        said = sorted(set((entry.get("verdict") or {}).values())) or ["no test"]
+        return "skip", f"no test to decide: {'; '.join(said)}"
     near = [
         f"{m} |Δ| {abs(t['delta']):.3g} against a threshold of {t['threshold']:.3g}"
         for m, t in (entry or {}).get("tests", {}).items()

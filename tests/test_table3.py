@@ -877,6 +877,14 @@ def test_a_third_seed_runs_only_where_a_test_lies_near_its_threshold():
     data = full_table(runner, bleu)
     assert runner.decide(plan["A-h1-seed3"], data, *args)[0] == "skip"  # far beyond
     assert runner.decide(plan["C-d128-lr-seed2"], data, *args)[0] == "skip"
+    for r in data["rows"]:  # a variation still learning enters no test: no third seed
+        if r["name"] == "C-d128":
+            r["curve"] = [{"epoch": e, "valid_ppl": 30.0 - 2 * e} for e in range(1, 9)]
+    verb, why = runner.decide(plan["C-d128-seed3"], data, *args)
+    assert (verb, why) == (
+        "skip",
+        "no test to decide: not tested (still learning at the end of its schedule)",
+    )
     seen = set()
     for step in range(80):  # move A-h4 away from the base until its test is near
         shift["A-h4"] = -0.05 * step
