@@ -2098,12 +2098,12 @@ if IN_NOTEBOOK:
 # table, compares seed with seed (rows of one seed share their batches), for BLEU and
 # for perplexity, with Holm's correction. It first checks its one assumption, that
 # every variation's seeds spread alike: a variation whose seeds lie much further apart
-# is tested on its own seeds alone. A difference it does not find is reported with the
-# smallest one it would have found, never as agreement. Two more rows
-# (C-d128-lr, C-d512-lr) hold Eq. 3's peak rate at the base's: they are controls, with
-# no verdict against the paper. The paper's figures are newstest2013 EN→DE with 4.5M
-# training pairs; ours are Multi30k DE→EN with 29k, so only the direction of each change
-# compares.
+# is compared seed by seed with the base, without the common spread. A difference it
+# does not find is reported with the smallest one it would have found, never as
+# agreement. Two more rows (C-d128-lr, C-d512-lr) hold Eq. 3's peak rate at the base's:
+# they are controls, with no verdict against the paper. The paper's figures are
+# newstest2013 EN→DE with 4.5M training pairs; ours are Multi30k DE→EN with 29k, so only
+# the direction of each change compares.
 # `make table3` trains the rows and resumes; this notebook only reads the file.
 
 # %%

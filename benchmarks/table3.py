@@ -461,6 +461,14 @@ def qualifiers(rows: list[dict]) -> list[str]:
     return out
 
 
+# A variation the base cannot be compared with for a measure: the check set one of
+# them apart and they share fewer than two seeds (table3_stats.test_table).
+UNCOMPARED = (
+    "not tested (a row's seeds lie far apart and it shares fewer than two seeds with "
+    "the other: no paired test)"
+)
+
+
 def spread_words(variation: str) -> str:
     """The qualifier of a test paired on its seeds because ``variation``'s seeds lie
     further apart than the other variations' allow (table3_stats.spread_apart)."""
@@ -478,7 +486,13 @@ def verdict_words(test: dict, quals: list[str], measure: str) -> tuple[str, str]
     quals = quals + [
         spread_words(step["variation"]) for step in test.get("spread_check", [])
     ]
-    if word == "no difference detected":
+    if (
+        word == "no difference detected"
+        and measure == "bleu"
+        and (test["detectable"] > 100)
+    ):  # more than BLEU's whole scale
+        word = "no difference detected (the test would see only one above 100 BLEU)"
+    elif word == "no difference detected":
         x = (
             f"{test['detectable']:.2f} BLEU"
             if measure == "bleu"
@@ -543,9 +557,12 @@ def summarise(data: dict) -> list[dict]:
                 said = "not tested (" + "; ".join(quals) + ")"
                 entry["verdict"] = {m: said for m in stats.MEASURES}
                 entry["counted"] = {m: "not counted" for m in stats.MEASURES}
-            elif entry["tests"]:
+            elif any(tests.values()):  # the test ran: a variation it left out says so
                 words = {
-                    m: verdict_words(t, quals, m) for m, t in entry["tests"].items()
+                    m: verdict_words(entry["tests"][m], quals, m)
+                    if m in entry["tests"]
+                    else (UNCOMPARED, "not counted")
+                    for m in stats.MEASURES
                 }
                 entry["verdict"] = {m: w[0] for m, w in words.items()}
                 entry["counted"] = {m: w[1] for m, w in words.items()}

@@ -79,6 +79,11 @@ def _p(p: float) -> str:
     return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
 
+def _at_most(p: float) -> str:
+    """An upper bound on a p-value (Grubbs's), as the text shows it."""
+    return "< 0.001" if p < 0.001 else f"≤ {p:.3f}"
+
+
 # The table marks a verdict's qualifiers; its legend spells them out.
 MARKS = {
     "one seed": "¹",
@@ -100,6 +105,10 @@ def _short(verdict: str) -> str:
         r"no difference detected \(the test would see ≥ ([\d.]+%?)[^)]*\)",
         r"none (≥ \1)",
         verdict,
+    )
+    verdict = verdict.replace(
+        "no difference detected (the test would see only one above 100 BLEU)",
+        "none (> 100)",
     )
     return verdict + marks
 
@@ -412,15 +421,16 @@ class Table3:
                         f"its seed 2 lies {c['difference']:+.3g} {what} from its seed "
                         f"1, where over the {c['k']} rows with both seeds the "
                         f"average is {c['mean']:+.3g} (Grubbs's G {c['G']:.2f} "
-                        f"against {c['critical']:.2f}, p {_p(c['p'])})"
+                        f"against {c['critical']:.2f}, p {_at_most(c['p'])})"
                     )
         if not said:
             return ""
         dof = next(t["dof"] for t in s["tests"].values() if t.get("spread_check"))
         return (
-            "; " + " and ".join(said) + ": one σ does not fit its seeds, so it "
-            "leaves the estimate of the noise and is tested on its own seeds "
-            f"(paired t, {dof} degree{'s' * (dof != 1)} of freedom)"
+            "; " + " and ".join(said) + ": its seeds lie further apart than one σ "
+            "plausibly allows, so it leaves the estimate of the noise and is compared "
+            "seed by seed on the seeds both rows share, without the common σ (paired "
+            f"t, {dof} degree{'s' * (dof != 1)} of freedom)"
         )
 
     def _control(self, s: dict) -> str:
@@ -434,7 +444,13 @@ class Table3:
             if t is None:
                 continue
             key = "delta_pct" if m == "ppl" else "delta"
-            base, what = t["vs_base"], "BLEU" if m == "bleu" else "perplexity"
+            base, what = t.get("vs_base"), "BLEU" if m == "bleu" else "perplexity"
+            if base is None:  # the base set apart, and too few seeds shared with it
+                parts.append(
+                    f"{what} {t[key]:+.2f}{unit} against {t['against']} (p "
+                    f"{_p(t['p'])}; no comparison with the base)"
+                )
+                continue
             if t["against"] == "base":  # its width at Eq. 3's rate is not tested
                 parts.append(
                     f"{what} {base[key]:+.2f}{unit} against the base (p "
@@ -448,7 +464,7 @@ class Table3:
             )
         return (
             f"{_changed(self._fields(s['variation']))} ({s['variation']}, "
-            f"{self._seeds(s)}): " + "; ".join(parts)
+            f"{self._seeds(s)}): " + "; ".join(parts) + self._apart(s)
         )
 
     def counts(self, measure: str) -> dict[str, int]:
@@ -520,7 +536,7 @@ class Table3:
             controls, key=lambda s: self._fields(s["variation"])["d_model"]
         ):
             t = (s.get("tests") or {}).get("bleu")
-            if t is None:
+            if t is None or t.get("vs_base") is None:
                 continue
             width = self._fields(s["variation"])["d_model"]
             d, p = t["vs_base"]["delta"], t["vs_base"]["p"]

@@ -853,6 +853,55 @@ def test_a_variation_whose_seeds_lie_far_apart_is_paired_and_leaves_the_noise_al
     assert stats.contrast(pooled, "A-h1")["se"] > 2 * test["A-h1"]["se"]
 
 
+def test_the_checks_critical_values_are_grubbss_and_power_is_read_exactly():
+    stats = stats_module()
+    # Grubbs's published two-sided critical values
+    assert stats.grubbs_critical(10, 0.05) == pytest.approx(2.290, abs=5e-4)
+    assert stats.grubbs_critical(17, 0.05) == pytest.approx(2.620, abs=5e-4)
+    assert stats.grubbs_critical(17, 0.01) == pytest.approx(2.894, abs=5e-4)
+    for dof in (1, 2, 15):  # the detectable difference is detected 80% of the time
+        x = stats.detectable(0.7, 0.005, dof)
+        assert stats.power_at(x, 0.7, 0.005, dof) == pytest.approx(0.8, abs=1e-6)
+    assert stats.t_test(0.0, 0.0, 3)[1] == 1.0  # no spread and no difference
+    assert stats.t_test(0.5, 0.0, 3)[1] == 0.0
+
+
+def test_a_row_set_apart_with_too_few_shared_seeds_is_said_not_dropped():
+    runner = load_script(SCRIPT, "table3_runner")
+    from machinery.table3view import Table3
+
+    def row(name, bleu):
+        return made_up_row(runner, name, bleu)
+
+    two = {"A-h4": 39.9, "A-h1": 37.0, "A-h16": 39.0, "A-h32": 38.0, "B-dk8": 38.5,
+           "B-dk16": 39.4, "D-ls0.0": 39.1, "D-ls0.2": 40.1, "C-d512": 39.6}  # fmt: skip
+    rows = [row("base", 40.0), row("base-seed2", 46.0), row("base-seed3", 40.2)]
+    for i, (v, bleu) in enumerate(two.items()):  # seed 2 lies 0.4–1.2 above seed 1
+        rows += [row(v, bleu), row(f"{v}-seed2", bleu + 0.4 + 0.1 * i)]
+    rows += [row("E-learned", 39.0), row("C-d512-lr", 38.0)]  # one seed each
+    plan = {r["name"]: r for r in runner.table3_rows(runner.BASE)}
+    for r in rows:  # what the view names a row by
+        r["fields"] = plan[r["name"]]["fields"]
+    data = {"rows": rows}
+    summary = {s["variation"]: s for s in runner.summarise(data)}
+    assert summary["A-h1"]["tests"]["bleu"]["spread_check"][0]["variation"] == "base"
+    # one seed against a base set apart: no paired test, said and not counted
+    assert summary["E-learned"]["verdict"]["bleu"] == runner.UNCOMPARED
+    assert summary["E-learned"]["counted"]["bleu"] == "not counted"
+    assert "bleu" not in summary["E-learned"]["tests"]
+    assert "apart" not in summary["E-learned"]["tests"]["ppl"]  # one σ fits its ppl
+    lr = summary["C-d512-lr"]["tests"]["bleu"]
+    assert lr["against"] == "C-d512" and "vs_base" not in lr
+    table = Table3(data | {"summary": list(summary.values()), "budget": None}, ROOT)
+    assert "no comparison with the base" in table.findings()
+    # a width set apart, and its one-seed control: read against the base instead
+    rows[:3] = [row("base", 40.0), row("base-seed2", 40.6), row("base-seed3", 40.2)]
+    rows[-3] = row("C-d512-seed2", 33.0)
+    summary = {s["variation"]: s for s in runner.summarise({"rows": rows})}
+    assert summary["C-d512"]["tests"]["bleu"]["apart"]
+    assert summary["C-d512-lr"]["tests"]["bleu"]["against"] == "base"
+
+
 def full_table(runner, bleu_of) -> dict:
     """Made-up records for every run the plan always makes; ``bleu_of(variation,
     seed)`` gives each its validation BLEU."""
