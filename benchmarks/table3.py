@@ -461,14 +461,6 @@ def qualifiers(rows: list[dict]) -> list[str]:
     return out
 
 
-# A variation the base cannot be compared with for a measure: the check set one of
-# them apart and they share fewer than two seeds (table3_stats.test_table).
-UNCOMPARED = (
-    "not tested (a row's seeds lie far apart and it shares fewer than two seeds with "
-    "the other: no paired test)"
-)
-
-
 def spread_words(variation: str) -> str:
     """The qualifier of a test paired on its seeds because ``variation``'s seeds lie
     further apart than the other variations' allow (table3_stats.spread_apart)."""
@@ -558,10 +550,12 @@ def summarise(data: dict) -> list[dict]:
                 entry["verdict"] = {m: said for m in stats.MEASURES}
                 entry["counted"] = {m: "not counted" for m in stats.MEASURES}
             elif any(tests.values()):  # the test ran: a variation it left out says so
+                from machinery.table3view import UNCOMPARED as uncompared
+
                 words = {
                     m: verdict_words(entry["tests"][m], quals, m)
                     if m in entry["tests"]
-                    else (UNCOMPARED, "not counted")
+                    else (uncompared, "not counted")
                     for m in stats.MEASURES
                 }
                 entry["verdict"] = {m: w[0] for m, w in words.items()}

@@ -84,6 +84,14 @@ def _at_most(p: float) -> str:
     return "< 0.001" if p < 0.001 else f"≤ {p:.3f}"
 
 
+# A variation the base cannot be compared with for a measure: the check set one of
+# them apart and they share fewer than two seeds (table3_stats.test_table).
+UNCOMPARED = (
+    "not tested (a row's seeds lie far apart and it shares fewer than two seeds with "
+    "the other: no paired test)"
+)
+
+
 # The table marks a verdict's qualifiers; its legend spells them out.
 MARKS = {
     "one seed": "¹",
@@ -498,7 +506,7 @@ class Table3:
                     f"{c['no difference detected']} show no difference the test can "
                     f"detect, and {c['not counted']} are not counted (a seed still "
                     "learning at the end of its schedule: not tested; or one that "
-                    "failed to train)."
+                    f"failed to train{self._uncompared(m)})."
                 )
         for g in GROUPS:
             rows = [s for s in self.summary if s["group"] == g]
@@ -526,6 +534,15 @@ class Table3:
                 text += f" Not yet measured at the full budget: {'; '.join(pending)}."
             out.append(text)
         return "\n\n".join(out)
+
+    def _uncompared(self, measure: str) -> str:
+        """The third reason a variation is not counted, where one has it: the check
+        of σ set it or the base apart and they share too few seeds for a paired
+        test."""
+        said = [(s.get("verdict") or {}).get(measure, "") for s in self.summary]
+        if UNCOMPARED in said:
+            return "; or, a row's seeds set apart, too few seeds for a paired test"
+        return ""
 
     def _bigger(self, controls: list[dict]) -> str:
         """ "Bigger models are better" (§6.2) read against the controls: with the

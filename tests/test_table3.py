@@ -868,7 +868,7 @@ def test_the_checks_critical_values_are_grubbss_and_power_is_read_exactly():
 
 def test_a_row_set_apart_with_too_few_shared_seeds_is_said_not_dropped():
     runner = load_script(SCRIPT, "table3_runner")
-    from machinery.table3view import Table3
+    from machinery.table3view import UNCOMPARED, Table3
 
     def row(name, bleu):
         return made_up_row(runner, name, bleu)
@@ -886,14 +886,16 @@ def test_a_row_set_apart_with_too_few_shared_seeds_is_said_not_dropped():
     summary = {s["variation"]: s for s in runner.summarise(data)}
     assert summary["A-h1"]["tests"]["bleu"]["spread_check"][0]["variation"] == "base"
     # one seed against a base set apart: no paired test, said and not counted
-    assert summary["E-learned"]["verdict"]["bleu"] == runner.UNCOMPARED
+    assert summary["E-learned"]["verdict"]["bleu"] == UNCOMPARED
     assert summary["E-learned"]["counted"]["bleu"] == "not counted"
     assert "bleu" not in summary["E-learned"]["tests"]
     assert "apart" not in summary["E-learned"]["tests"]["ppl"]  # one σ fits its ppl
     lr = summary["C-d512-lr"]["tests"]["bleu"]
     assert lr["against"] == "C-d512" and "vs_base" not in lr
     table = Table3(data | {"summary": list(summary.values()), "budget": None}, ROOT)
-    assert "no comparison with the base" in table.findings()
+    said = table.findings()
+    assert "no comparison with the base" in said
+    assert "or, a row's seeds set apart, too few seeds for a paired test)" in said
     # a width set apart, and its one-seed control: read against the base instead
     rows[:3] = [row("base", 40.0), row("base-seed2", 40.6), row("base-seed3", 40.2)]
     rows[-3] = row("C-d512-seed2", 33.0)
