@@ -322,7 +322,8 @@ def test_table(
     the word; a comparison paired because the check set a row apart says so
     (``apart``, with the check's step). A control gets its difference from the
     variation it controls (from the base where that variation is not in ``runs``,
-    or shares fewer than two seeds with a control set apart) and, where the base
+    or where one of the two is set apart and they share fewer than two seeds) and,
+    where the base
     can be compared with it, from the base (``vs_base``). A variation that cannot be
     compared with the base (a row set apart, and fewer than two seeds shared) gets
     no entry."""
