@@ -323,10 +323,9 @@ def test_table(
     (``apart``, with the check's step). A control gets its difference from the
     variation it controls (from the base where that variation is not in ``runs``,
     or where one of the two is set apart and they share fewer than two seeds) and,
-    where the base
-    can be compared with it, from the base (``vs_base``). A variation that cannot be
-    compared with the base (a row set apart, and fewer than two seeds shared) gets
-    no entry."""
+    where the base can be compared with it, from the base (``vs_base``). A
+    variation that cannot be compared with the base (a row set apart, and fewer than
+    two seeds shared) gets no entry."""
     if "base" not in runs:
         return {}
     values = {
