@@ -465,7 +465,7 @@ def spread_words(variation: str) -> str:
     """The qualifier of a test paired on its seeds because ``variation``'s seeds lie
     further apart than the other variations' allow (table3_stats.spread_apart)."""
     whose = "the base's" if variation == "base" else "its"
-    return f"{whose} seeds lie far apart: paired test on them alone"
+    return f"{whose} seeds lie far apart: compared seed by seed"
 
 
 def verdict_words(test: dict, quals: list[str], measure: str) -> tuple[str, str]:

@@ -97,8 +97,8 @@ MARKS = {
     "one seed": "¹",
     "still learning at the end of its schedule": "²",
     "a seed failed to train": "³",
-    "its seeds lie far apart: paired test on them alone": "⁴",
-    "the base's seeds lie far apart: paired test on them alone": "⁵",
+    "its seeds lie far apart: compared seed by seed": "⁴",
+    "the base's seeds lie far apart: compared seed by seed": "⁵",
 }
 
 

@@ -841,7 +841,7 @@ def test_a_variation_whose_seeds_lie_far_apart_is_paired_and_leaves_the_noise_al
     assert n4["delta"] == pytest.approx(((19.0 - 40.0) + (15.0 - 40.9)) / 2)
     assert n4["spread_check"][0]["variation"] == "C-N4"
     verdict = next(s for s in both if s["variation"] == "C-N4")["verdict"]["bleu"]
-    assert verdict.endswith("(its seeds lie far apart: paired test on them alone)")
+    assert verdict.endswith("(its seeds lie far apart: compared seed by seed)")
     # without the check the pooled σ takes C-N4's spread: every other test loses power
     stats = stats_module()
     values = {
