@@ -43,6 +43,7 @@ KEPT = (
     "bleu_greedy",
     "precision",
     "attention",
+    "threads",  # a CPU run's: float sums split over threads round otherwise
     "auto",
     "machine",
     "steps",

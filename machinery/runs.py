@@ -79,9 +79,27 @@ def machine_of(summary: dict) -> str:
     return summary.get("machine") or summary.get("cpu") or ""
 
 
+def path_taken(summary: dict) -> str:
+    """What a run's last digits hang on besides its recipe, as its summary records it:
+    the precision and attention path it trained with (``auto`` picks them by timing,
+    run by run) and, on a CPU, its thread count (float sums split over threads round
+    otherwise); "" where the summary records none of them (our addition)."""
+    parts = [summary.get("precision") or ""]
+    if summary.get("attention"):
+        parts.append(f"{summary['attention']} attention")
+    if summary.get("threads"):
+        count = summary["threads"]
+        parts.append(f"{count} thread{'' if count == 1 else 's'}")
+    return ", ".join(part for part in parts if part)
+
+
 def _on(summary: dict) -> str:
-    """The " on <machine>" ending a log line, where the summary names its machine."""
-    return f" on {machine_of(summary)}" if machine_of(summary) else ""
+    """The " on <machine>, <path taken>" ending a log line, as far as the summary
+    names them (the machine: else its device, where it names one)."""
+    machine = machine_of(summary) or summary.get("device") or ""
+    on = f" on {machine}" if machine else ""
+    taken = path_taken(summary)
+    return f"{on}, {taken}" if taken else on
 
 
 def _quiet(*args, **kwargs) -> None:
@@ -282,8 +300,8 @@ def run_or_load(
 
     summary = train(cfg, log=train_log, progress=False)
     log(
-        f"trained {summary['steps']:,} updates in {summary['train_minutes']:.1f} min "
-        f"on {machine_of(summary) or summary['device']}"
+        f"trained {summary['steps']:,} updates in {summary['train_minutes']:.1f} min"
+        + _on(summary)
     )
     return summary
 

@@ -707,6 +707,8 @@ def train(
         "train_minutes": (time.time() - t_start) / 60,
         "device": str(device),
         "machine": machine_name(device),
+        # a CPU's float sums are split over its threads: another count rounds otherwise
+        **({"threads": torch.get_num_threads()} if device.type == "cpu" else {}),
         "world_size": world,
         "precision": run.cfg.precision,
         "attention": run.cfg.attention,

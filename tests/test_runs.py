@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 import machinery
 from machinery.export import run_export_command
@@ -30,6 +31,27 @@ def test_a_run_is_trained_then_loaded_and_never_deleted(tmp_path):
         f"loaded the finished run in {cfg.run_dir}"
     )
     assert again["bleu"] == first["bleu"] and mine.read_text() == "mine"
+
+
+def test_a_runs_line_names_what_its_digits_hang_on_besides_its_recipe(tmp_path):
+    cfg = tiny_cfg(tmp_path / "run", max_steps=2, max_eval_sentences=2)
+    said, summary = lines_of(cfg)
+    assert summary["threads"] == torch.get_num_threads(), "a CPU run records them"
+    threads = f"{summary['threads']} thread{'' if summary['threads'] == 1 else 's'}"
+    taken = f"{summary['precision']}, {summary['attention']} attention, {threads}"
+    assert said[1].startswith("trained 2 updates in ") and said[1].endswith(
+        f" on {summary['machine']}, {taken}"
+    ), said
+    said, _ = lines_of(cfg)
+    assert said[0].endswith(f" on {summary['machine']}, {taken}"), "loaded: the same"
+
+
+def test_the_path_taken_names_only_what_a_summary_records():
+    assert machinery.runs.path_taken({}) == ""
+    older = {"precision": "bf16", "attention": "readable"}  # before threads were kept
+    assert machinery.runs.path_taken(older) == "bf16, readable attention"
+    assert machinery.runs.path_taken(older | {"threads": 1}).endswith(", 1 thread")
+    assert machinery.runs.path_taken({"threads": 16}) == "16 threads"
 
 
 def test_a_finished_run_of_another_recipe_is_not_taken_for_this_one(tmp_path):
