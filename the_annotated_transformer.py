@@ -1411,11 +1411,9 @@ def smoothed_target(K: int, y: int, eps_ls: float) -> torch.Tensor:
 @example
 def _():
     g = torch.Generator().manual_seed(0)  # its own stream: the same numbers every run
-    logits = torch.randn(6, 14, generator=g)  # (tokens, K)
-    y = torch.randint(0, 14, (6,), generator=g)  # (tokens,)
+    logits, y = torch.randn(6, 14, generator=g), torch.randint(14, (6,), generator=g)
     ours = loss_sum(logits.log_softmax(-1), y, 0.1, pad=-1)
     theirs = F.cross_entropy(logits, y, label_smoothing=0.1, reduction="sum")
-    torch.testing.assert_close(ours, theirs)  # equal up to float32 rounding
     print(f"loss_sum {ours:.4f}; F.cross_entropy(label_smoothing=0.1) {theirs:.4f}")
     model = make_model(11, 11, MODEL_PRESETS["tiny"])  # P_drop = 0.1, the defaults
     active = {
