@@ -800,8 +800,14 @@ def test_the_headline_states_its_spread_once_other_seeds_are_in(tmp_path):
             "attention": "readable",
         },  # fmt: skip
         {"seed": 2, "bleu": 40.9, "precision": "bf16", "attention": "fast"},
-        {"seed": 3, "bleu": 41.3, "precision": "fp32", "attention": "readable"},
-    ]
+        {
+            "seed": 3,
+            "bleu": 41.3,
+            "precision": "fp32",
+            "attention": "readable",
+            "threads": 1,
+        },
+    ]  # a row recorded before threads were kept (seed 2's) names none
     stats = {"n": 3, "mean": 41.33, "sd": 0.445, "min": 40.9, "max": 41.79}
     seeds = tmp_path / build.SEEDS
     one = {"config": "multi30k-small", "rows": rows[:1], "bleu": {**stats, "n": 1}}
@@ -814,8 +820,8 @@ def test_the_headline_states_its_spread_once_other_seeds_are_in(tmp_path):
     assert said.startswith(headline) and said != headline
     assert said.endswith(
         "Other seeds as `make train` ran them: 40.9 (seed 2: bf16, fast attention), "
-        "41.3 (seed 3: float32, readable attention); seed 1 ran bf16, readable "
-        "attention. Over 3 seeds, 41.3 ± 0.4 (mean ± sample sd, 40.9–41.8)."
+        "41.3 (seed 3: float32, readable attention, 1 thread); seed 1 ran bf16, "
+        "readable attention. Over 3 seeds, 41.3 ± 0.4 (mean ± sample sd, 40.9–41.8)."
     )
     two = {"n": 2, "mean": 41.35, "sd": 0.629, "min": 40.9, "max": 41.79}
     seeds.write_text(  # one other seed so far
@@ -840,9 +846,16 @@ def test_the_headline_states_its_spread_once_other_seeds_are_in(tmp_path):
         json.dumps({"config": "multi30k-small", "rows": rows, "bleu": stats})
     )
     assert (
-        "(seed 3: \\<b\\>x\\</b\\>, readable attention)"
+        "(seed 3: \\<b\\>x\\</b\\>, readable attention, 1 thread)"
         in build.findings(tmp_path, build.README_LINKS)[0]
     )
+    for odd in ("<b>2</b>", 2.5, 0, True):  # not a count of threads: not shown
+        rows[2] = {**rows[2], "precision": "fp32", "threads": odd}
+        seeds.write_text(
+            json.dumps({"config": "multi30k-small", "rows": rows, "bleu": stats})
+        )
+        said = build.findings(tmp_path, build.README_LINKS)[0]
+        assert "(seed 3: float32, readable attention)" in said, odd
 
 
 def test_findings_from_torn_or_nan_results_say_what_is_missing(tmp_path):

@@ -389,11 +389,16 @@ PRECISION_NAMES = {"fp32": "float32"}  # as the training log names them
 
 
 def path_taken(row: dict) -> str:
-    """ "float32, fast attention": the precision and attention path a seed's run took,
-    from its row in `make seeds`'s file, safe as text."""
+    """ "float32, fast attention, 2 threads": the precision and attention path a seed's
+    run took and, where its row records them, its CPU threads, from its row in `make
+    seeds`'s file, safe as text."""
     precision = row.get("precision")
     precision = PRECISION_NAMES.get(precision, precision)
-    return f"{words(precision, 8)}, {words(row.get('attention'), 12)} attention"
+    said = f"{words(precision, 8)}, {words(row.get('attention'), 12)} attention"
+    threads = number(row.get("threads"))
+    if threads is not None and threads >= 1 and threads == int(threads):
+        said += f", {threads:.0f} thread{'' if threads == 1 else 's'}"
+    return said
 
 
 def spread(seeds: dict) -> str | None:
