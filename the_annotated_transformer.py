@@ -318,7 +318,8 @@ class EncoderLayer(nn.Module):
 
 @example
 def _():
-    x, norm = torch.randn(4, 7, 16), nn.LayerNorm(16)
+    g = torch.Generator().manual_seed(0)  # its own stream: the same numbers every run
+    x, norm = torch.randn(4, 7, 16, generator=g), nn.LayerNorm(16)  # (batch, seq, d)
     diff = (layer_norm_formula(x, norm.weight, norm.bias) - norm(x)).abs().max()
     print(f"max |layer_norm_formula(x) − nn.LayerNorm(x)| = {diff:.1e}")
 

@@ -618,6 +618,29 @@ def test_an_example_runs_only_as_the_notebook_and_leaves_no_name(monkeypatch):
         assert demo is None and ran == runs
 
 
+def test_an_examples_random_numbers_come_from_its_own_seeded_stream():
+    # a stored output is what a rerun prints: no example draws from torch's global
+    # stream (whose state hangs on every cell run before it)
+    draws = {"rand", "randn", "randint", "randperm", "normal", "bernoulli"}
+    unseeded = []
+    for node in ast.walk(ast.parse(PY.read_text(encoding="utf-8"))):
+        if not isinstance(node, ast.FunctionDef) or not any(
+            isinstance(d, ast.Name) and d.id == "example" for d in node.decorator_list
+        ):
+            continue
+        for call in ast.walk(node):
+            if (
+                isinstance(call, ast.Call)
+                and isinstance(call.func, ast.Attribute)
+                and call.func.attr in draws
+                and isinstance(call.func.value, ast.Name)
+                and call.func.value.id == "torch"
+                and not any(k.arg == "generator" for k in call.keywords)
+            ):
+                unseeded.append((call.lineno, call.func.attr))
+    assert not unseeded, f"(line, draw) without a generator: {unseeded}"
+
+
 def test_the_preset_paragraph_and_the_readme_say_what_the_presets_set():
     # Part 4's paragraph on `multi30k-small`, the README's "Not faithful: … Eq. 3 scaled
     # and warmed up sooner, clipped gradients, more dropout for IWSLT14", the Conclusion
