@@ -2033,7 +2033,7 @@ if IN_NOTEBOOK:
 # production loop, which adds checkpoints, validation and the test score. A perfect copy
 # scores 100 BLEU. Its log line names what the digits hang on besides the recipe: the
 # precision and attention path `auto` timed faster on this machine, and the CPU threads
-# (another of either rounds float sums otherwise, so a rerun may end with other digits).
+# (another choice of either rounds float sums otherwise, which may move the score).
 
 # %%
 if IN_NOTEBOOK:

@@ -7,9 +7,10 @@ which precision and attention path `auto` took in each run (a run on another CPU
 take another, and its numbers differ with it). Each seed trains in a run directory of
 its own, resuming from its checkpoints when stopped; a seed whose run has finished is
 read, not trained again. The file records each seed's scores, the precision and
-attention path its run took, the CPU, the commit its run started from (and those it was
-resumed from), any other setting than the first row's, and mean, sample standard
-deviation and range over all seeds, the recorded run included::
+attention path its run took (and its CPU threads, where its run records them), the CPU,
+the commit its run started from (and those it was resumed from), any other setting than
+the first row's, and mean, sample standard deviation and range over all seeds, the
+recorded run included::
 
     make seeds                      # seeds 2 and 3, each as long as a make train
     make seeds ARGS="--seeds 2,3,4"

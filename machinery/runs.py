@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from .config import Config, weight_fields
-from .devices import cpu_name
+from .devices import NAMES, cpu_name
 from .runfiles import CheckpointError, RunDirectoryError, checkpoint_paths, first_line
 
 # What a run trains, beyond the model's shape: the data, the schedule and the
@@ -83,8 +83,10 @@ def path_taken(summary: dict) -> str:
     """What a run's last digits hang on besides its recipe, as its summary records it:
     the precision and attention path it trained with (``auto`` picks them by timing,
     run by run) and, on a CPU, its thread count (float sums split over threads round
-    otherwise); "" where the summary records none of them (our addition)."""
-    parts = [summary.get("precision") or ""]
+    otherwise; a resumed run records its last stretch's), named as the training log
+    names them; "" where the summary records none of them (our addition)."""
+    precision = summary.get("precision") or ""
+    parts = [NAMES.get(precision, precision)]
     if summary.get("attention"):
         parts.append(f"{summary['attention']} attention")
     if summary.get("threads"):

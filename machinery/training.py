@@ -708,6 +708,7 @@ def train(
         "device": str(device),
         "machine": machine_name(device),
         # a CPU's float sums are split over its threads: another count rounds otherwise
+        # (a resumed run: its last stretch's count, as train_minutes is that stretch's)
         **({"threads": torch.get_num_threads()} if device.type == "cpu" else {}),
         "world_size": world,
         "precision": run.cfg.precision,

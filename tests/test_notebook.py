@@ -619,9 +619,11 @@ def test_an_example_runs_only_as_the_notebook_and_leaves_no_name(monkeypatch):
 
 
 def test_an_examples_random_numbers_come_from_its_own_seeded_stream():
-    # a stored output is what a rerun prints: no example draws from torch's global
-    # stream (whose state hangs on every cell run before it)
+    # a stored output is what a rerun prints: no example calls torch's sampling
+    # functions without a generator of its own (the global stream's state hangs on
+    # every cell run before it)
     draws = {"rand", "randn", "randint", "randperm", "normal", "bernoulli"}
+    draws |= {"rand_like", "randn_like", "randint_like", "multinomial", "poisson"}
     unseeded = []
     for node in ast.walk(ast.parse(PY.read_text(encoding="utf-8"))):
         if not isinstance(node, ast.FunctionDef) or not any(

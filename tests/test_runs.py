@@ -38,7 +38,8 @@ def test_a_runs_line_names_what_its_digits_hang_on_besides_its_recipe(tmp_path):
     said, summary = lines_of(cfg)
     assert summary["threads"] == torch.get_num_threads(), "a CPU run records them"
     threads = f"{summary['threads']} thread{'' if summary['threads'] == 1 else 's'}"
-    taken = f"{summary['precision']}, {summary['attention']} attention, {threads}"
+    precision = {"fp32": "float32"}.get(summary["precision"], summary["precision"])
+    taken = f"{precision}, {summary['attention']} attention, {threads}"
     assert said[1].startswith("trained 2 updates in ") and said[1].endswith(
         f" on {summary['machine']}, {taken}"
     ), said
@@ -52,6 +53,7 @@ def test_the_path_taken_names_only_what_a_summary_records():
     assert machinery.runs.path_taken(older) == "bf16, readable attention"
     assert machinery.runs.path_taken(older | {"threads": 1}).endswith(", 1 thread")
     assert machinery.runs.path_taken({"threads": 16}) == "16 threads"
+    assert machinery.runs.path_taken({"precision": "fp32"}) == "float32", "as logged"
 
 
 def test_a_finished_run_of_another_recipe_is_not_taken_for_this_one(tmp_path):

@@ -403,7 +403,8 @@ def path_taken(row: dict) -> str:
 
 def spread(seeds: dict) -> str | None:
     """The headline's spread, from `make seeds`'s file: each other seed's test BLEU
-    with the precision and attention path its run took, the recorded run's path, then
+    with the precision and attention path its run took (and its CPU threads, where its
+    row records them), the recorded run's path, then
     mean ± sample sd and range over every seed; None where it holds fewer than two
     scored seeds."""
     rows = [r for r in seeds.get("rows") or [] if isinstance(r, dict)]
