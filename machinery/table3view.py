@@ -13,6 +13,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from .devices import NAMES
+
 GROUPS = "ABCDE"
 # A seed whose last validation perplexity lies more than 5% above its lowest has
 # over-fitted (the base's seeds end within 1.3% of theirs).
@@ -178,12 +180,13 @@ class Table3:
         left = sum(
             len(set(p["seeds"]) - names.get(p["variation"], set())) for p in plan
         )
-        runs = f"{len(done)} run(s) finished" + (
+        runs = f"{len(done)} run{'s' * (len(done) != 1)} finished" + (
             f", {left} still to run" if left > 0 else ""
         )
         if again := sum(map(untranslated_base, done)):
             runs += (
-                f", {again} base run(s) to train again to keep their translations "
+                f", {again} base run{'s' * (again != 1)} to train again to keep their "
+                "translations "
                 "(the sentence-level test's other half)"
             )
         updates = f"{b['updates']:,} updates" if b.get("updates") else "updates"
@@ -193,8 +196,9 @@ class Table3:
         )
         return (
             f"every row: {b['epochs']} epochs of {b['preset']} ({updates}, warm-up "
-            f"{b['warmup']:,}), {b['precision']}, {b['attention']} attention, "
-            f"{b['threads']} thread(s){wider}, the last checkpoint scored; {runs}"
+            f"{b['warmup']:,}), {NAMES.get(b['precision'], b['precision'])}, "
+            f"{b['attention']} attention, {b['threads']} thread"
+            f"{'s' * (b['threads'] != 1)}{wider}, the last checkpoint scored; {runs}"
         )
 
     def _fields(self, variation: str) -> dict:
