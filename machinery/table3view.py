@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .devices import NAMES
+from .runs import path_taken
 
 GROUPS = "ABCDE"
 # A seed whose last validation perplexity lies more than 5% above its lowest has
@@ -196,9 +196,8 @@ class Table3:
         )
         return (
             f"every row: {b['epochs']} epochs of {b['preset']} ({updates}, warm-up "
-            f"{b['warmup']:,}), {NAMES.get(b['precision'], b['precision'])}, "
-            f"{b['attention']} attention, {b['threads']} thread"
-            f"{'s' * (b['threads'] != 1)}{wider}, the last checkpoint scored; {runs}"
+            f"{b['warmup']:,}), {path_taken(b)}{wider}, the last checkpoint scored; "
+            f"{runs}"
         )
 
     def _fields(self, variation: str) -> dict:
